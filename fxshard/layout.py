@@ -1,0 +1,329 @@
+"""Factorized layouts: which piece of a global tensor each rank holds.
+
+Every tensor dim is a sequence of pieces, major to minor. A local piece is held whole by
+every rank; a sharded piece on a mesh axis (or sub-axis) of size n has size n and each rank
+holds the one index equal to its coordinate on that axis. Partial axes (with their reduce
+op) and replicated axes (all the others) complete the picture.
+
+Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
+
+    [2] [4@tp·2] [64]          dim 1 = 4 pieces on tp, each of 2 rows
+    [2·4@dp] [8]               strided: 2 local blocks, each split on dp (DTensor _StridedShard)
+    [2@tp/4] [4@tp%4·8]        tp=8 seen as sub-axes tp/4 (size 2) and tp%4 (size 4)
+    [~10@tp]                   uneven: 10 rows split over tp with torch.chunk semantics
+    [8] [16] P(sum@tp)         partial sums over tp
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+import sympy
+import torch
+
+from .mesh import Coordinate, MeshAxis, MeshSpec, Size, as_size, divides, is_static
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot exist (overlapping axes, indivisible pieces, unknown reduce op)."""
+
+
+def exact_div(n: Size, d: Size) -> Size:
+    if is_static(n) and is_static(d):
+        return int(n) // int(d)
+    return as_size(sympy.simplify(sympy.sympify(n) / sympy.sympify(d)))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A factor of a tensor dim: local (``axis is None``) or sharded on ``axis``.
+
+    A ``chunked`` piece splits the rest of the dim (nominally ``size`` elements) over its axis
+    with torch.chunk semantics, for sizes the axis does not divide; nothing follows it but
+    further chunked pieces.
+    """
+
+    size: Size
+    axis: MeshAxis | None = None
+    chunked: bool = False
+
+    @property
+    def is_local(self) -> bool:
+        return self.axis is None
+
+    def __str__(self) -> str:
+        if self.axis is None:
+            return str(self.size)
+        if self.chunked:
+            return f"~{self.size}@{self.axis}"
+        return f"{self.size}@{self.axis}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The factorized layout of one tensor over a mesh; immutable, hashable, canonical."""
+
+    mesh: MeshSpec
+    shape: tuple[Size, ...]
+    dims: tuple[tuple[Piece, ...], ...]
+    partial: tuple[tuple[MeshAxis, str], ...] = ()
+
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        shape: Sequence[Any],
+        dims: Sequence[Sequence[Piece]] | None = None,
+        partial: Iterable[tuple[MeshAxis, str]] | Mapping[MeshAxis, str] = (),
+    ):
+        shape_t = tuple(as_size(s) for s in shape)
+        if dims is None:
+            dims = [()] * len(shape_t)
+        if len(dims) != len(shape_t):
+            raise LayoutError(f"layout has {len(dims)} dims but the shape {list(shape_t)} has {len(shape_t)}")
+        canon = tuple(_canonical_dim(size, tuple(p), d) for d, (size, p) in enumerate(zip(shape_t, dims)))
+        part = partial.items() if isinstance(partial, Mapping) else partial
+        part_t = tuple(sorted(((a, op) for a, op in part if a.size != 1), key=lambda ao: (ao[0].name, str(ao[0]))))
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "shape", shape_t)
+        object.__setattr__(self, "dims", canon)
+        object.__setattr__(self, "partial", part_t)
+        self._validate()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def replicated(cls, mesh: MeshSpec, shape: Sequence[Any]) -> "Layout":
+        return cls(mesh, shape)
+
+    @classmethod
+    def from_placements(cls, mesh: Any, shape: Sequence[Any], placements: Sequence[Any],
+                        shard_order: Any = None) -> "Layout":
+        """The layout of a DTensor with these placements (Shard, Replicate, Partial, _StridedShard)."""
+        from .placements import layout_from_placements
+
+        return layout_from_placements(mesh, shape, placements, shard_order)
+
+    def to_placements(self) -> tuple | None:
+        """DTensor placements (one per mesh axis) with this exact layout, or None if there are none."""
+        from .placements import placements_from_layout
+
+        return placements_from_layout(self)
+
+    def with_dim(self, d: int, pieces: Sequence[Piece]) -> "Layout":
+        dims = list(self.dims)
+        dims[d] = tuple(pieces)
+        return Layout(self.mesh, self.shape, dims, self.partial)
+
+    def with_partial(self, partial: Iterable[tuple[MeshAxis, str]]) -> "Layout":
+        return Layout(self.mesh, self.shape, self.dims, tuple(partial))
+
+    def with_shape(self, shape: Sequence[Any], dims: Sequence[Sequence[Piece]]) -> "Layout":
+        return Layout(self.mesh, shape, dims, self.partial)
+
+    # ---- queries --------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.partial and not self.sharded_axes()
+
+    @property
+    def reduce_op(self) -> str | None:
+        ops = {op for _, op in self.partial}
+        return ops.pop() if ops else None
+
+    def sharded_axes(self) -> tuple[MeshAxis, ...]:
+        return tuple(p.axis for pieces in self.dims for p in pieces if p.axis is not None)
+
+    def used_axes(self) -> tuple[MeshAxis, ...]:
+        return self.sharded_axes() + tuple(a for a, _ in self.partial)
+
+    def is_even(self) -> bool:
+        return not any(p.chunked for pieces in self.dims for p in pieces)
+
+    def dim_is_sharded(self, d: int) -> bool:
+        return any(p.axis is not None for p in self.dims[d])
+
+    def local_shape(self, coordinate: Coordinate) -> tuple[Size, ...]:
+        coord = self.mesh.coordinate_dict(coordinate)
+        return tuple(_local_size(size, pieces, coord) for size, pieces in zip(self.shape, self.dims))
+
+    def max_local_shape(self) -> tuple[Size, ...]:
+        """Local shape of the rank with the most elements (coordinate 0 under torch.chunk)."""
+        return self.local_shape({n: 0 for n in self.mesh.names})
+
+    def local_indices(self, d: int, coordinate: Coordinate) -> torch.Tensor:
+        """Global indices along dim ``d`` held by the rank at ``coordinate``, in local order."""
+        coord = self.mesh.coordinate_dict(coordinate)
+        size = self.shape[d]
+        if not is_static(size):
+            raise LayoutError("local_indices needs static sizes")
+        idx = torch.arange(int(size)).reshape(1, -1)
+        for p in self.dims[d]:
+            if p.axis is None:
+                idx = idx.reshape(idx.shape[0] * int(p.size), -1)
+                continue
+            c, n = p.axis.coordinate(coord[p.axis.name]), int(p.axis.size)
+            if p.chunked:
+                chunks = idx.chunk(n, dim=1) if idx.shape[1] else ()
+                idx = chunks[c] if c < len(chunks) else idx[:, :0]
+            else:
+                idx = idx.reshape(idx.shape[0], n, -1)[:, c, :]
+        return idx.reshape(-1)
+
+    def holds_value(self, coordinate: Coordinate) -> bool:
+        """For Partial(sum): whether this rank holds the value when converting R -> P."""
+        coord = self.mesh.coordinate_dict(coordinate)
+        return all(a.coordinate(coord[a.name]) == 0 for a, op in self.partial if op == "sum")
+
+    def is_representative(self, coordinate: Coordinate) -> bool:
+        """True for one rank of each group of replicas (coordinate 0 on every replicated part)."""
+        coord = self.mesh.coordinate_dict(coordinate)
+        used: dict[str, int] = {}
+        for a in self.used_axes():
+            used[a.name] = used.get(a.name, 0) + a.coordinate(coord[a.name]) * int(a.inner)
+        return all(coord[n] == used.get(n, 0) for n in self.mesh.names)
+
+    # ---- moving data: global <-> local -----------------------------------------------------
+    def shard(self, tensor: torch.Tensor, coordinate: Coordinate) -> torch.Tensor:
+        """This rank's local block of the global ``tensor`` (R -> this layout, per rank)."""
+        if tuple(tensor.shape) != tuple(int(s) for s in self.shape):
+            raise LayoutError(f"tensor of shape {list(tensor.shape)} does not match layout {self}")
+        out = tensor
+        for d in range(self.ndim):
+            if self.dim_is_sharded(d):
+                out = out.index_select(d, self.local_indices(d, coordinate).to(out.device))
+        if self.partial and not self.holds_value(coordinate):
+            out = torch.zeros_like(out)
+        return out.contiguous()
+
+    def unshard(self, local: Mapping[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
+        """The global tensor from every rank's local block (reducing partial axes)."""
+        groups: dict[tuple, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        for coord in self.mesh.coordinates():
+            if not self.is_representative(coord):
+                continue
+            cd = self.mesh.coordinate_dict(coord)
+            key = tuple(a.coordinate(cd[a.name]) for a in self.sharded_axes())
+            groups.setdefault(key, []).append((coord, local[coord]))
+        first = next(iter(local.values()))
+        out = first.new_zeros([int(s) for s in self.shape])
+        op = self.reduce_op
+        for members in groups.values():
+            value = _reduce([t for _, t in members], op)
+            coord = members[0][0]
+            index = [self.local_indices(d, coord) for d in range(self.ndim)]
+            out[_open_mesh(index)] = value
+        return out
+
+    # ---- text ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        text = " ".join("[" + "·".join(str(p) for p in pieces) + "]" for pieces in self.dims) or "[]"
+        if self.partial:
+            by_op: dict[str, list[str]] = {}
+            for a, op in self.partial:
+                by_op.setdefault(op, []).append(str(a))
+            text += " " + " ".join(f"P({op}@{','.join(axes)})" for op, axes in by_op.items())
+        return text
+
+    def __repr__(self) -> str:
+        return f"Layout({self})"
+
+    def _validate(self) -> None:
+        axes = self.used_axes()
+        for a in axes:
+            if a.name not in self.mesh.names:
+                raise LayoutError(f"layout uses axis {a} that mesh {self.mesh} does not have")
+            if a.axis_size != self.mesh.size_of(a.name):
+                raise LayoutError(f"axis {a} was made for a mesh axis of size {a.axis_size}; {self.mesh} has {self.mesh.size_of(a.name)}")
+        for i, a in enumerate(axes):
+            for b in axes[i + 1:]:
+                if a.overlaps(b):
+                    raise LayoutError(f"mesh axis {a.name} is used twice in one layout ({a} and {b})")
+        for a, op in self.partial:
+            if op not in REDUCE_OPS:
+                raise LayoutError(f"unknown partial reduce op {op!r}; expected one of {REDUCE_OPS}")
+        if len({op for _, op in self.partial}) > 1:
+            raise LayoutError(f"a tensor cannot be partial with two reduce ops at once: {self.partial}")
+
+
+def _open_mesh(index: list[torch.Tensor]) -> tuple:
+    """Per-dim index tensors -> an advanced-indexing tuple that selects their product."""
+    n = len(index)
+    return tuple(i.reshape([-1 if k == j else 1 for j in range(n)]) for k, i in enumerate(index))
+
+
+def _reduce(values: list[torch.Tensor], op: str | None) -> torch.Tensor:
+    if op is None:
+        return values[0]
+    stacked = torch.stack(values)
+    return {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),
+            "max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0)}[op]()
+
+
+def _local_size(size: Size, pieces: tuple[Piece, ...], coord: Mapping[str, int]) -> Size:
+    rows, cols = 1, size
+    for p in pieces:
+        if p.axis is None:
+            rows, cols = rows * p.size, exact_div(cols, p.size)
+        elif p.chunked:
+            n, c = int(p.axis.size), p.axis.coordinate(coord[p.axis.name])
+            chunk = -(-int(cols) // n)
+            cols = max(0, min(chunk, int(cols) - c * chunk))
+        else:
+            cols = exact_div(cols, p.axis.size)
+    return as_size(rows * cols)
+
+
+def _canonical_dim(size: Size, pieces: tuple[Piece, ...], d: int) -> tuple[Piece, ...]:
+    """Merge what can merge, drop size-1 pieces, make the trailing local piece explicit."""
+    out: list[Piece] = []
+    remaining: Size | None = size
+    for p in pieces:
+        if p.axis is None:
+            if p.size == 1:
+                continue
+            if remaining is None:
+                raise LayoutError(f"dim {d}: a local piece cannot follow an uneven (chunked) shard")
+            if not divides(p.size, remaining):
+                raise LayoutError(f"dim {d} of size {size}: piece {p.size} does not divide the remaining {remaining}")
+            remaining = exact_div(remaining, p.size)
+            out.append(Piece(as_size(p.size)))
+            continue
+        n = p.axis.size
+        if n == 1:
+            continue
+        if remaining is not None and divides(n, remaining):
+            if not p.chunked and p.size != n:
+                raise LayoutError(f"dim {d}: a sharded piece has the size of its axis ({n}), got {p.size}")
+            remaining = exact_div(remaining, n)
+            out.append(Piece(n, p.axis))
+        elif p.chunked or remaining is None:
+            out.append(Piece(remaining if remaining is not None else p.size, p.axis, chunked=True))
+            remaining = None
+        else:
+            raise LayoutError(f"dim {d} of size {size}: mesh axis {p.axis} of size {n} does not divide the "
+                              f"remaining {remaining}; uneven shards must be chunked pieces")
+    if remaining is not None and remaining != 1:
+        out.append(Piece(remaining))
+    return tuple(_merge_adjacent(out))
+
+
+def _merge_adjacent(pieces: list[Piece]) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        if out and not p.chunked and not out[-1].chunked:
+            q = out[-1]
+            if q.axis is None and p.axis is None:
+                out[-1] = Piece(as_size(q.size * p.size))
+                continue
+            if q.axis is not None and p.axis is not None:
+                merged = q.axis.merge(p.axis)
+                if merged is not None:
+                    out[-1] = Piece(merged.size, merged)
+                    continue
+        out.append(p)
+    return out

@@ -1,0 +1,195 @@
+"""Conversions between Layout and DTensor placements (Shard, Replicate, Partial, _StridedShard).
+
+DTensor processes placements left to right over mesh dims (or in ``shard_order``); each
+Shard splits the rank's current local block of its tensor dim with torch.chunk, and
+``_StridedShard(d, split_factor=f)`` first views that block as [f, rest] and splits ``rest``.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+
+from .layout import Layout, LayoutError, Piece, exact_div
+from .mesh import MeshAxis, MeshSpec, Size, as_size, divides
+
+_REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
+
+
+def as_mesh_spec(mesh: Any) -> MeshSpec:
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "shape"):
+        return MeshSpec.from_device_mesh(mesh)
+    if isinstance(mesh, Mapping):
+        return MeshSpec(mesh)
+    raise TypeError(f"expected a MeshSpec, a DeviceMesh or a mapping of axis sizes, got {type(mesh).__name__}")
+
+
+def _shard_order(placements: Sequence[Placement], shard_order: Any, ndim: int) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) pairs in the order the shards are applied."""
+    shard_dims = {i: _norm_dim(p.dim, ndim) for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))}
+    if shard_order is None:
+        return sorted(shard_dims.items())
+    order: list[tuple[int, int]] = []
+    if isinstance(shard_order, Mapping):
+        entries = [(int(t), tuple(m)) for t, m in shard_order.items()]
+    else:
+        entries = [(int(e.tensor_dim), tuple(e.mesh_dims)) for e in shard_order]
+    for tensor_dim, mesh_dims in entries:
+        for m in mesh_dims:
+            if shard_dims.get(m) != _norm_dim(tensor_dim, ndim):
+                raise LayoutError(f"shard_order names mesh dim {m} for tensor dim {tensor_dim}, "
+                                  f"but placements[{m}] is {placements[m]}")
+            order.append((m, shard_dims[m]))
+    if sorted(order) != sorted(shard_dims.items()):
+        raise LayoutError(f"shard_order {shard_order} does not cover the shards of {tuple(placements)}")
+    # shards of one tensor dim must follow the given order; dims are independent
+    return order
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    if not -ndim <= d < max(ndim, 1):
+        raise LayoutError(f"Shard({d}) is out of range for a tensor with {ndim} dims")
+    return d % ndim if ndim else 0
+
+
+def layout_from_placements(mesh: Any, shape: Sequence[Any], placements: Sequence[Placement],
+                           shard_order: Any = None) -> Layout:
+    spec = as_mesh_spec(mesh)
+    placements = tuple(placements)
+    if len(placements) != spec.ndim:
+        raise LayoutError(f"{len(placements)} placements {placements} for mesh {spec} with {spec.ndim} axes; "
+                          "give one placement per mesh axis")
+    shape_t = tuple(as_size(s) for s in shape)
+    dims: list[list[Piece]] = [[Piece(s)] for s in shape_t]
+    partial: list[tuple[MeshAxis, str]] = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            op = _REDUCE_NAMES.get(p.reduce_op)
+            if op is None:
+                raise LayoutError(f"Partial({p.reduce_op!r}) is not supported; use sum, avg, max or min")
+            partial.append((spec.axis(i), op))
+        elif not isinstance(p, (Shard, _StridedShard, Replicate)):
+            raise LayoutError(f"unsupported placement {p!r} on mesh axis {spec.names[i]}")
+    for mesh_dim, tensor_dim in _shard_order(placements, shard_order, len(shape_t)):
+        p = placements[mesh_dim]
+        skip = p.split_factor if isinstance(p, _StridedShard) else 1
+        dims[tensor_dim] = shard_local_block(dims[tensor_dim], spec.axis(mesh_dim), skip, shape_t[tensor_dim])
+    return Layout(spec, shape_t, dims, partial)
+
+
+def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size: Size) -> list[Piece]:
+    """Shard the local block of a dim over ``axis`` after viewing it as [skip, rest] (torch.chunk)."""
+    if pieces and pieces[-1].chunked:  # nested uneven shard: chunk whatever the last chunk left
+        last = pieces[-1]
+        return pieces + [Piece(-(-int(last.size) // int(last.axis.size)), axis, chunked=True)]
+    out: list[Piece] = []
+    todo = list(pieces)
+    # 1. split off `skip` elements of local extent, major first
+    while skip != 1:
+        if not todo:
+            raise LayoutError(f"split factor larger than the dim ({dim_size})")
+        p = todo.pop(0)
+        if p.axis is not None:
+            out.append(p)
+            continue
+        if divides(p.size, skip):
+            out.append(p)
+            skip = exact_div(skip, p.size)
+        elif divides(skip, p.size):
+            out.append(Piece(skip))
+            todo.insert(0, Piece(exact_div(p.size, skip)))
+            skip = 1
+        else:
+            raise LayoutError(f"_StridedShard split factor does not align with the local block of a dim of size {dim_size}")
+    # 2. consume the axis from the outermost local pieces, major sub-axes first
+    rest: MeshAxis | None = axis
+    while rest is not None:
+        local_left = [p for p in todo if p.axis is None]
+        if not local_left:
+            raise LayoutError(f"nothing left to shard over {axis} in a dim of size {dim_size}")
+        p = todo.pop(0)
+        if p.axis is not None:
+            out.append(p)
+            continue
+        n = rest.size
+        if divides(n, p.size):
+            out.append(Piece(n, rest))
+            if p.size != n:
+                todo.insert(0, Piece(exact_div(p.size, n)))
+            rest = None
+        elif divides(p.size, n) and len(local_left) > 1:
+            outer, rest = rest.split(p.size)
+            out.append(Piece(p.size, outer))
+        elif rest == axis:  # uneven: torch.chunk the rest of the dim
+            if len(local_left) > 1:
+                raise LayoutError(f"uneven shard over {axis} of a strided block is not representable")
+            out.append(Piece(p.size, axis, chunked=True))
+            rest = None
+        else:
+            raise LayoutError(f"mesh axis {axis} does not split evenly over a dim of size {dim_size}")
+    return out + todo
+
+
+def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
+    """Left-to-right DTensor placements for ``layout``, or None when DTensor cannot express it."""
+    spec = layout.mesh
+    result: list[Placement] = [Replicate() for _ in spec.names]
+    for a, op in layout.partial:
+        if not a.is_whole:
+            return None
+        result[spec.index(a.name)] = Partial(op)
+    for d, pieces in enumerate(layout.dims):
+        sharded = [(spec.index(p.axis.name), i) for i, p in enumerate(pieces) if p.axis is not None]
+        if any(not pieces[i].axis.is_whole for _, i in sharded):
+            return None
+        done: set[int] = set()
+        for mesh_dim, i in sorted(sharded):
+            before = [pieces[j] for j in range(i) if j not in done]
+            factor: Size = 1
+            for q in before:
+                factor = factor * q.size
+            result[mesh_dim] = Shard(d) if factor == 1 else _StridedShard(d, split_factor=int(factor))
+            done.add(i)
+    placements = tuple(result)
+    try:
+        if layout_from_placements(spec, layout.shape, placements) != layout:
+            return None
+    except LayoutError:
+        return None
+    return placements
+
+
+def placements_to_str(placements: Sequence[Placement]) -> str:
+    """A compact, parseable text for placements: 'S(1),R,P(sum),SS(0;2)'."""
+    parts = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            parts.append(f"SS({p.dim};{p.split_factor})")
+        elif isinstance(p, Shard):
+            parts.append(f"S({p.dim})")
+        elif isinstance(p, Partial):
+            parts.append(f"P({p.reduce_op})")
+        elif isinstance(p, Replicate):
+            parts.append("R")
+        else:
+            raise LayoutError(f"unsupported placement {p!r}")
+    return ",".join(parts)
+
+
+def placements_from_str(text: str) -> tuple[Placement, ...]:
+    out: list[Placement] = []
+    for part in text.replace(" ", "").split(",") if text else []:
+        if part == "R":
+            out.append(Replicate())
+        elif part.startswith("SS("):
+            d, f = part[3:-1].split(";")
+            out.append(_StridedShard(int(d), split_factor=int(f)))
+        elif part.startswith("S("):
+            out.append(Shard(int(part[2:-1])))
+        elif part.startswith("P("):
+            out.append(Partial(part[2:-1]))
+        else:
+            raise LayoutError(f"cannot parse placement {part!r}")
+    return tuple(out)
