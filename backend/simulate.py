@@ -1,0 +1,136 @@
+"""``fxshard.simulate``: run every rank's lowered local program in one process.
+
+The local programs of all ranks have the same nodes (SPMD), differing only in constants
+(slice offsets, uneven sizes, which rank holds a partial value). They run in lockstep
+under ``LocalTensorMode``: a node whose arguments agree on every rank runs once on
+LocalTensors (collectives included); a node whose arguments differ runs per rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import DTensor
+
+from fxshard.mesh import MeshSpec
+from fxshard.pipeline import output_layouts, shard_graph
+from fxshard.planner import CostModel
+from fxshard.lowering.collectives import lower
+from fxshard.lowering.groups import MeshGroups
+from fxshard.lowering.localize import localize
+
+from .capture import capture, input_layouts_by_position
+from .trace import trace_global
+from fxshard.placements import as_mesh_spec
+
+
+@contextlib.contextmanager
+def fake_world(spec: MeshSpec, device_type: str = "cpu") -> Iterator[Any]:
+    """A DeviceMesh over a fake process group of ``spec``'s size (made here unless one exists)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not spec.is_static:
+        raise ValueError(f"simulate needs a mesh with static sizes, got {spec}")
+    world = int(spec.world_size)
+    created = False
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world:
+            raise RuntimeError(
+                f"simulate runs all {world} ranks in this process and needs a fake process group of that size; "
+                f"one is already initialized (backend {dist.get_backend()}, world size {dist.get_world_size()}). "
+                "Call simulate outside torch.distributed programs.")
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        created = True
+    try:
+        yield init_device_mesh(device_type, tuple(int(s) for s in spec.sizes), mesh_dim_names=spec.names)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _key(a: Any, index: Mapping[fx.Node, int]) -> Any:
+    if isinstance(a, fx.Node):
+        return ("node", index[a])
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_key(x, index) for x in a)
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _key(v, index)) for k, v in sorted(a.items()))
+    return ("value", repr(a))
+
+
+def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Run one graph per rank (rank r = graphs[r]) in lockstep; returns each rank's outputs."""
+    ranks = len(graphs)
+    node_lists = [list(g.graph.nodes) for g in graphs]
+    if len({len(n) for n in node_lists}) != 1:
+        raise RuntimeError("the ranks' local programs differ in length; they are not SPMD")
+    indexes = [{n: i for i, n in enumerate(nodes)} for nodes in node_lists]
+    env: list[Any] = [None] * len(node_lists[0])
+    outputs: list[list[torch.Tensor]] = []
+    with LocalTensorMode(ranks) as mode:
+        placeholder = 0
+        for i in range(len(node_lists[0])):
+            nodes = [node_lists[r][i] for r in range(ranks)]
+            first = nodes[0]
+            if first.op == "placeholder":
+                k = placeholder
+                env[i] = mode.rank_map(lambda r: inputs[r][k])
+                placeholder += 1
+                continue
+            if first.op == "output":
+                outs = first.args[0]
+                flat = [env[indexes[0][o]] for o in outs]
+                outputs = [[_rank_value(v, r) for v in flat] for r in range(ranks)]
+                break
+            if first.op != "call_function":
+                raise RuntimeError(f"simulate cannot run node {first.format_node()}")
+            keys = {(n.target, _key(n.args, indexes[r]), _key(n.kwargs, indexes[r])) for r, n in enumerate(nodes)}
+            if len(keys) == 1:
+                args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
+                env[i] = first.target(*args, **kwargs)
+            else:
+                def per_rank(r: int) -> torch.Tensor:
+                    n = nodes[r]
+                    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _rank_value(env[indexes[r][a]], r))
+                    return n.target(*args, **kwargs)
+
+                env[i] = mode.rank_map(per_rank)
+    return outputs
+
+
+def _rank_value(v: Any, r: int) -> Any:
+    return v._local_tensors[r] if isinstance(v, LocalTensor) else v
+
+
+def simulate(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+             strict: bool = False, cost_model: CostModel | None = None) -> Any:
+    """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
+
+    Arguments are global tensors; ``placements`` says how to shard them (argument index or
+    parameter name -> DTensor placements or Layout), as in ``explain``.
+    """
+    spec = as_mesh_spec(mesh)
+    if any(isinstance(a, DTensor) for a in args):
+        raise TypeError("simulate takes global tensors: pass dt.full_tensor() and its placements in placements=")
+    captured = capture(fn, args)
+    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
+    program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
+    gm = shard_graph(program.gm, spec, program.input_layouts, strict=strict, cost_model=cost_model)
+    values = [captured.objects[p] for p in program.tensor_positions]
+    in_layouts = [program.input_layouts[n] for n in program.input_names]
+    device = values[0].device.type if values else "cpu"
+    coords = spec.coordinates()
+    with fake_world(spec, device) as device_mesh:
+        groups = MeshGroups(device_mesh)
+        graphs = [lower(localize(gm, c), c, groups) for c in coords]
+        inputs = [[layout.shard(v.detach(), c) for v, layout in zip(values, in_layouts)] for c in coords]
+        per_rank = run_lockstep(graphs, inputs)
+    outs = [layout.unshard({c: per_rank[r][k] for r, c in enumerate(coords)})
+            for k, layout in enumerate(output_layouts(gm))]
+    return outs[0] if len(outs) == 1 else tuple(outs)

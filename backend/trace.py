@@ -1,0 +1,247 @@
+"""Stage 1: Dynamo's graph + example inputs -> a functional ATen graph in global shapes.
+
+DTensor inputs become plain fake tensors of their global shape plus a Layout; plain
+tensors are replicated. The DTensor API calls that ``parallelize_module`` hooks leave in
+Dynamo's graph are read as global-program facts: ``x.redistribute(placements)`` and
+``full_tensor()`` pin a layout (``fxshard.constrain``); ``to_local()`` followed by
+pointwise ops and ``DTensor.from_local`` with the same placements is the identity.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor, Replicate
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from fxshard.layout import Layout
+from fxshard.mesh import MeshSpec
+from fxshard.ops import constrain_op
+from fxshard.placements import as_mesh_spec, placements_to_str
+
+
+class TraceError(RuntimeError):
+    """The program cannot be read as one global-shape program."""
+
+
+@dataclass
+class TracedProgram:
+    """A global ATen graph with one placeholder per tensor input, and what fxshard knows of them."""
+
+    gm: fx.GraphModule
+    mesh: MeshSpec
+    device_mesh: Any  # torch DeviceMesh when the program has one (None for MeshSpec-only analysis)
+    input_layouts: dict[str, Layout]
+    tensor_positions: list[int]  # position in the caller's inputs of each placeholder of gm
+    input_names: list[str] = field(default_factory=list)
+
+
+def _is_from_local(target: Any) -> bool:
+    return getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", "")
+
+
+def _pretty_name(dynamo_name: str) -> str:
+    name = re.sub(r"^L_", "", dynamo_name).rstrip("_")
+    name = re.sub(r"^self_modules_", "", name)
+    name = re.sub(r"^self_parameters_", "", name)
+    name = name.replace("_modules_", "_").replace("_parameters_", "_").replace("_buffers_", "_")
+    return name or "arg"
+
+
+def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = None) -> Any:
+    """The one DeviceMesh the program uses (from DTensor inputs or mesh inputs), or None."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = [x.device_mesh for x in example_inputs if isinstance(x, DTensor)]
+    meshes += [x for x in example_inputs if isinstance(x, DeviceMesh)]
+    if gm is not None:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and _is_from_local(node.target) and len(node.args) > 1 and \
+                    isinstance(node.args[1], DeviceMesh):
+                meshes.append(node.args[1])
+    unique = []
+    for m in meshes:
+        if not any(m == u for u in unique):
+            unique.append(m)
+    if len(unique) > 1:
+        raise TraceError(f"fxshard compiles programs on one DeviceMesh; this one uses {len(unique)}: "
+                         + ", ".join(str(m) for m in unique) + ". Put all DTensors on the same mesh.")
+    return unique[0] if unique else None
+
+
+class _GlobalInterpreter(fx.Interpreter):
+    """Runs Dynamo's graph on global fake tensors under make_fx, reading DTensor calls as pins."""
+
+    def __init__(self, gm: fx.GraphModule, mesh: MeshSpec, known: dict[int, Layout]):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.known = known  # id(tensor) -> layout fixed by an input or a pin
+        self.local_views: dict[int, Layout] = {}  # id(tensor) -> layout it is the to_local() of
+
+    def _pin(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
+        placements = tuple(placements)
+        layout = Layout.from_placements(self.mesh, x.shape, placements)
+        if self.known.get(id(x)) == layout:
+            return x
+        y = constrain_op(x, placements_to_str(placements))
+        self.known[id(y)] = layout
+        return y
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if _is_from_local(target):
+            return self._from_local(*args, **kwargs)
+        self._check_local_views(target, args, kwargs)
+        return self._run_pointwise_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
+                                         args, kwargs)
+
+    def call_method(self, target: str, args: Any, kwargs: Any) -> Any:
+        x = args[0]
+        if target == "redistribute":
+            placements = kwargs.get("placements", args[2] if len(args) > 2 else None)
+            if placements is None:
+                raise TraceError("x.redistribute() without placements cannot be traced; pass placements=")
+            return self._pin(x, placements)
+        if target == "full_tensor":
+            return self._pin(x, [Replicate()] * self.mesh.ndim)
+        if target == "to_local":
+            layout = self.known.get(id(x))
+            if layout is None:
+                raise TraceError("to_local() of a DTensor whose layout fxshard cannot know at trace time; "
+                                 "redistribute it to explicit placements first")
+            if layout.is_replicated:
+                return x
+            self.local_views[id(x)] = layout
+            return x
+        self._check_local_views(target, args, kwargs)
+        return self._run_pointwise_aware(lambda: super(_GlobalInterpreter, self).call_method(target, args, kwargs),
+                                         args, kwargs)
+
+    def _from_local(self, local: Any, device_mesh: Any = None, placements: Any = None, **_: Any) -> torch.Tensor:
+        placements = tuple(placements or [Replicate()] * self.mesh.ndim)
+        layout = Layout.from_placements(self.mesh, local.shape, placements)
+        view = self.local_views.get(id(local))
+        if view is not None:
+            if view != layout:
+                raise TraceError(f"DTensor.from_local({placements}) of the local shard of a DTensor laid out as "
+                                 f"{view}: the placements must match the ones to_local() came from")
+            out = torch.ops.aten.alias.default(local)  # a new object: the global value, no longer a local view
+            self.known[id(out)] = layout
+            return out
+        if not layout.is_replicated:
+            raise TraceError(
+                f"DTensor.from_local(x, {list(placements)}) on a plain tensor: fxshard compiles global programs, so "
+                "it cannot know the other ranks' shards. Pass the input as a DTensor (distribute_tensor) instead, "
+                "or as a replicated plain tensor.")
+        return self._pin(local, placements)
+
+    def _check_local_views(self, target: Any, args: Any, kwargs: Any) -> None:
+        views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor) and id(a) in self.local_views]
+        if len(views) > 1:
+            raise TraceError(f"{target} combines the local shards of several DTensors; fxshard compiles global "
+                             "programs: keep DTensors (use_local_output=False) instead of to_local()")
+
+    def _run_pointwise_aware(self, run: Any, args: Any, kwargs: Any) -> Any:
+        views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor) and id(a) in self.local_views]
+        if not views:
+            return run()
+        graph = get_proxy_mode().tracer.graph
+        before = set(graph.nodes)
+        out = run()
+        for node in graph.nodes:
+            if node in before or node.op != "call_function":
+                continue
+            op = node.target
+            if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags):
+                raise TraceError(f"{op} runs on the local shard of a DTensor (after to_local()); only pointwise ops "
+                                 "can, in a global program. Keep DTensors (use_local_output=False) instead.")
+        if isinstance(out, torch.Tensor):
+            self.local_views[id(out)] = self.local_views[id(views[0])]
+        return out
+
+
+def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
+                 extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None) -> TracedProgram:
+    """Stage 1. ``extra_layouts`` gives layouts of plain-tensor inputs by position (explain/simulate)."""
+    extra_layouts = dict(extra_layouts or {})
+    device_mesh = find_device_mesh(example_inputs, gm)
+    if mesh is None:
+        if device_mesh is None:
+            raise TraceError("no DeviceMesh found: give at least one DTensor input (or a mesh)")
+        mesh = as_mesh_spec(device_mesh)
+    elif device_mesh is not None and as_mesh_spec(device_mesh) != mesh:
+        raise TraceError(f"the program's DeviceMesh {as_mesh_spec(device_mesh)} is not the given mesh {mesh}")
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise TraceError(f"Dynamo graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes: list[torch.Tensor] = []
+    positions: list[int] = []
+    layouts: list[Layout] = []
+    pretty: list[str] = []
+    constants: dict[int, Any] = {}
+    for i, (ph, x) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(x, DTensor):
+            local = x._local_tensor
+            with fake_mode:
+                fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=local.device))
+            spec = x._spec
+            layouts.append(Layout.from_placements(mesh, x.shape, x.placements,
+                                                  getattr(spec, "shard_order", None) if _has_explicit_order(spec) else None))
+        elif isinstance(x, torch.Tensor):
+            with fake_mode:
+                fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device))
+            layouts.append(extra_layouts.get(i) or Layout.replicated(mesh, x.shape))
+        else:
+            constants[i] = x
+            continue
+        positions.append(i)
+        pretty.append(names[i] if names is not None else _pretty_name(ph.target))
+
+    n_inputs = len(example_inputs)
+
+    def run(*tensors: torch.Tensor) -> Any:
+        env: list[Any] = [None] * n_inputs
+        known: dict[int, Layout] = {}
+        for pos, t, layout in zip(positions, tensors, layouts):
+            env[pos] = t
+            known[id(t)] = layout
+        for pos, c in constants.items():
+            env[pos] = c
+        interp = _GlobalInterpreter(gm, mesh, known)
+        with torch.no_grad():
+            out = interp.run(*env)
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        for o in flat:
+            if not isinstance(o, torch.Tensor):
+                raise TraceError(f"the compiled program returns a {type(o).__name__}; fxshard supports tensor outputs")
+        return tuple(flat)
+
+    with fake_mode:
+        traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real")(*fakes)
+    traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    input_layouts: dict[str, Layout] = {}
+    used: set[str] = set()
+    for node, name, layout in zip(traced_ph, pretty, layouts):
+        unique = name
+        k = 1
+        while unique in used:
+            unique = f"{name}_{k}"
+            k += 1
+        used.add(unique)
+        node._rename(unique)
+        node.target = unique
+        input_layouts[node.name] = layout
+    traced.recompile()
+    return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, [n.name for n in traced_ph])
+
+
+def _has_explicit_order(spec: Any) -> bool:
+    return bool(getattr(spec, "shard_order", None)) and not getattr(spec, "use_strided_shard_as_shard_order", True)

@@ -1,0 +1,40 @@
+"""Graph-level marker ops: a layout pin and a planned redistribution.
+
+Both are real custom ops so that they survive make_fx and print as one readable call.
+``constrain`` exists only in traced global graphs (stage 1-2); ``redistribute`` exists in
+stage 3-4 graphs and is replaced by collectives in stage 5. Neither runs eagerly outside
+a trace: running one means a graph skipped its lowering.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+@torch.library.custom_op("fxshard::constrain", mutates_args=())
+def constrain_op(x: torch.Tensor, placements: str) -> torch.Tensor:
+    """Pin ``x`` to DTensor ``placements`` (text form, see placements_to_str)."""
+    return x.clone()
+
+
+@constrain_op.register_fake
+def _(x: torch.Tensor, placements: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxshard::redistribute", mutates_args=())
+def redistribute_op(x: torch.Tensor, src: str, dst: str, out_shape: Sequence[int]) -> torch.Tensor:
+    raise RuntimeError(
+        f"fxshard.redistribute({src} -> {dst}) ran without being lowered to collectives; "
+        "lower the graph (fxshard.lowering.lower) before running it"
+    )
+
+
+@redistribute_op.register_fake
+def _(x: torch.Tensor, src: str, dst: str, out_shape: Sequence[int]) -> torch.Tensor:
+    return x.new_empty(list(out_shape))
+
+
+CONSTRAIN = torch.ops.fxshard.constrain.default
+REDISTRIBUTE = torch.ops.fxshard.redistribute.default

@@ -1,0 +1,24 @@
+"""Stages 2-3 as one pure function: a traced global graph in, a planned global graph out."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch.fx as fx
+
+from .layout import Layout
+from .mesh import MeshSpec
+from .planner import CostModel
+from .propagate import propagate
+from .redistribute import insert_redistributes
+
+
+def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
+                strict: bool = False, cost_model: CostModel | None = None) -> fx.GraphModule:
+    """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``)."""
+    propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model)
+    return insert_redistributes(gm, cost_model=cost_model)
+
+
+def output_layouts(gm: fx.GraphModule) -> tuple[Layout, ...]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return tuple(a.meta["layout"] for a in out.args[0])

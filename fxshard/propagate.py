@@ -1,0 +1,233 @@
+"""Stage 2: give every node of a global ATen graph a Layout.
+
+Each node's strategy is chosen by cost: the candidates come from its rule (a Signature or
+the view algebra), and a candidate costs the planned redistributions of its inputs. The
+chosen input layouts go to ``node.meta["arg_layouts"]``, the output to ``node.meta["layout"]``;
+stage 3 inserts a redistribution wherever the two disagree.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .layout import Layout, LayoutError, Piece
+from .mesh import MeshSpec
+from .ops import CONSTRAIN
+from .placements import layout_from_placements, placements_from_str
+from .planner import CostModel, redistribute_cost
+from .rules import VIEW_OPS, Signature, signature_of
+from .views import view_layout
+
+_warned_ops: set[str] = set()
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op without a sharding rule under ``strict=True``."""
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued input nodes of ``node`` in argument order (duplicates kept)."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _val(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def _dtype(node: fx.Node) -> torch.dtype:
+    v = _val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else torch.float32
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Layout, ...]
+    output: Layout
+    cost: float
+
+
+def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
+              strict: bool = False, cost_model: CostModel | None = None) -> fx.GraphModule:
+    """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
+
+    ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
+    """
+    input_layouts = dict(input_layouts or {})
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = _val(node)
+            if isinstance(val, torch.Tensor):
+                layout = input_layouts.get(node.name) or Layout.replicated(mesh, val.shape)
+                if tuple(layout.shape) != tuple(val.shape):
+                    raise LayoutError(f"input {node.name} has shape {list(val.shape)} but its layout {layout} is for "
+                                      f"shape {list(layout.shape)}")
+                node.meta["layout"] = layout
+        elif node.op == "get_attr":
+            val = _val(node)
+            if isinstance(val, torch.Tensor):
+                node.meta["layout"] = Layout.replicated(mesh, val.shape)
+        elif node.op == "call_function":
+            _propagate_call(node, mesh, strict, cost_model)
+        elif node.op == "output":
+            outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and "layout" in a.meta]
+            node.meta["arg_layouts"] = tuple(dtensor_expressible(a.meta["layout"]) for a in outs)
+    return gm
+
+
+def dtensor_expressible(layout: Layout) -> Layout:
+    """``layout`` itself if DTensor can express it, else the cheapest layout it can (dims gathered)."""
+    if layout.to_placements() is not None:
+        return layout
+    partial = tuple(p for p in layout.partial if p[0].is_whole)
+    best = Layout(layout.mesh, layout.shape, layout.dims, partial) if partial != layout.partial else layout
+    dims = list(best.dims)
+    for d in range(best.ndim):
+        if Layout(best.mesh, best.shape, dims, partial).to_placements() is not None:
+            break
+        candidate = dims[:d] + [()] + dims[d + 1:]
+        if any(p.axis is not None and not p.axis.is_whole for p in dims[d]) or \
+                Layout(best.mesh, best.shape, candidate, partial).to_placements() is not None:
+            dims = candidate
+    out = Layout(best.mesh, best.shape, dims, partial)
+    return out if out.to_placements() is not None else Layout(best.mesh, best.shape, None, partial)
+
+
+def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None) -> None:
+    ins = tensor_inputs(node)
+    in_layouts = [a.meta["layout"] for a in ins]
+    val = _val(node)
+    if node.target is operator.getitem:
+        src = node.args[0].meta.get("layout")
+        if isinstance(src, tuple):
+            node.meta["layout"] = src[node.args[1]]
+        return
+    if not isinstance(val, (torch.Tensor, tuple, list)):
+        return  # symbolic sizes and other non-tensor values carry no layout
+    if node.target is CONSTRAIN:
+        target = layout_from_placements(mesh, val.shape, placements_from_str(node.args[1]))
+        _set(node, (target,), target)
+        return
+    if node.target in VIEW_OPS:
+        required, out = view_layout(in_layouts[0], tuple(val.shape))
+        _set(node, (required,), out)
+        return
+    sig = signature_of(node) if isinstance(val, torch.Tensor) else None
+    if sig is not None:
+        strategy = _choose(sig, in_layouts, [_dtype(a) for a in ins], tuple(val.shape), mesh, cost_model)
+        if strategy is not None:
+            _set(node, strategy.inputs, strategy.output)
+            return
+    _fallback(node, in_layouts, mesh, strict)
+
+
+def _set(node: fx.Node, arg_layouts: Sequence[Layout], out: Any) -> None:
+    node.meta["arg_layouts"] = tuple(arg_layouts)
+    node.meta["layout"] = out
+
+
+def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, strict: bool) -> None:
+    name = str(node.target)
+    seen = ", ".join(str(l) for l in in_layouts) or "no tensor inputs"
+    if strict:
+        raise UnsupportedOpError(
+            f"fxshard has no sharding rule for {name} (input layouts: {seen}). Add a rule to fxshard.rules.RULES, "
+            "or pin the layouts around it with a redistribute/constraint, or run without strict=True to replicate "
+            "its inputs.")
+    if name not in _warned_ops:
+        _warned_ops.add(name)
+        warnings.warn(f"fxshard: no sharding rule for {name} (input layouts: {seen}); its inputs are replicated",
+                      stacklevel=2)
+    required = tuple(Layout.replicated(mesh, l.shape) for l in in_layouts)
+    val = _val(node)
+    if isinstance(val, torch.Tensor):
+        out: Any = Layout.replicated(mesh, val.shape)
+    else:
+        out = tuple(Layout.replicated(mesh, v.shape) if isinstance(v, torch.Tensor) else None for v in val)
+    _set(node, required, out)
+
+
+# ---- strategies of declared signatures ------------------------------------------------------
+def _factor_sizes(sig: Signature, in_layouts: Sequence[Layout], out_shape: Sequence[int]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for dims, layout in zip(sig.inputs, in_layouts):
+        for f, s in zip(dims, layout.shape):
+            if f is not None:
+                sizes[f] = s
+    for f, s in zip(sig.output, out_shape):
+        if f is not None:
+            sizes[f] = s
+    return sizes
+
+
+def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str, list[tuple[Piece, ...]]]:
+    cands: dict[str, list[tuple[Piece, ...]]] = {}
+    for dims, layout in zip(sig.inputs, in_layouts):
+        for d, f in enumerate(dims):
+            if f is None:
+                continue
+            options = cands.setdefault(f, [])
+            pieces = layout.dims[d]
+            if f not in sig.whole and any(p.axis is not None for p in pieces) and pieces not in options:
+                options.append(pieces)
+    for f in set(sig.output) - {None}:
+        cands.setdefault(f, [])
+    for options in cands.values():
+        options.append(())  # local: always possible
+    return cands
+
+
+def _partial_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> list[tuple[tuple[int, ...], tuple]]:
+    """(group, partial axes) choices: the output stays Partial through one linear group."""
+    out: list[tuple[tuple[int, ...], tuple]] = [((), ())]
+    for group in sig.partial_groups:
+        for i in group:
+            p = in_layouts[i].partial if i < len(in_layouts) else ()
+            if p and all(op in sig.partial_ops for _, op in p) and (group, p) not in out:
+                out.insert(len(out) - 1, (group, p))
+    return out
+
+
+def _choose(sig: Signature, in_layouts: Sequence[Layout], dtypes: Sequence[torch.dtype], out_shape: tuple,
+            mesh: MeshSpec, cost_model: CostModel | None) -> Strategy | None:
+    if len(sig.inputs) != len(in_layouts):
+        return None
+    cands = _factor_candidates(sig, in_layouts)
+    factors = sorted(cands)
+    best: Strategy | None = None
+    for choice in itertools.product(*(cands[f] for f in factors)):
+        assign = dict(zip(factors, choice))
+        for group, partial in _partial_candidates(sig, in_layouts):
+            s = _strategy(sig, assign, group, partial, in_layouts, dtypes, out_shape, mesh, cost_model)
+            if s is not None and (best is None or s.cost < best.cost):
+                best = s
+    return best
+
+
+def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
+              in_layouts: Sequence[Layout], dtypes: Sequence[torch.dtype], out_shape: tuple, mesh: MeshSpec,
+              cost_model: CostModel | None) -> Strategy | None:
+    try:
+        contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
+        if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
+            return None
+
+        def partial_of(i: int) -> tuple:
+            return (tuple(partial) if i in group else ()) + (contracted if i in sig.addends else ())
+
+        required = tuple(
+            Layout(mesh, layout.shape, [assign[f] if f is not None else () for f in dims], partial_of(i))
+            for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))
+        output = Layout(mesh, out_shape, [assign[f] if f is not None else () for f in sig.output],
+                        tuple(partial) + contracted)
+    except LayoutError:
+        return None
+    cost = sum(redistribute_cost(src, dst, dt, cost_model) for src, dst, dt in zip(in_layouts, required, dtypes))
+    return Strategy(required, output, cost)

@@ -1,0 +1,58 @@
+"""Stage 3: insert a planned ``fxshard.redistribute`` wherever a consumer needs another layout.
+
+Layout pins (``fxshard.constrain``) have done their job once propagation honoured them and
+are removed here. The plan of every inserted node is in ``node.meta["plan"]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .layout import Layout
+from .ops import CONSTRAIN, REDISTRIBUTE
+from .planner import CostModel, plan_redistribute
+
+
+def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None) -> fx.GraphModule:
+    """Rewrite ``gm`` (propagated) in place so every edge carries the layout its consumer needs."""
+    graph = gm.graph
+    made: dict[tuple[fx.Node, Layout], fx.Node] = {}
+    for node in list(graph.nodes):
+        required = node.meta.get("arg_layouts")
+        if required is None:
+            continue
+        queue = list(required)
+
+        def fix(a):
+            if not (isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)):
+                return a
+            want = queue.pop(0)
+            have = a.meta["layout"]
+            if have == want:
+                return a
+            key = (a, want)
+            if key not in made:
+                made[key] = _redistribute_node(graph, a, have, want, cost_model)
+            return made[key]
+
+        if node.op == "output":
+            node.args = pytree.tree_map(fix, node.args)
+        else:
+            node.args, node.kwargs = pytree.tree_map(fix, (node.args, node.kwargs))
+    for node in list(graph.nodes):
+        if node.target is CONSTRAIN:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None) -> fx.Node:
+    val = x.meta["val"]
+    plan = plan_redistribute(src, dst, dtype=val.dtype, cost_model=cost_model)
+    with graph.inserting_after(x):
+        node = graph.call_function(REDISTRIBUTE, (x, str(src), str(dst), list(val.shape)))
+    node.meta.update(val=val, layout=dst, src_layout=src, plan=plan)
+    return node

@@ -1,0 +1,205 @@
+"""Op sharding rules as data.
+
+Most ops are one einsum-like declaration over named factors (``mm: "m k, k n -> m n"``):
+a factor that appears in inputs but not in the output is contracted, so sharding it makes
+the output Partial with the rule's reduce op. ``partial_groups`` says through which inputs
+the op is linear: the output may stay Partial when every input of one group is Partial on
+the same axes and the others are not (mm: either operand; add: both together).
+Pointwise ops, reductions and permutes get their declaration computed from shapes;
+view-like ops are handled by the factor algebra in ``views.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+LINEAR_OPS = ("sum", "avg")  # partial reduce ops that pass through linear maps
+ALL_OPS = ("sum", "avg", "max", "min")  # ... and through pure data movement
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Factor names per dim of each tensor input and of the output (None: a size-1 broadcast dim)."""
+
+    inputs: tuple[tuple[str | None, ...], ...]
+    output: tuple[str | None, ...]
+    reduce: str = "sum"
+    partial_groups: tuple[tuple[int, ...], ...] = ()
+    partial_ops: tuple[str, ...] = LINEAR_OPS
+    whole: frozenset[str] = frozenset()  # factors that must not be sharded (softmax dim)
+    addends: tuple[int, ...] = ()  # inputs added outside the contraction (addmm's bias): Partial with it
+
+    @property
+    def contracted(self) -> set[str]:
+        ins = {f for dims in self.inputs for f in dims if f is not None}
+        return ins - {f for f in self.output if f is not None}
+
+
+def einsum(spec: str, reduce: str = "sum", partial_groups: Sequence[Sequence[int]] = (),
+           partial_ops: Sequence[str] = LINEAR_OPS) -> Signature:
+    """Parse ``"m k, k n -> m n"`` (``1`` marks a broadcast size-1 dim)."""
+    lhs, rhs = spec.split("->")
+
+    def dims(text: str) -> tuple[str | None, ...]:
+        return tuple(None if t == "1" else t for t in text.split())
+
+    return Signature(tuple(dims(t) for t in lhs.split(",")), dims(rhs), reduce,
+                     tuple(tuple(g) for g in partial_groups), tuple(partial_ops))
+
+
+def _letters(n: int, offset: int = 0) -> list[str]:
+    return [f"d{i + offset}" for i in range(n)]
+
+
+def broadcast(shapes: Sequence[Sequence[int] | None], out_shape: Sequence[int],
+              partial_groups: Sequence[Sequence[int]] = (), partial_ops: Sequence[str] = LINEAR_OPS) -> Signature:
+    """Pointwise with numpy broadcasting: output dims are factors; stretched size-1 dims are None."""
+    out = _letters(len(out_shape))
+    ins = []
+    for shape in shapes:
+        if shape is None:
+            continue
+        k = len(out_shape) - len(shape)
+        ins.append(tuple(None if (s == 1 and out_shape[k + i] != 1) else out[k + i] for i, s in enumerate(shape)))
+    return Signature(tuple(ins), tuple(out), "sum", tuple(tuple(g) for g in partial_groups), tuple(partial_ops))
+
+
+def reduction(ndim: int, dims: Sequence[int] | None, keepdim: bool, reduce: str,
+              partial_ops: Sequence[str] = LINEAR_OPS) -> Signature:
+    names = _letters(ndim)
+    reduced = set(range(ndim)) if not dims else {d % ndim for d in dims} if ndim else set()
+    out = tuple(None if i in reduced else names[i] for i in range(ndim) if keepdim or i not in reduced)
+    ok_ops = tuple(op for op in partial_ops if op == reduce or (reduce == "sum" and op == "avg")) or ()
+    return Signature((tuple(names),), out, reduce, ((0,),) if ok_ops else (), ok_ops)
+
+
+def permutation(ndim: int, perm: Sequence[int]) -> Signature:
+    names = _letters(ndim)
+    return Signature((tuple(names),), tuple(names[p % ndim] for p in perm), "sum", ((0,),), ALL_OPS)
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    v = x.meta.get("val") if hasattr(x, "meta") else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _out_shape(node: Any) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+# ---- the table ------------------------------------------------------------------------------
+RuleFn = Callable[[Any], Signature]
+
+
+def _pointwise(partial_groups_of: Callable[[int], Sequence[Sequence[int]]] = lambda n: (),
+               partial_ops: Sequence[str] = LINEAR_OPS) -> RuleFn:
+    def rule(node: Any) -> Signature:
+        shapes = [_shape(a) for a in node.args if _shape(a) is not None]
+        return broadcast(shapes, _out_shape(node), partial_groups_of(len(shapes)), partial_ops)
+    return rule
+
+
+def _tensor_positions(node: Any) -> list[int]:
+    return [i for i, a in enumerate(node.args) if _shape(a) is not None]
+
+
+def _mul_like(node: Any) -> Signature:
+    # linear in each tensor operand separately; a python scalar operand is not a tensor input
+    n = len(_tensor_positions(node))
+    return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node), [(i,) for i in range(n)])
+
+
+def _div_like(node: Any) -> Signature:
+    return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node),
+                     [(0,)] if _tensor_positions(node)[:1] == [0] else [])
+
+
+def _add_like(node: Any) -> Signature:
+    n = len(_tensor_positions(node))
+    return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node), [tuple(range(n))])
+
+
+def _identity(node: Any) -> Signature:
+    return permutation(len(_out_shape(node)), range(len(_out_shape(node))))
+
+
+def _addmm(node: Any) -> Signature:
+    bias = _shape(node.args[0])
+    m, n = _out_shape(node)
+    bias_dims = broadcast([bias], (m, n)).inputs[0]
+    names = {"d0": "m", "d1": "n"}
+    bias_f = tuple(names[f] if f else None for f in bias_dims)
+    return Signature((bias_f, ("m", "k"), ("k", "n")), ("m", "n"), "sum", ((0, 1), (0, 2)), addends=(0,))
+
+
+def _softmax(node: Any) -> Signature:
+    ndim = len(_out_shape(node))
+    dim = node.args[1] % max(ndim, 1)
+    names = _letters(ndim)
+    return Signature((tuple(names),), tuple(names), whole=frozenset({names[dim]}))
+
+
+def _sum(reduce: str) -> RuleFn:
+    def rule(node: Any) -> Signature:
+        ndim = len(_shape(node.args[0]) or ())
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if isinstance(dims, int):
+            dims = [dims]
+        return reduction(ndim, dims, keepdim, reduce)
+    return rule
+
+
+def _transpose(node: Any) -> Signature:
+    ndim = len(_out_shape(node))
+    perm = list(range(ndim))
+    if ndim >= 2:
+        a, b = (node.args[1] % ndim, node.args[2] % ndim) if len(node.args) > 1 else (0, 1)
+        perm[a], perm[b] = perm[b], perm[a]
+    return permutation(ndim, perm)
+
+
+RULES: dict[Any, RuleFn] = {
+    aten.mm.default: lambda n: einsum("m k, k n -> m n", partial_groups=[(0,), (1,)]),
+    aten.bmm.default: lambda n: einsum("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
+    aten.addmm.default: _addmm,
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.permute.default: lambda n: permutation(len(_out_shape(n)), n.args[1]),
+    aten.sum.dim_IntList: _sum("sum"),
+    aten.sum.default: lambda n: reduction(len(_shape(n.args[0]) or ()), None, False, "sum"),
+    aten.mean.dim: _sum("avg"),
+    aten.mean.default: lambda n: reduction(len(_shape(n.args[0]) or ()), None, False, "avg"),
+    aten.amax.default: _sum("max"),
+    aten.amin.default: _sum("min"),
+    aten._softmax.default: _softmax,
+    aten._log_softmax.default: _softmax,
+    aten.clone.default: _identity,
+    aten.alias.default: _identity,
+    aten.detach.default: _identity,
+    aten.contiguous.default: _identity,
+    aten.add.Tensor: _add_like,
+    aten.sub.Tensor: _add_like,
+    aten.mul.Tensor: _mul_like,
+    aten.div.Tensor: _div_like,
+    aten.neg.default: _pointwise(lambda n: [(0,)]),
+    aten.expand.default: _pointwise(lambda n: [(0,)], ALL_OPS),
+}
+
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+            aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.flatten.using_ints}
+
+
+def signature_of(node: Any) -> Signature | None:
+    """The declared signature of ``node``'s op; None when there is no rule."""
+    rule = RULES.get(node.target)
+    if rule is not None:
+        return rule(node)
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            return _pointwise()(node)
+    return None

@@ -1,0 +1,101 @@
+"""Views as regroupings of pieces.
+
+A view keeps row-major element order, so it maps groups of input dims onto groups of output
+dims with equal products (the Mesh-TensorFlow invariant). Within a group the input pieces,
+read major to minor, are the pieces of the flattened group; cutting that sequence at the
+output dims' sizes gives each output dim its pieces. A cut inside a local piece splits it; a
+cut inside a sharded piece splits its mesh axis into sub-axes. Only a cut that divides
+neither way needs communication, and then just that group is gathered.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .layout import Layout, Piece
+from .mesh import is_static
+
+
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs (input dims, output dims) whose sizes multiply to the same number, in order."""
+    a, b = [int(s) for s in in_shape], [int(s) for s in out_shape]
+    if math.prod(a) != math.prod(b):
+        raise ValueError(f"cannot view shape {a} as {b}")
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Piece]] | None:
+    """Cut ``pieces`` (major to minor) into dims of ``sizes``; None if a cut needs communication."""
+    queue = list(pieces)
+    out: list[list[Piece]] = []
+    for size in sizes:
+        cur: list[Piece] = []
+        need = size
+        while need != 1:
+            if not queue or queue[0].chunked:
+                return None
+            p = queue.pop(0)
+            if not (is_static(p.size) and is_static(need)):
+                return None
+            g = math.gcd(int(p.size), int(need))
+            if g == 1:
+                return None
+            if g == p.size:
+                cur.append(p)
+            elif p.axis is None:
+                cur.append(Piece(g))
+                queue.insert(0, Piece(int(p.size) // g))
+            else:
+                outer, inner = p.axis.split(g)
+                cur.append(Piece(g, outer))
+                queue.insert(0, Piece(inner.size, inner))
+            need //= g
+        out.append(cur)
+    if any(p.size != 1 for p in queue):
+        return None
+    return out
+
+
+def view_layout(src: Layout, out_shape: Sequence[int]) -> tuple[Layout, Layout]:
+    """(required input layout, output layout) for viewing a tensor of layout ``src`` as ``out_shape``.
+
+    The required input equals ``src`` whenever the view needs no communication; otherwise the
+    dims of the groups that cannot be cut are made local.
+    """
+    required = list(src.dims)
+    out_dims: list[tuple[Piece, ...]] = [()] * len(out_shape)
+    for gi, gj in view_groups(src.shape, out_shape):
+        pieces = [p for d in gi for p in src.dims[d]]
+        one_to_one = len(gi) == 1 and len(gj) == 1
+        cut = [list(src.dims[gi[0]])] if one_to_one else split_pieces(pieces, [out_shape[d] for d in gj])
+        if cut is None:
+            for d in gi:
+                required[d] = ()
+            continue
+        for d, ps in zip(gj, cut):
+            out_dims[d] = tuple(ps)
+    req = Layout(src.mesh, src.shape, required, src.partial)
+    return req, Layout(src.mesh, out_shape, out_dims, src.partial)
