@@ -1,0 +1,47 @@
+"""The torch.compile backend "fxshard": tracing, DTensor in/out, the entry point.
+
+``torch.compile(model, backend="fxshard")`` finds this through the ``torch_dynamo_backends``
+entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
+without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
+``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
+as ``(stage_name, GraphModule)``, for inspection).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["fxshard_backend"]
+
+_OPTIONS = {"strict", "inductor", "cost_model", "on_graph"}
+
+
+def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
+                    mode: str | None = None) -> Callable:
+    from fxshard.pipeline import shard_graph
+
+    from .compile import ShardedCallable
+    from .trace import find_device_mesh, trace_global
+
+    options = dict(options or {})
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"unknown fxshard options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    on_graph = options.get("on_graph") or (lambda stage, g: None)
+    if find_device_mesh(example_inputs, gm) is None:
+        # nothing is distributed: fxshard has nothing to do, Inductor compiles the program as is
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs) if options.get("inductor", True) else gm.forward
+    program = trace_global(gm, example_inputs)
+    on_graph("trace", program.gm)
+    planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=options.get("strict", False),
+                          cost_model=options.get("cost_model"))
+    on_graph("plan", planned)
+    sharded = ShardedCallable(planned, program.device_mesh, program.tensor_positions,
+                              [program.input_layouts[n] for n in program.input_names],
+                              inductor=options.get("inductor", True))
+    on_graph("lower", sharded.local_graph)
+    return sharded

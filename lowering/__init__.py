@@ -1,0 +1,1 @@
+"""Global-to-local graph rewriting and lowering of planned steps to functional collectives."""
