@@ -41,6 +41,33 @@ class TracedProgram:
     input_names: list[str] = field(default_factory=list)
 
 
+class TensorMap:
+    """A dict keyed by tensor identity that keeps its keys alive.
+
+    Keying by ``id()`` alone is wrong during tracing: a freed tensor's id is reused by the
+    next tensor allocated, which would inherit its entry.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def get(self, t: Any, default: Any = None) -> Any:
+        item = self._items.get(id(t))
+        return item[1] if item is not None and item[0] is t else default
+
+    def __contains__(self, t: Any) -> bool:
+        item = self._items.get(id(t))
+        return item is not None and item[0] is t
+
+    def __setitem__(self, t: torch.Tensor, value: Any) -> None:
+        self._items[id(t)] = (t, value)
+
+    def __getitem__(self, t: torch.Tensor) -> Any:
+        if t not in self:
+            raise KeyError("tensor not in map")
+        return self._items[id(t)][1]
+
+
 def _is_from_local(target: Any) -> bool:
     return getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", "")
 
@@ -77,19 +104,19 @@ def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = 
 class _GlobalInterpreter(fx.Interpreter):
     """Runs Dynamo's graph on global fake tensors under make_fx, reading DTensor calls as pins."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: MeshSpec, known: dict[int, Layout]):
+    def __init__(self, gm: fx.GraphModule, mesh: MeshSpec, known: TensorMap):
         super().__init__(gm)
         self.mesh = mesh
-        self.known = known  # id(tensor) -> layout fixed by an input or a pin
-        self.local_views: dict[int, Layout] = {}  # id(tensor) -> layout it is the to_local() of
+        self.known = known  # tensor -> layout fixed by an input or a pin
+        self.local_views = TensorMap()  # tensor -> layout it is the to_local() of
 
     def _pin(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
         placements = tuple(placements)
         layout = Layout.from_placements(self.mesh, x.shape, placements)
-        if self.known.get(id(x)) == layout:
+        if self.known.get(x) == layout:
             return x
         y = constrain_op(x, placements_to_str(placements))
-        self.known[id(y)] = layout
+        self.known[y] = layout
         return y
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -109,13 +136,13 @@ class _GlobalInterpreter(fx.Interpreter):
         if target == "full_tensor":
             return self._pin(x, [Replicate()] * self.mesh.ndim)
         if target == "to_local":
-            layout = self.known.get(id(x))
+            layout = self.known.get(x)
             if layout is None:
                 raise TraceError("to_local() of a DTensor whose layout fxshard cannot know at trace time; "
                                  "redistribute it to explicit placements first")
             if layout.is_replicated:
                 return x
-            self.local_views[id(x)] = layout
+            self.local_views[x] = layout
             return x
         self._check_local_views(target, args, kwargs)
         return self._run_pointwise_aware(lambda: super(_GlobalInterpreter, self).call_method(target, args, kwargs),
@@ -124,13 +151,13 @@ class _GlobalInterpreter(fx.Interpreter):
     def _from_local(self, local: Any, device_mesh: Any = None, placements: Any = None, **_: Any) -> torch.Tensor:
         placements = tuple(placements or [Replicate()] * self.mesh.ndim)
         layout = Layout.from_placements(self.mesh, local.shape, placements)
-        view = self.local_views.get(id(local))
+        view = self.local_views.get(local)
         if view is not None:
             if view != layout:
                 raise TraceError(f"DTensor.from_local({placements}) of the local shard of a DTensor laid out as "
                                  f"{view}: the placements must match the ones to_local() came from")
             out = torch.ops.aten.alias.default(local)  # a new object: the global value, no longer a local view
-            self.known[id(out)] = layout
+            self.known[out] = layout
             return out
         if not layout.is_replicated:
             raise TraceError(
@@ -141,14 +168,14 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _check_local_views(self, target: Any, args: Any, kwargs: Any) -> None:
         views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor) and id(a) in self.local_views]
+                 if isinstance(a, torch.Tensor) and a in self.local_views]
         if len(views) > 1:
             raise TraceError(f"{target} combines the local shards of several DTensors; fxshard compiles global "
                              "programs: keep DTensors (use_local_output=False) instead of to_local()")
 
     def _run_pointwise_aware(self, run: Any, args: Any, kwargs: Any) -> Any:
         views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor) and id(a) in self.local_views]
+                 if isinstance(a, torch.Tensor) and a in self.local_views]
         if not views:
             return run()
         graph = get_proxy_mode().tracer.graph
@@ -162,7 +189,7 @@ class _GlobalInterpreter(fx.Interpreter):
                 raise TraceError(f"{op} runs on the local shard of a DTensor (after to_local()); only pointwise ops "
                                  "can, in a global program. Keep DTensors (use_local_output=False) instead.")
         if isinstance(out, torch.Tensor):
-            self.local_views[id(out)] = self.local_views[id(views[0])]
+            self.local_views[out] = self.local_views[views[0]]
         return out
 
 
@@ -209,10 +236,10 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
-        known: dict[int, Layout] = {}
+        known = TensorMap()
         for pos, t, layout in zip(positions, tensors, layouts):
             env[pos] = t
-            known[id(t)] = layout
+            known[t] = layout
         for pos, c in constants.items():
             env[pos] = c
         interp = _GlobalInterpreter(gm, mesh, known)

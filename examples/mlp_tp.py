@@ -66,10 +66,19 @@ def run(rank: int, world_size: int) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, results: "mp.Queue") -> None:
+    import tempfile
+    import traceback
+
+    # each rank compiles into its own Inductor cache: no two processes write one cache entry at once
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"fxshard-inductor-rank{rank}"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results.put((rank, run(rank, world_size)))
+    except BaseException:
+        results.put((rank, {"exception": traceback.format_exc()}))  # fail the parent now, not at its timeout
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -92,12 +101,15 @@ def spawn(world_size: int = 2, timeout: float = 240.0) -> dict[int, dict]:
     try:
         for _ in range(world_size):
             rank, value = results.get(timeout=timeout)
+            if "exception" in value:
+                raise RuntimeError(f"rank {rank} failed:\n{value['exception']}")
             out[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if p.exitcode is None and len(out) < world_size else 10)
             if p.is_alive():
                 p.kill()
+                p.join()
     failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
     if failed or len(out) != world_size:
         raise RuntimeError(f"ranks failed (exit codes {[p.exitcode for p in procs]})")

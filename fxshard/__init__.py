@@ -1,5 +1,22 @@
 """fxshard: SPMD sharding of global-shape PyTorch programs as an FX pass (torch.compile backend "fxshard")."""
+from typing import Any
+
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshAxis, MeshSpec
+from .planner import CostModel, Plan, Step, plan_redistribute
 
-__all__ = ["Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece"]
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "explain",
+           "plan_redistribute", "simulate"]
+
+
+def __getattr__(name: str) -> Any:
+    # explain and simulate drive Dynamo (and simulate a fake process group): import them on first use
+    if name == "explain":
+        from .backend.explain import explain
+
+        return explain
+    if name == "simulate":
+        from .backend.simulate import simulate
+
+        return simulate
+    raise AttributeError(f"module 'fxshard' has no attribute {name!r}")

@@ -7,9 +7,9 @@ op) and replicated axes (all the others) complete the picture.
 
 Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
 
-    [2] [4@tp·2] [64]          dim 1 = 4 pieces on tp, each of 2 rows
-    [2·4@dp] [8]               strided: 2 local blocks, each split on dp (DTensor _StridedShard)
-    [2@tp/4] [4@tp%4·8]        tp=8 seen as sub-axes tp/4 (size 2) and tp%4 (size 4)
+    [2] [4@tp 2] [64]          dim 1 = 4 pieces on tp, each of 2 rows
+    [2 4@dp] [8]               strided: 2 local blocks, each split on dp (DTensor _StridedShard)
+    [2@tp/4] [4@tp%4 8]        tp=8 seen as sub-axes tp/4 (size 2) and tp%4 (size 4)
     [~10@tp]                   uneven: 10 rows split over tp with torch.chunk semantics
     [8] [16] P(sum@tp)         partial sums over tp
 """
@@ -221,7 +221,7 @@ class Layout:
 
     # ---- text ---------------------------------------------------------------------------------
     def __str__(self) -> str:
-        text = " ".join("[" + "·".join(str(p) for p in pieces) + "]" for pieces in self.dims) or "[]"
+        text = " ".join("[" + " ".join(str(p) for p in pieces) + "]" for pieces in self.dims) or "[]"
         if self.partial:
             by_op: dict[str, list[str]] = {}
             for a, op in self.partial:

@@ -199,16 +199,16 @@ DP2_TP4 = MeshSpec(dp=2, tp=4)
 
 NO_DTENSOR_FORM = [
     pytest.param(Layout(TP8, (16,), [[Piece(2, TP8.sub_axis("tp", 2, 4)), Piece(8)]]),
-                 id="[2@tp/4·8]"),
+                 id="[2@tp/4 8]"),
     pytest.param(Layout(TP8, (4, 32), [[Piece(2, TP8.sub_axis("tp", 2, 4)), Piece(2)],
                                        [Piece(4, TP8.sub_axis("tp", 4, 1)), Piece(8)]]),
-                 id="[2@tp/4·2] [4@tp%4·8]"),
+                 id="[2@tp/4 2] [4@tp%4 8]"),
     pytest.param(Layout(TP8, (8, 4), [[Piece(2, TP8.sub_axis("tp", 2, 4)), Piece(4)], [Piece(4)]],
                         partial=[(TP8.sub_axis("tp", 4, 1), "sum")]),
-                 id="[2@tp/4·4] [4] P(sum@tp%4)"),
+                 id="[2@tp/4 4] [4] P(sum@tp%4)"),
     pytest.param(Layout(DP2_TP4, (8,), [[Piece(2, DP2_TP4.axis("dp")), Piece(2, DP2_TP4.sub_axis("tp", 2, 2)),
                                          Piece(2)]]),
-                 id="[2@dp·2@tp/2·2]"),
+                 id="[2@dp 2@tp/2 2]"),
 ]
 
 
@@ -423,14 +423,14 @@ def test_split_axis_merges_back(outer):
 # ---- text notation (the examples of the fxshard.layout docstring) ----------------------------------
 
 TEXT = [
-    (Layout.from_placements(MeshSpec(tp=4), (2, 8, 64), [Shard(1)]), "[2] [4@tp·2] [64]"),
-    (Layout.from_placements(MeshSpec(dp=4), (8, 8), [SS(0, 2)]), "[2·4@dp] [8]"),
+    (Layout.from_placements(MeshSpec(tp=4), (2, 8, 64), [Shard(1)]), "[2] [4@tp 2] [64]"),
+    (Layout.from_placements(MeshSpec(dp=4), (8, 8), [SS(0, 2)]), "[2 4@dp] [8]"),
     (Layout(TP8, (2, 32), [[Piece(2, TP8.sub_axis("tp", 2, 4))], [Piece(4, TP8.sub_axis("tp", 4, 1)), Piece(8)]]),
-     "[2@tp/4] [4@tp%4·8]"),
+     "[2@tp/4] [4@tp%4 8]"),
     (Layout.from_placements(MeshSpec(tp=4), (10,), [Shard(0)]), "[~10@tp]"),
     (Layout.from_placements(MeshSpec(tp=4), (8, 16), [Partial("sum")]), "[8] [16] P(sum@tp)"),
     (Layout.from_placements(MeshSpec(dp=2, tp=2), (8,), [Partial("max"), Partial("max")]), "[8] P(max@dp,tp)"),
-    (Layout.from_placements(MeshSpec(dp=2, tp=2), (7,), [Shard(0), Shard(0)]), "[~7@dp·~4@tp]"),
+    (Layout.from_placements(MeshSpec(dp=2, tp=2), (7,), [Shard(0), Shard(0)]), "[~7@dp ~4@tp]"),
     (Layout.replicated(MeshSpec(tp=4), ()), "[]"),
 ]
 

@@ -1,0 +1,19 @@
+"""Shared fixtures: a fake process group (no real communication) and meshes on it."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def fake_mesh_4():
+    """A 1-D DeviceMesh 'tp' of 4 ranks on a fake process group; this process is rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group leaked from another test module"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()

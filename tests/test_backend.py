@@ -1,0 +1,108 @@
+"""The backend and explain as a user meets them: results, collective counts, and errors that say what to do."""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fxshard
+from fxshard.backend.explain import explain
+from fxshard.backend.simulate import simulate
+from fxshard.backend.trace import TensorMap, TraceError
+from fxshard.layout import LayoutError
+from fxshard.propagate import UnsupportedOpError
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_tensor_map_never_confuses_a_new_tensor_with_a_freed_one():
+    m = TensorMap()
+    for _ in range(100):
+        t = torch.empty(3)
+        m[t] = "layout"
+        del t
+        gc.collect()
+        fresh = torch.empty(3)  # in CPython this often lands on a freed tensor's address
+        assert fresh not in m and m.get(fresh) is None
+
+
+def test_megatron_mlp_has_exactly_one_all_reduce(fake_mesh_4):
+    model = MLP()
+    parallelize_module(model, fake_mesh_4, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    e = explain(model, torch.randn(4, 8), mesh=fake_mesh_4)
+    assert [(c.kind, str(c.axes[0])) for c in e.collectives] == [("all_reduce", "tp")]
+    assert e.output_layouts[0].is_replicated
+
+
+def test_explain_needs_no_process_group():
+    e = explain(MLP(), torch.randn(4, 8), mesh=fxshard.MeshSpec(tp=4),
+                placements={"up.weight": (Shard(0),), "up.bias": (Shard(0),), "down.weight": (Shard(1),)})
+    assert e.collectives == []  # the output may stay a partial sum: nothing has to move
+    assert str(e.output_layouts[0]) == "[4] [8] P(sum@tp)"
+    assert e.output_layouts[0].to_placements()[0].is_partial()
+
+
+def test_strict_names_the_op_and_its_layouts():
+    def f(x):
+        return torch.cumsum(x, 0)
+
+    with pytest.raises(UnsupportedOpError, match=r"aten\.cumsum.*\[4@tp 2\]"):
+        explain(f, torch.randn(8, 3), mesh=fxshard.MeshSpec(tp=4), placements={0: (Shard(0),)}, strict=True)
+
+
+def test_op_without_rule_is_replicated_with_a_warning_and_stays_correct():
+    def f(x):
+        return torch.cumsum(x, 0) * 2
+
+    x = torch.randn(8, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = simulate(f, x, mesh=fxshard.MeshSpec(tp=4), placements={0: (Shard(0),)})
+    torch.testing.assert_close(out, f(x))
+    assert any("cumsum" in str(w.message) for w in caught) or "aten.cumsum.default" in \
+        fxshard.propagate._warned_ops  # warned once per process
+
+
+@pytest.mark.parametrize("placements, message", [
+    ({0: (Shard(0), Replicate())}, "2 placements .* mesh Mesh\\(tp=4\\) with 1 axes"),
+    ({0: (Shard(2),)}, "Shard\\(2\\) is out of range"),
+    ({"nope": (Shard(0),)}, "not inputs of the function"),
+])
+def test_bad_placements_say_what_is_wrong(placements, message):
+    with pytest.raises((LayoutError, KeyError), match=message):
+        explain(lambda x: x * 2, torch.randn(8, 4), mesh=fxshard.MeshSpec(tp=4), placements=placements)
+
+
+def test_from_local_of_a_plain_shard_is_refused_with_advice(fake_mesh_4):
+    def f(x):
+        return DTensor.from_local(x, fake_mesh_4, [Shard(0)]).redistribute(fake_mesh_4, [Replicate()])
+
+    with pytest.raises(Exception, match="Pass the input as a DTensor"):
+        explain(f, torch.randn(2, 4), mesh=fake_mesh_4)
+
+
+def test_dtensor_inputs_bring_their_placements(fake_mesh_4):
+    x = distribute_tensor(torch.randn(8, 4), fake_mesh_4, [Shard(0)])
+    e = explain(lambda t: (t * 2).sum(0), x, mesh=fake_mesh_4)
+    assert str(e.input_layouts["arg0"]) == "[4@tp 2] [4]"
+    assert str(e.output_layouts[0]) == "[4] P(sum@tp)"
+
+
+def test_unknown_backend_option_is_an_error():
+    from fxshard.backend import fxshard_backend
+
+    with pytest.raises(ValueError, match="unknown fxshard options"):
+        fxshard_backend(None, [], options={"stirct": True})
