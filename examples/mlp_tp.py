@@ -32,12 +32,14 @@ class MLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def run(rank: int, world_size: int) -> dict:
+def run(rank: int, world_size: int, device: str = "cpu") -> dict:
     """Compile and run the sharded MLP on this rank; returns what it checked."""
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)  # same weights and inputs on every rank
-    model = MLP()
-    x = torch.randn(4, 16, 64)
+    model = MLP().to(device)
+    x = torch.randn(4, 16, 64, device=device)
     expected = model(x)
 
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -65,7 +67,7 @@ def run(rank: int, world_size: int) -> dict:
     return {"error": error, "collectives": collectives}
 
 
-def _worker(rank: int, world_size: int, port: int, results: "mp.Queue") -> None:
+def _worker(rank: int, world_size: int, port: int, results: "mp.Queue", device: str) -> None:
     import tempfile
     import traceback
 
@@ -73,9 +75,9 @@ def _worker(rank: int, world_size: int, port: int, results: "mp.Queue") -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                           os.path.join(tempfile.gettempdir(), f"fxshard-inductor-rank{rank}"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
-        results.put((rank, run(rank, world_size)))
+        results.put((rank, run(rank, world_size, device)))
     except BaseException:
         results.put((rank, {"exception": traceback.format_exc()}))  # fail the parent now, not at its timeout
         raise
@@ -89,12 +91,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world_size: int = 2, timeout: float = 240.0) -> dict[int, dict]:
-    """Run on ``world_size`` local gloo ranks; raises if a rank fails or hangs past ``timeout``."""
+def spawn(world_size: int = 2, timeout: float = 240.0, device: str = "cpu") -> dict[int, dict]:
+    """Run on ``world_size`` local ranks (gloo on CPU, NCCL on GPUs); raises if a rank fails or hangs."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, device)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, dict] = {}
