@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 
@@ -17,3 +18,22 @@ def fake_mesh_4():
         yield init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
+
+
+class MLP(torch.nn.Module):
+    """The 2-layer MLP of the tests: up projection, activation, down projection."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, activation=torch.relu):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activation(self.up(x)))
+
+
+@pytest.fixture
+def make_mlp():
+    """The MLP class, as a factory: ``make_mlp(dim, hidden, activation)``."""
+    return MLP

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -16,16 +15,6 @@ from fxshard.backend.simulate import simulate
 from fxshard.backend.trace import TensorMap, TraceError
 from fxshard.layout import LayoutError
 from fxshard.propagate import UnsupportedOpError
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
 
 
 def test_tensor_map_never_confuses_a_new_tensor_with_a_freed_one():
@@ -39,16 +28,16 @@ def test_tensor_map_never_confuses_a_new_tensor_with_a_freed_one():
         assert fresh not in m and m.get(fresh) is None
 
 
-def test_megatron_mlp_has_exactly_one_all_reduce(fake_mesh_4):
-    model = MLP()
+def test_megatron_mlp_has_exactly_one_all_reduce(fake_mesh_4, make_mlp):
+    model = make_mlp()
     parallelize_module(model, fake_mesh_4, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     e = explain(model, torch.randn(4, 8), mesh=fake_mesh_4)
     assert [(c.kind, str(c.axes[0])) for c in e.collectives] == [("all_reduce", "tp")]
     assert e.output_layouts[0].is_replicated
 
 
-def test_explain_needs_no_process_group():
-    e = explain(MLP(), torch.randn(4, 8), mesh=fxshard.MeshSpec(tp=4),
+def test_explain_needs_no_process_group(make_mlp):
+    e = explain(make_mlp(), torch.randn(4, 8), mesh=fxshard.MeshSpec(tp=4),
                 placements={"up.weight": (Shard(0),), "up.bias": (Shard(0),), "down.weight": (Shard(1),)})
     assert e.collectives == []  # the output may stay a partial sum: nothing has to move
     assert str(e.output_layouts[0]) == "[4] [8] P(sum@tp)"

@@ -6,7 +6,6 @@ EXPECTTEST_ACCEPT=1.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 from expecttest import assert_expected_inline
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -18,24 +17,14 @@ from fxshard.lowering.localize import localize
 from fxshard.printing import format_graph
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
-
-
 def stage5(explanation, mesh, coordinate=(0,)) -> str:
     local = lower(localize(explanation.graph, coordinate), coordinate, MeshGroups(mesh))
     return format_graph(local, layouts=False)
 
 
-def test_mlp_megatron(fake_mesh_4):
+def test_mlp_megatron(fake_mesh_4, make_mlp):
     torch.manual_seed(0)
-    model = MLP()
+    model = make_mlp()
     parallelize_module(model, fake_mesh_4, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     e = explain(model, torch.randn(2, 8), mesh=fake_mesh_4)
     assert_expected_inline(str(e), """\

@@ -11,21 +11,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 KERNEL_MARK = {"cpu": "cpp_fused", "cuda": "triton"}
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(32, 64)
-        self.down = nn.Linear(64, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,8 @@ def fake_world_4():
         dist.destroy_process_group()
 
 
-def compiled_local_program(device: str, coordinate: tuple, placements: dict | None = None, megatron: bool = False):
+def compiled_local_program(make_mlp, device: str, coordinate: tuple, placements: dict | None = None,
+                           megatron: bool = False):
     """Rank ``coordinate``'s lowered program for MLP, run eagerly and through Inductor (with its code)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -54,7 +44,8 @@ def compiled_local_program(device: str, coordinate: tuple, placements: dict | No
 
     mesh = init_device_mesh(device, (4,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model, x = MLP().to(device), torch.randn(8, 32, device=device)
+    model = make_mlp(32, 64, torch.nn.functional.gelu).to(device)
+    x = torch.randn(8, 32, device=device)
     reference = model(x).detach()
     if megatron:  # DTensor parameters; the output hook asks for a replicated result
         parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -73,18 +64,18 @@ def compiled_local_program(device: str, coordinate: tuple, placements: dict | No
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batch_sharded_mlp_compiles_and_matches_the_single_device_rows(fake_world_4, device):
+def test_batch_sharded_mlp_compiles_and_matches_the_single_device_rows(fake_world_4, make_mlp, device):
     """No communication in this plan: rank 1's compiled program gives exactly rank 1's rows."""
-    reference, e, _, out, code = compiled_local_program(device, (1,), placements={0: (Shard(0),)})
+    reference, e, _, out, code = compiled_local_program(make_mlp, device, (1,), placements={0: (Shard(0),)})
     assert e.collectives == []
     assert KERNEL_MARK[device] in code, f"Inductor emitted no {device} kernel"
     torch.testing.assert_close(out, reference[2:4], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_megatron_mlp_compiled_code_keeps_the_collective(fake_world_4, device):
+def test_megatron_mlp_compiled_code_keeps_the_collective(fake_world_4, make_mlp, device):
     """Inductor fuses the local math around the all_reduce and keeps the collective itself."""
-    _, e, eager, out, code = compiled_local_program(device, (0,), megatron=True)
+    _, e, eager, out, code = compiled_local_program(make_mlp, device, (0,), megatron=True)
     assert [c.kind for c in e.collectives] == ["all_reduce"]
     assert KERNEL_MARK[device] in code and "all_reduce" in code
     # the fake group moves no data, so compare Inductor's program with the same local program run eagerly
