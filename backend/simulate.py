@@ -8,6 +8,7 @@ LocalTensors (collectives included); a node whose arguments differ runs per rank
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -108,12 +109,27 @@ def _rank_value(v: Any, r: int) -> Any:
     return v._local_tensors[r] if isinstance(v, LocalTensor) else v
 
 
-def simulate(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
-             strict: bool = False, cost_model: CostModel | None = None) -> Any:
-    """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
+@dataclass
+class SimulatedRun:
+    """Every rank's outputs of a simulated program, with the layouts that say what they hold."""
 
-    Arguments are global tensors; ``placements`` says how to shard them (argument index or
-    parameter name -> DTensor placements or Layout), as in ``explain``.
+    coordinates: list[tuple[int, ...]]  # rank r is at coordinates[r]
+    outputs: list[list[torch.Tensor]]  # outputs[r][k]: rank r's local block of output k
+    output_layouts: tuple
+
+    def full(self) -> list[torch.Tensor]:
+        """Each output as its global tensor (partial outputs reduced)."""
+        return [layout.unshard({c: self.outputs[r][k] for r, c in enumerate(self.coordinates)})
+                for k, layout in enumerate(self.output_layouts)]
+
+
+def simulate_ranks(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+                   strict: bool = False, cost_model: CostModel | None = None,
+                   local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None) -> SimulatedRun:
+    """Like ``simulate`` but keeps each rank's local outputs.
+
+    ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
+    (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
     """
     spec = as_mesh_spec(mesh)
     if any(isinstance(a, DTensor) for a in args):
@@ -122,15 +138,25 @@ def simulate(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] 
     layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
     program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
     gm = shard_graph(program.gm, spec, program.input_layouts, strict=strict, cost_model=cost_model)
-    values = [captured.objects[p] for p in program.tensor_positions]
+    values = [captured.objects[p].detach() for p in program.tensor_positions]
     in_layouts = [program.input_layouts[n] for n in program.input_names]
     device = values[0].device.type if values else "cpu"
     coords = spec.coordinates()
+    split = local_inputs or (lambda layout, v: {c: layout.shard(v, c) for c in coords})
+    blocks = [split(layout, v) for v, layout in zip(values, in_layouts)]
     with fake_world(spec, device) as device_mesh:
         groups = MeshGroups(device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
-        inputs = [[layout.shard(v.detach(), c) for v, layout in zip(values, in_layouts)] for c in coords]
-        per_rank = run_lockstep(graphs, inputs)
-    outs = [layout.unshard({c: per_rank[r][k] for r, c in enumerate(coords)})
-            for k, layout in enumerate(output_layouts(gm))]
+        per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
+    return SimulatedRun(coords, per_rank, output_layouts(gm))
+
+
+def simulate(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+             strict: bool = False, cost_model: CostModel | None = None) -> Any:
+    """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
+
+    Arguments are global tensors; ``placements`` says how to shard them (argument index or
+    parameter name -> DTensor placements or Layout), as in ``explain``.
+    """
+    outs = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model).full()
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -224,7 +224,8 @@ def _keeps(cur: Sequence[Piece], dst: Sequence[Piece]) -> bool:
 def _canon(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
     from .layout import _merge_adjacent
 
-    return tuple(_merge_adjacent([p for p in pieces if p.size != 1]))
+    # a chunked piece of size 1 (a size-1 dim sharded: one rank holds it) is still a shard
+    return tuple(_merge_adjacent([p for p in pieces if p.size != 1 or p.axis is not None]))
 
 
 def redistribute_cost(src: Layout, dst: Layout, dtype: torch.dtype = torch.float32,

@@ -211,6 +211,15 @@ def _choose(sig: Signature, in_layouts: Sequence[Layout], dtypes: Sequence[torch
     return best
 
 
+def _may_leave_a_rank_empty(pieces: Sequence[Piece]) -> bool:
+    """Whether torch.chunk semantics give some rank no element of these pieces (nested chunks: maybe)."""
+    chunked = [p for p in pieces if p.chunked]
+    if len(chunked) != 1:
+        return len(chunked) > 1
+    size, n = int(chunked[0].size), int(chunked[0].axis.size)
+    return size == 0 or -(-size // -(-size // n)) < n
+
+
 def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
               in_layouts: Sequence[Layout], dtypes: Sequence[torch.dtype], out_shape: tuple, mesh: MeshSpec,
               cost_model: CostModel | None) -> Strategy | None:
@@ -218,6 +227,8 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
         contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
         if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
             return None
+        if sig.reduce in ("max", "min") and any(_may_leave_a_rank_empty(assign[f]) for f in sig.contracted):
+            return None  # amax/amin of an empty block has no identity to return
 
         def partial_of(i: int) -> tuple:
             return (tuple(partial) if i in group else ()) + (contracted if i in sig.addends else ())

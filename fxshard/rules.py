@@ -118,9 +118,15 @@ def _div_like(node: Any) -> Signature:
                      [(0,)] if _tensor_positions(node)[:1] == [0] else [])
 
 
+SHIFT_OPS = ("avg", "max", "min")  # partial reduce ops that commute with adding the same constant on every rank
+
+
 def _add_like(node: Any) -> Signature:
     n = len(_tensor_positions(node))
-    return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node), [tuple(range(n))])
+    shapes = [_shape(a) for a in node.args if _shape(a) is not None]
+    if n < 2:  # x + c with a python scalar: every rank would add c, so a Partial(sum) would count it n times
+        return broadcast(shapes, _out_shape(node), [(0,)] if n else [], SHIFT_OPS)
+    return broadcast(shapes, _out_shape(node), [tuple(range(n))])
 
 
 def _identity(node: Any) -> Signature:

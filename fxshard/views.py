@@ -74,7 +74,7 @@ def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Pie
                 queue.insert(0, Piece(inner.size, inner))
             need //= g
         out.append(cur)
-    if any(p.size != 1 for p in queue):
+    if any(p.size != 1 or p.axis is not None for p in queue):  # a sharded size-1 dim (~1@tp) cannot vanish
         return None
     return out
 

@@ -88,7 +88,9 @@ def _from_front(e: _Emit, x: fx.Node, shape_after: Sequence[int], d: int, pre: i
     split = [n] + _split_shape(rest, d, [pre, post])
     y = e(aten.view.default, x, split)
     y = _move(e, y, len(split), 0, d + 1)
-    return e(aten.reshape.default, y, list(shape_after))
+    if math.prod(shape_after[:d]) * pre != 1:  # n moved behind larger dims: dense again for later views
+        y = _contiguous(e, y)
+    return e(aten.view.default, y, list(shape_after))
 
 
 def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_name: GroupName) -> fx.Node:
@@ -134,7 +136,10 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
         front = _to_front(e, x, before, to, pre_t, n, post_t)
         mid = list(before)
         mid[to] = pre_t * post_t
-        y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, front, None, None, group_name(axis)))
+        # the op takes explicit split sizes: front's dim 0 holds n equal blocks, one per peer
+        rows = post_t if (to == 0 and pre_t == 1) else 1
+        splits = [rows] * n
+        y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, front, splits, splits, group_name(axis)))
         y = e(aten.view.default, y, [n] + mid)
         # y is [n, ...mid]: n is the index along dim d that this rank now gathers
         return _from_front(e, y, after, d, pre_g, n, post_g)
@@ -148,11 +153,13 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
             chunk = -(-total // n)
             start = min(c * chunk, total)
             length = max(0, min(chunk, total - start))
-            return e(aten.slice.Tensor, x, d, start, start + length)
+            return _sliced(e, x, d, start, start + length)
         split = _split_shape(before, d, [pre, n, post])
         y = e(aten.view.default, x, split)
         y = e(aten.slice.Tensor, y, d + 1, c, c + 1)
-        return e(aten.reshape.default, y, after)
+        if math.prod(before[:d]) * pre != 1:  # the slice is strided: make it dense for later views
+            y = _contiguous(e, y)
+        return e(aten.view.default, y, after)
 
     raise LoweringError(f"no lowering for step kind {kind!r}")
 
@@ -179,7 +186,13 @@ def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: 
     full = list(after)
     full[d] = n * chunk
     g = _from_front(e, g, full, d, 1, n, chunk)
-    return e(aten.slice.Tensor, g, d, 0, total)
+    return _sliced(e, g, d, 0, total)
+
+
+def _sliced(e: _Emit, x: fx.Node, d: int, start: int, end: int) -> fx.Node:
+    """``x[start:end]`` along ``d``, contiguous: the graph's later views expect a dense tensor."""
+    y = e(aten.slice.Tensor, x, d, start, end)
+    return _contiguous(e, y) if d != 0 else y
 
 
 def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> fx.GraphModule:
