@@ -118,6 +118,8 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
         if pieces[i].chunked:
             return _gather_chunked(e, x, step, before, after, d, n, group_name(axis))
         g = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, x, n, group_name(axis)))
+        if d == 0 and pre == 1:  # gathered along the outermost piece of dim 0: already the target block
+            return g
         return _from_front(e, g, after, d, pre, n, post)
 
     if kind == "reduce_scatter":
