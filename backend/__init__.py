@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 
 __all__ = ["fxshard_backend"]

@@ -8,7 +8,6 @@ pointwise ops and ``DTensor.from_local`` with the same placements is the identit
 """
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence

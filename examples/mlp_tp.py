@@ -59,7 +59,7 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict:
 
         print("== sharded global graph (stage 3) ==")
         print(format_graph(graphs["plan"]))
-        print(f"\n== local program of rank 0 (stage 5), compiled by Inductor ==")
+        print("\n== local program of rank 0 (stage 5), compiled by Inductor ==")
         print(format_graph(local, layouts=False))
         print(f"\ncollectives per call: {collectives}")
         print(f"output: DTensor {tuple(out.shape)} placements={out.placements}")

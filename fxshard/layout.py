@@ -15,7 +15,7 @@ Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import sympy

@@ -8,8 +8,7 @@ received over the network, for the busiest rank.
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import sympy

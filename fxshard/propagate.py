@@ -11,7 +11,7 @@ import itertools
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx

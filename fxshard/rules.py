@@ -10,7 +10,7 @@ view-like ops are handled by the factor algebra in ``views.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.layout import Layout, Piece
+from fxshard.layout import Piece
 from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.ops import REDISTRIBUTE
 from fxshard.planner import Step

@@ -7,7 +7,7 @@ instead of computing the wrong thing.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -79,7 +79,7 @@ def test_from_local_of_a_plain_shard_is_refused_with_advice(fake_mesh_4):
     def f(x):
         return DTensor.from_local(x, fake_mesh_4, [Shard(0)]).redistribute(fake_mesh_4, [Replicate()])
 
-    with pytest.raises(Exception, match="Pass the input as a DTensor"):
+    with pytest.raises(TraceError, match="Pass the input as a DTensor"):
         explain(f, torch.randn(2, 4), mesh=fake_mesh_4)
 
 
