@@ -23,6 +23,7 @@ from .ops import CONSTRAIN
 from .placements import layout_from_placements, placements_from_str
 from .planner import CostModel, redistribute_cost
 from .rules import VIEW_OPS, Signature, signature_of
+from .slicing import CONCAT_RULES, SLICE_RULES
 from .views import view_layout
 
 _warned_ops: set[str] = set()
@@ -118,6 +119,15 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
     if node.target in VIEW_OPS:
         required, out = view_layout(in_layouts[0], tuple(val.shape))
         _set(node, (required,), out)
+        return
+    if node.target in SLICE_RULES:
+        _set(node, *SLICE_RULES[node.target](node, in_layouts))
+        return
+    if node.target in CONCAT_RULES:
+        def cost(src: Layout, dst: Layout) -> float:
+            return redistribute_cost(src, dst, _dtype(node), cost_model)
+
+        _set(node, *CONCAT_RULES[node.target](node, in_layouts, cost))
         return
     sig = signature_of(node) if isinstance(val, torch.Tensor) else None
     if sig is not None:

@@ -41,15 +41,92 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def local_range(src: Layout, d: int, global_indices: list[int], coordinate: Coordinate) -> tuple[int, int]:
+    """Where ``global_indices`` (of dim ``d`` of a tensor laid out as ``src``) sit in this rank's block.
+
+    They must be a contiguous run in local order; anything else means the layouts disagree.
+    """
+    if not global_indices:
+        return 0, 0
+    position = {g: i for i, g in enumerate(src.local_indices(d, coordinate).tolist())}
+    local = [position.get(g) for g in global_indices]
+    if None in local or local != list(range(local[0], local[0] + len(local))):
+        raise LocalizeError(f"indices {global_indices} of dim {d} are not one contiguous run of this rank's block "
+                            f"of {src} at {coordinate}")
+    return local[0], local[0] + len(local)
+
+
+def _dim_arg(node: fx.Node, i: int, ndim: int) -> int:
+    d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
+    return d % ndim
+
+
+def _localize_slice(node: fx.Node, coordinate: Coordinate) -> None:
+    src, out = node.args[0].meta["layout"], node.meta["layout"]
+    d = _dim_arg(node, 1, src.ndim)
+    start = _global_start(node, src, d)
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+    wanted = [start + step * int(i) for i in out.local_indices(d, coordinate)]
+    if step != 1:  # the sliced dim is local: the global arguments are the local ones
+        return
+    lo, hi = local_range(src, d, wanted, coordinate)
+    node.args = (node.args[0], d, lo, hi) + tuple(node.args[4:])
+    node.kwargs = {}
+
+
+def _global_start(node: fx.Node, src: Layout, d: int) -> int:
+    size = int(src.shape[d])
+    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", None)
+    if start is None:
+        return 0
+    start = int(start) + (size if int(start) < 0 else 0)
+    return min(max(start, 0), size)
+
+
+def _localize_select(node: fx.Node, coordinate: Coordinate) -> None:
+    src = node.args[0].meta["layout"]
+    d = _dim_arg(node, 1, src.ndim)
+    lo, _ = local_range(src, d, [int(node.args[2]) % int(src.shape[d])], coordinate)
+    node.args = (node.args[0], d, lo)
+
+
+def _localize_split(node: fx.Node, coordinate: Coordinate) -> None:
+    src, outs = node.args[0].meta["layout"], node.meta["layout"]
+    d = _dim_arg(node, 2, src.ndim)
+    sizes, offset, end = [], 0, 0
+    for out in outs:
+        lo, hi = local_range(src, d, [offset + int(i) for i in out.local_indices(d, coordinate)], coordinate)
+        if hi > lo and lo != end:
+            raise LocalizeError(f"{node.format_node()}: split pieces are not consecutive on this rank")
+        end = max(end, hi)
+        sizes.append(hi - lo)
+        offset += int(out.shape[d])
+    node.target = aten.split_with_sizes.default
+    node.args, node.kwargs = (node.args[0], sizes, d), {}
+
+
+# ops whose index arguments depend on where this rank's block sits
+LOCAL_INDEX_ARGS = {
+    aten.slice.Tensor: _localize_slice,
+    aten.select.int: _localize_select,
+    aten.split.Tensor: _localize_split,
+    aten.split_with_sizes.default: _localize_split,
+}
+
+
 def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
     """A copy of the planned global ``gm`` with this rank's local shapes."""
     local = copy_graph_module(gm)
     for node in local.graph.nodes:
         layout = node.meta.get("layout")
-        if node.op == "call_function" and node.target in SHAPE_ARGS and isinstance(layout, Layout):
+        if node.op != "call_function":
+            continue
+        if node.target in SHAPE_ARGS and isinstance(layout, Layout):
             args = list(node.args)
             args[SHAPE_ARGS[node.target]] = [int(s) for s in layout.local_shape(coordinate)]
             node.args = tuple(args)
+        elif node.target in LOCAL_INDEX_ARGS and layout is not None:
+            LOCAL_INDEX_ARGS[node.target](node, coordinate)
     local.recompile()
     propagate_local_shapes(local, coordinate, check=True)
     return local

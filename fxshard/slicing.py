@@ -1,0 +1,169 @@
+"""Slices, selects, splits and concatenations as sub-ranges and stacks of pieces.
+
+A contiguous range of a dim keeps its sharding when it cuts the outermost piece at index
+boundaries and that piece is local (q = rows [h, 2h) of a fused [3 4@tp 8] is [4@tp 8]), or
+when it lies inside one index of a local outermost piece (recurse into the inner pieces).
+Any other range needs the dim gathered. Concatenating tensors of one layout and equal size
+along a dim puts a new local piece outside theirs ([3 4@tp 8] from q, k, v).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from .layout import Layout, Piece
+
+aten = torch.ops.aten
+
+
+def slice_pieces(pieces: Sequence[Piece], start: int, end: int) -> tuple[Piece, ...] | None:
+    """Pieces of the range [start, end) of a dim with ``pieces``; None if it needs communication."""
+    pieces = tuple(pieces)
+    total = math.prod(int(p.size) for p in pieces)
+    if start == 0 and end == total:
+        return pieces
+    if end <= start or any(p.chunked for p in pieces) or not pieces:
+        return None
+    p, rest = pieces[0], pieces[1:]
+    inner = math.prod(int(q.size) for q in rest)
+    a, s = divmod(start, inner)
+    b, e = divmod(end, inner)
+    if p.axis is not None:
+        return None
+    if s == 0 and e == 0:
+        return (Piece(b - a),) + rest
+    if a == b:
+        return slice_pieces(rest, s, e)
+    if b == a + 1 and e == 0:
+        return slice_pieces(rest, s, inner)
+    return None
+
+
+def _norm(i: int | None, size: int, default: int) -> int:
+    if i is None:
+        return default
+    i = int(i)
+    if i < 0:
+        i += size
+    return min(max(i, 0), size)
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _sliced(layout: Layout, d: int, ranges: Sequence[tuple[int, int]], drop_dim: bool) -> tuple[Layout, tuple[Layout, ...]]:
+    """(required input, one output layout per range) for taking ``ranges`` of dim ``d``."""
+    cuts = [slice_pieces(layout.dims[d], s, e) for s, e in ranges]
+    required = layout if all(c is not None for c in cuts) else layout.with_dim(d, ())
+    outs = []
+    for (s, e), cut in zip(ranges, cuts):
+        pieces = cut if all(c is not None for c in cuts) else ()
+        shape, dims = list(required.shape), list(required.dims)
+        if drop_dim:
+            del shape[d], dims[d]
+        else:
+            shape[d], dims[d] = e - s, pieces
+        outs.append(Layout(layout.mesh, shape, dims, required.partial))
+    return required, tuple(outs)
+
+
+def _arg(node: Any, i: int, name: str, default: Any) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def slice_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+    x = ins[0]
+    d = _dim(_arg(node, 1, "dim", 0), x.ndim)
+    size = int(x.shape[d])
+    start, end = _norm(_arg(node, 2, "start", None), size, 0), _norm(_arg(node, 3, "end", None), size, size)
+    step = _arg(node, 4, "step", 1)
+    if step != 1:
+        required = x.with_dim(d, ())
+        shape = list(x.shape)
+        shape[d] = len(range(start, end, step))
+        return (required,), Layout(x.mesh, shape, [p if k != d else () for k, p in enumerate(required.dims)],
+                                   x.partial)
+    required, (out,) = _sliced(x, d, [(start, max(start, end))], drop_dim=False)
+    return (required,), out
+
+
+def select_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+    x = ins[0]
+    d = _dim(node.args[1], x.ndim)
+    i = int(node.args[2]) % int(x.shape[d])
+    required, (out,) = _sliced(x, d, [(i, i + 1)], drop_dim=True)
+    return (required,), out
+
+
+def split_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+    x = ins[0]
+    d = _dim(_arg(node, 2, "dim", 0), x.ndim)
+    sizes = [int(v.shape[d]) for v in node.meta["val"]]
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    required, outs = _sliced(x, d, [(o, o + s) for o, s in zip(offsets, sizes)], drop_dim=False)
+    return (required,), outs
+
+
+def unbind_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+    x = ins[0]
+    d = _dim(_arg(node, 1, "dim", 0), x.ndim)
+    required, outs = _sliced(x, d, [(i, i + 1) for i in range(int(x.shape[d]))], drop_dim=True)
+    return (required,), outs
+
+
+def _stack_candidates(ins: Sequence[Layout], d: int | None) -> list[Layout]:
+    """Templates for the common layout: each input's, and each with dim ``d`` (the cat dim) local."""
+    out: list[Layout] = []
+    for t in ins:
+        for cand in ([t] if d is None else [t, t.with_dim(d, ())]):
+            if cand not in out:
+                out.append(cand)
+    return out
+
+
+def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ...], Any]:
+    """cat: inputs share a layout; equal sizes with equal pieces on the cat dim stack as an outer piece."""
+    ndim = ins[0].ndim
+    d = _dim(_arg(node, 1, "dim", 0), ndim)
+    out_shape = list(node.meta["val"].shape)
+    best = None
+    for t in _stack_candidates(ins, d):
+        equal = all(x.shape[d] == t.shape[d] for x in ins)
+        cat_pieces = t.dims[d] if equal else ()
+        required = tuple(Layout(x.mesh, x.shape, [cat_pieces if k == d else t.dims[k] for k in range(ndim)],
+                                t.partial) for x in ins)
+        cat_out = (Piece(len(ins)),) + tuple(cat_pieces) if equal else ()
+        out_dims = [cat_out if k == d else t.dims[k] for k in range(ndim)]
+        out = Layout(t.mesh, out_shape, out_dims, t.partial)
+        c = sum(cost(x, r) for x, r in zip(ins, required))
+        if best is None or c < best[0]:
+            best = (c, required, out)
+    return best[1], best[2]
+
+
+def stack_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ...], Any]:
+    d = _dim(_arg(node, 1, "dim", 0), ins[0].ndim + 1)
+    out_shape = list(node.meta["val"].shape)
+    best = None
+    for t in _stack_candidates(ins, None):
+        required = tuple(Layout(x.mesh, x.shape, t.dims, t.partial) for x in ins)
+        dims = list(t.dims)
+        dims.insert(d, ())
+        out = Layout(t.mesh, out_shape, dims, t.partial)
+        c = sum(cost(x, r) for x, r in zip(ins, required))
+        if best is None or c < best[0]:
+            best = (c, required, out)
+    return best[1], best[2]
+
+
+SLICE_RULES = {
+    aten.slice.Tensor: slice_rule,
+    aten.select.int: select_rule,
+    aten.split.Tensor: split_rule,
+    aten.split_with_sizes.default: split_rule,
+    aten.unbind.int: unbind_rule,
+}
+CONCAT_RULES = {aten.cat.default: concat_rule, aten.stack.default: stack_rule}
