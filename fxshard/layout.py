@@ -221,7 +221,8 @@ class Layout:
 
     # ---- text ---------------------------------------------------------------------------------
     def __str__(self) -> str:
-        text = " ".join("[" + " ".join(str(p) for p in pieces) + "]" for pieces in self.dims) or "[]"
+        text = " ".join("[" + (" ".join(str(p) for p in pieces) or str(size)) + "]"
+                        for size, pieces in zip(self.shape, self.dims)) or "[]"
         if self.partial:
             by_op: dict[str, list[str]] = {}
             for a, op in self.partial:

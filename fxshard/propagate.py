@@ -129,6 +129,9 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
 
         _set(node, *CONCAT_RULES[node.target](node, in_layouts, cost))
         return
+    if not ins and isinstance(val, torch.Tensor):  # a factory: the same value on every rank
+        _set(node, (), Layout.replicated(mesh, val.shape))
+        return
     sig = signature_of(node) if isinstance(val, torch.Tensor) else None
     if sig is not None:
         strategy = _choose(sig, in_layouts, [_dtype(a) for a in ins], tuple(val.shape), mesh, cost_model)
