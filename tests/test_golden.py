@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 from expecttest import assert_expected_inline
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from fxshard import MeshSpec
 from fxshard.backend.explain import explain
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
@@ -90,3 +92,186 @@ communication: 1 x all_gather(tp); 576 bytes received per rank""")
 %wait_tensor_default: f32[32, 6] = _c10d_functional.wait_tensor(%all_gather_into_tensor_default)
 %view_1: f32[3, 64] = aten.view(%wait_tensor_default, [3, 64])
 return [%view_1]""")
+
+
+B, T, H, A = 2, 4, 16, 4
+
+
+def attention(x, wq, wk, wv, wo):
+    """The attention reshape chain of a Llama block (no RoPE, no mask): heads stay sharded throughout."""
+    hd = H // A
+    q = (x @ wq.t()).view(B, T, A, hd).transpose(1, 2)
+    k = (x @ wk.t()).view(B, T, A, hd).transpose(1, 2)
+    v = (x @ wv.t()).view(B, T, A, hd).transpose(1, 2)
+    scores = torch.softmax(q @ k.transpose(-2, -1) / hd ** 0.5, dim=-1)
+    return ((scores @ v).transpose(1, 2).reshape(B, T, H)) @ wo.t()
+
+
+def fused_qkv(x, wqkv):
+    """One fused projection [3h, h], laid out [3 tp h/tp], split into q, k, v without communication."""
+    q, k, v = (x @ wqkv.t()).view(B, T, 3, A, H // A).unbind(2)
+    return (q * k + v).reshape(B, T, H)
+
+
+MESHES = {"1d": (MeshSpec(tp=4), (), (Replicate(),)), "2d": (MeshSpec(dp=2, tp=2), (Replicate(),), (Shard(0), Replicate()))}
+
+
+def explain_attention(mesh_name: str) -> str:
+    mesh, lead, x_placements = MESHES[mesh_name]
+    plan = {0: x_placements, 1: lead + (Shard(0),), 2: lead + (Shard(0),), 3: lead + (Shard(0),), 4: lead + (Shard(1),)}
+    return str(explain(attention, torch.randn(B, T, H), *[torch.randn(H, H) for _ in range(4)], mesh=mesh,
+                       placements=plan))
+
+
+def explain_fused_qkv(mesh_name: str) -> str:
+    mesh, lead, x_placements = MESHES[mesh_name]
+    plan = {0: x_placements, 1: lead + (_StridedShard(0, split_factor=3),)}
+    return str(explain(fused_qkv, torch.randn(B, T, H), torch.randn(3 * H, H), mesh=mesh, placements=plan))
+
+
+def test_llama_attention_chain_1d():
+    assert_expected_inline(explain_attention("1d"), """\
+%arg1: f32[16, 16] [4@tp 4] [16] = input
+%arg0: f32[2, 4, 16] [2] [4] [16] = input
+%arg2: f32[16, 16] [4@tp 4] [16] = input
+%arg3: f32[16, 16] [4@tp 4] [16] = input
+%arg4: f32[16, 16] [16] [4@tp 4] = input
+%t: f32[16, 16] [16] [4@tp 4] = aten.t(%arg1)
+%view: f32[8, 16] [8] [16] = aten.view(%arg0, [8, 16])
+%mm: f32[8, 16] [8] [4@tp 4] = aten.mm(%view, %t)
+%_unsafe_view: f32[2, 4, 16] [2] [4] [4@tp 4] = aten._unsafe_view(%mm, [2, 4, 16])
+%view_1: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.view(%_unsafe_view, [2, 4, 4, 4])
+%transpose: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.transpose.int(%view_1, 1, 2)
+%t_1: f32[16, 16] [16] [4@tp 4] = aten.t(%arg2)
+%view_2: f32[8, 16] [8] [16] = aten.view(%arg0, [8, 16])
+%mm_1: f32[8, 16] [8] [4@tp 4] = aten.mm(%view_2, %t_1)
+%_unsafe_view_1: f32[2, 4, 16] [2] [4] [4@tp 4] = aten._unsafe_view(%mm_1, [2, 4, 16])
+%view_3: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.view(%_unsafe_view_1, [2, 4, 4, 4])
+%transpose_1: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.transpose.int(%view_3, 1, 2)
+%t_2: f32[16, 16] [16] [4@tp 4] = aten.t(%arg3)
+%view_4: f32[8, 16] [8] [16] = aten.view(%arg0, [8, 16])
+%mm_2: f32[8, 16] [8] [4@tp 4] = aten.mm(%view_4, %t_2)
+%_unsafe_view_2: f32[2, 4, 16] [2] [4] [4@tp 4] = aten._unsafe_view(%mm_2, [2, 4, 16])
+%view_5: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.view(%_unsafe_view_2, [2, 4, 4, 4])
+%transpose_2: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.transpose.int(%view_5, 1, 2)
+%transpose_3: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.transpose.int(%transpose_1, -2, -1)
+%expand: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.expand(%transpose, [2, 4, 4, 4])
+%clone: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.clone(%expand, memory_format=torch.contiguous_format)
+%_unsafe_view_3: f32[8, 4, 4] [2 4@tp] [4] [4] = aten._unsafe_view(%clone, [8, 4, 4])
+%expand_1: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.expand(%transpose_3, [2, 4, 4, 4])
+%clone_1: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.clone(%expand_1, memory_format=torch.contiguous_format)
+%_unsafe_view_4: f32[8, 4, 4] [2 4@tp] [4] [4] = aten._unsafe_view(%clone_1, [8, 4, 4])
+%bmm: f32[8, 4, 4] [2 4@tp] [4] [4] = aten.bmm(%_unsafe_view_3, %_unsafe_view_4)
+%_unsafe_view_5: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten._unsafe_view(%bmm, [2, 4, 4, 4])
+%div: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.div.Tensor(%_unsafe_view_5, 2.0)
+%_softmax: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten._softmax(%div, -1, False)
+%expand_2: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.expand(%_softmax, [2, 4, 4, 4])
+%view_6: f32[8, 4, 4] [2 4@tp] [4] [4] = aten.view(%expand_2, [8, 4, 4])
+%expand_3: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.expand(%transpose_2, [2, 4, 4, 4])
+%clone_2: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten.clone(%expand_3, memory_format=torch.contiguous_format)
+%_unsafe_view_6: f32[8, 4, 4] [2 4@tp] [4] [4] = aten._unsafe_view(%clone_2, [8, 4, 4])
+%bmm_1: f32[8, 4, 4] [2 4@tp] [4] [4] = aten.bmm(%view_6, %_unsafe_view_6)
+%_unsafe_view_7: f32[2, 4, 4, 4] [2] [4@tp] [4] [4] = aten._unsafe_view(%bmm_1, [2, 4, 4, 4])
+%transpose_4: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.transpose.int(%_unsafe_view_7, 1, 2)
+%clone_3: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.clone(%transpose_4, memory_format=torch.contiguous_format)
+%_unsafe_view_8: f32[2, 4, 16] [2] [4] [4@tp 4] = aten._unsafe_view(%clone_3, [2, 4, 16])
+%t_3: f32[16, 16] [4@tp 4] [16] = aten.t(%arg4)
+%view_7: f32[8, 16] [8] [4@tp 4] = aten.view(%_unsafe_view_8, [8, 16])
+%mm_3: f32[8, 16] [8] [16] P(sum@tp) = aten.mm(%view_7, %t_3)
+%_unsafe_view_9: f32[2, 4, 16] [2] [4] [16] P(sum@tp) = aten._unsafe_view(%mm_3, [2, 4, 16])
+return [%_unsafe_view_9]
+communication: none""")
+
+
+def test_llama_attention_chain_2d():
+    assert_expected_inline(explain_attention("2d"), """\
+%arg1: f32[16, 16] [2@tp 8] [16] = input
+%arg0: f32[2, 4, 16] [2@dp] [4] [16] = input
+%arg2: f32[16, 16] [2@tp 8] [16] = input
+%arg3: f32[16, 16] [2@tp 8] [16] = input
+%arg4: f32[16, 16] [16] [2@tp 8] = input
+%t: f32[16, 16] [16] [2@tp 8] = aten.t(%arg1)
+%view: f32[8, 16] [2@dp 4] [16] = aten.view(%arg0, [8, 16])
+%mm: f32[8, 16] [2@dp 4] [2@tp 8] = aten.mm(%view, %t)
+%_unsafe_view: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten._unsafe_view(%mm, [2, 4, 16])
+%view_1: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.view(%_unsafe_view, [2, 4, 4, 4])
+%transpose: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.transpose.int(%view_1, 1, 2)
+%t_1: f32[16, 16] [16] [2@tp 8] = aten.t(%arg2)
+%view_2: f32[8, 16] [2@dp 4] [16] = aten.view(%arg0, [8, 16])
+%mm_1: f32[8, 16] [2@dp 4] [2@tp 8] = aten.mm(%view_2, %t_1)
+%_unsafe_view_1: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten._unsafe_view(%mm_1, [2, 4, 16])
+%view_3: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.view(%_unsafe_view_1, [2, 4, 4, 4])
+%transpose_1: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.transpose.int(%view_3, 1, 2)
+%t_2: f32[16, 16] [16] [2@tp 8] = aten.t(%arg3)
+%view_4: f32[8, 16] [2@dp 4] [16] = aten.view(%arg0, [8, 16])
+%mm_2: f32[8, 16] [2@dp 4] [2@tp 8] = aten.mm(%view_4, %t_2)
+%_unsafe_view_2: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten._unsafe_view(%mm_2, [2, 4, 16])
+%view_5: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.view(%_unsafe_view_2, [2, 4, 4, 4])
+%transpose_2: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.transpose.int(%view_5, 1, 2)
+%transpose_3: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.transpose.int(%transpose_1, -2, -1)
+%expand: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.expand(%transpose, [2, 4, 4, 4])
+%clone: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.clone(%expand, memory_format=torch.contiguous_format)
+%_unsafe_view_3: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten._unsafe_view(%clone, [8, 4, 4])
+%expand_1: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.expand(%transpose_3, [2, 4, 4, 4])
+%clone_1: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.clone(%expand_1, memory_format=torch.contiguous_format)
+%_unsafe_view_4: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten._unsafe_view(%clone_1, [8, 4, 4])
+%bmm: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten.bmm(%_unsafe_view_3, %_unsafe_view_4)
+%_unsafe_view_5: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten._unsafe_view(%bmm, [2, 4, 4, 4])
+%div: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.div.Tensor(%_unsafe_view_5, 2.0)
+%_softmax: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten._softmax(%div, -1, False)
+%expand_2: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.expand(%_softmax, [2, 4, 4, 4])
+%view_6: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten.view(%expand_2, [8, 4, 4])
+%expand_3: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.expand(%transpose_2, [2, 4, 4, 4])
+%clone_2: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten.clone(%expand_3, memory_format=torch.contiguous_format)
+%_unsafe_view_6: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten._unsafe_view(%clone_2, [8, 4, 4])
+%bmm_1: f32[8, 4, 4] [2@dp 2@tp 2] [4] [4] = aten.bmm(%view_6, %_unsafe_view_6)
+%_unsafe_view_7: f32[2, 4, 4, 4] [2@dp] [2@tp 2] [4] [4] = aten._unsafe_view(%bmm_1, [2, 4, 4, 4])
+%transpose_4: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.transpose.int(%_unsafe_view_7, 1, 2)
+%clone_3: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.clone(%transpose_4, memory_format=torch.contiguous_format)
+%_unsafe_view_8: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten._unsafe_view(%clone_3, [2, 4, 16])
+%t_3: f32[16, 16] [2@tp 8] [16] = aten.t(%arg4)
+%view_7: f32[8, 16] [2@dp 4] [2@tp 8] = aten.view(%_unsafe_view_8, [8, 16])
+%mm_3: f32[8, 16] [2@dp 4] [16] P(sum@tp) = aten.mm(%view_7, %t_3)
+%_unsafe_view_9: f32[2, 4, 16] [2@dp] [4] [16] P(sum@tp) = aten._unsafe_view(%mm_3, [2, 4, 16])
+return [%_unsafe_view_9]
+communication: none""")
+
+
+def test_fused_qkv_chain_1d():
+    assert_expected_inline(explain_fused_qkv("1d"), """\
+%arg1: f32[48, 16] [3 4@tp 4] [16] = input
+%arg0: f32[2, 4, 16] [2] [4] [16] = input
+%t: f32[16, 48] [16] [3 4@tp 4] = aten.t(%arg1)
+%view: f32[8, 16] [8] [16] = aten.view(%arg0, [8, 16])
+%mm: f32[8, 48] [8] [3 4@tp 4] = aten.mm(%view, %t)
+%_unsafe_view: f32[2, 4, 48] [2] [4] [3 4@tp 4] = aten._unsafe_view(%mm, [2, 4, 48])
+%view_1: f32[2, 4, 3, 4, 4] [2] [4] [3] [4@tp] [4] = aten.view(%_unsafe_view, [2, 4, 3, 4, 4])
+%unbind = aten.unbind.int(%view_1, 2)
+%getitem: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = getitem(%unbind, 0)
+%getitem_1: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = getitem(%unbind, 1)
+%getitem_2: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = getitem(%unbind, 2)
+%mul: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.mul.Tensor(%getitem, %getitem_1)
+%add: f32[2, 4, 4, 4] [2] [4] [4@tp] [4] = aten.add.Tensor(%mul, %getitem_2)
+%view_2: f32[2, 4, 16] [2] [4] [4@tp 4] = aten.view(%add, [2, 4, 16])
+return [%view_2]
+communication: none""")
+
+
+def test_fused_qkv_chain_2d():
+    assert_expected_inline(explain_fused_qkv("2d"), """\
+%arg1: f32[48, 16] [3 2@tp 8] [16] = input
+%arg0: f32[2, 4, 16] [2@dp] [4] [16] = input
+%t: f32[16, 48] [16] [3 2@tp 8] = aten.t(%arg1)
+%view: f32[8, 16] [2@dp 4] [16] = aten.view(%arg0, [8, 16])
+%mm: f32[8, 48] [2@dp 4] [3 2@tp 8] = aten.mm(%view, %t)
+%_unsafe_view: f32[2, 4, 48] [2@dp] [4] [3 2@tp 8] = aten._unsafe_view(%mm, [2, 4, 48])
+%view_1: f32[2, 4, 3, 4, 4] [2@dp] [4] [3] [2@tp 2] [4] = aten.view(%_unsafe_view, [2, 4, 3, 4, 4])
+%unbind = aten.unbind.int(%view_1, 2)
+%getitem: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = getitem(%unbind, 0)
+%getitem_1: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = getitem(%unbind, 1)
+%getitem_2: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = getitem(%unbind, 2)
+%mul: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.mul.Tensor(%getitem, %getitem_1)
+%add: f32[2, 4, 4, 4] [2@dp] [4] [2@tp 2] [4] = aten.add.Tensor(%mul, %getitem_2)
+%view_2: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten.view(%add, [2, 4, 16])
+return [%view_2]
+communication: none""")
