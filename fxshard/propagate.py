@@ -116,7 +116,9 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         target = layout_from_placements(mesh, val.shape, placements_from_str(node.args[1]))
         _set(node, (target,), target)
         return
-    if node.target in VIEW_OPS:
+    if node.target is torch.ops.aten.as_strided.default:
+        _check_plain_view(node, in_layouts[0])
+    if node.target in VIEW_OPS or node.target is torch.ops.aten.as_strided.default:
         required, out = view_layout(in_layouts[0], tuple(val.shape))
         _set(node, (required,), out)
         return
@@ -139,6 +141,23 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
             _set(node, strategy.inputs, strategy.output)
             return
     _fallback(node, in_layouts, mesh, strict)
+
+
+def _check_plain_view(node: fx.Node, src: Layout) -> None:
+    """as_strided is a view of the row-major layout only when its strides are contiguous ones."""
+    size, stride = list(node.args[1]), list(node.args[2])
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    contiguous, acc = [], 1
+    for s in reversed(size):
+        contiguous.insert(0, acc)
+        acc *= int(s)
+    plain = node.args[0].meta["val"].is_contiguous() and not offset and all(
+        st == c for s, st, c in zip(size, stride, contiguous) if s != 1)
+    if not plain:
+        raise UnsupportedOpError(
+            f"{node.format_node()}: as_strided(size={size}, stride={stride}, storage_offset={offset}) on a tensor "
+            f"laid out as {src} is not a row-major view, and each rank's storage differs from the global one, so "
+            "fxshard cannot shard it. Write it with view/reshape/permute/slice instead.")
 
 
 def _set(node: fx.Node, arg_layouts: Sequence[Layout], out: Any) -> None:

@@ -125,6 +125,9 @@ def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
             args = list(node.args)
             args[SHAPE_ARGS[node.target]] = [int(s) for s in layout.local_shape(coordinate)]
             node.args = tuple(args)
+        elif node.target is aten.as_strided.default and isinstance(layout, Layout):  # a plain view (stage 2)
+            node.target = aten.view.default
+            node.args, node.kwargs = (node.args[0], [int(s) for s in layout.local_shape(coordinate)]), {}
         elif node.target in LOCAL_INDEX_ARGS and layout is not None:
             LOCAL_INDEX_ARGS[node.target](node, coordinate)
     local.recompile()

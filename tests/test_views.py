@@ -120,3 +120,21 @@ def test_view_chain_keeps_the_data_in_place(fn, shape, mesh, placements, expecte
 
 def test_at_least_forty_chains():
     assert len(CHAINS) >= 40
+
+
+def test_as_strided_that_is_a_plain_view_is_a_view():
+    x = torch.randn(2, 8, 64)
+
+    def f(t):
+        return torch.as_strided(t, (2, 8, 4, 16), (512, 64, 16, 1))
+
+    e = explain(f, x, mesh=TP4, placements={0: (S(2),)})
+    assert (str(chain_result(e)[0]), e.collectives) == ("[2] [8] [4@tp] [16]", [])
+    torch.testing.assert_close(simulate(f, x, mesh=TP4, placements={0: (S(2),)}), f(x))
+
+
+def test_as_strided_that_is_not_a_view_is_refused():
+    from fxshard.propagate import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match="not a row-major view"):
+        explain(lambda t: torch.as_strided(t, (4, 4), (1, 4)), torch.randn(16), mesh=TP4, placements={0: (S(0),)})
