@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from .layout import Layout, LayoutError, Piece
@@ -79,26 +80,41 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             _propagate_call(node, mesh, strict, cost_model)
         elif node.op == "output":
             outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and "layout" in a.meta]
-            node.meta["arg_layouts"] = tuple(dtensor_expressible(a.meta["layout"]) for a in outs)
+            node.meta["arg_layouts"] = tuple(dtensor_expressible(a.meta["layout"], _dtype(a), cost_model) for a in outs)
     return gm
 
 
-def dtensor_expressible(layout: Layout) -> Layout:
-    """``layout`` itself if DTensor can express it, else the cheapest layout it can (dims gathered)."""
+def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
+                        cost_model: CostModel | None = None) -> Layout:
+    """``layout`` itself if DTensor can express it, else the DTensor placements cheapest to reach.
+
+    Candidates are every placement tuple (Replicate or Shard(d) per mesh axis; whole-axis
+    partials kept); ties go to the one with the smaller local block.
+    """
     if layout.to_placements() is not None:
         return layout
-    partial = tuple(p for p in layout.partial if p[0].is_whole)
-    best = Layout(layout.mesh, layout.shape, layout.dims, partial) if partial != layout.partial else layout
-    dims = list(best.dims)
-    for d in range(best.ndim):
-        if Layout(best.mesh, best.shape, dims, partial).to_placements() is not None:
-            break
-        candidate = dims[:d] + [()] + dims[d + 1:]
-        if any(p.axis is not None and not p.axis.is_whole for p in dims[d]) or \
-                Layout(best.mesh, best.shape, candidate, partial).to_placements() is not None:
-            dims = candidate
-    out = Layout(best.mesh, best.shape, dims, partial)
-    return out if out.to_placements() is not None else Layout(best.mesh, best.shape, None, partial)
+    mesh = layout.mesh
+    partial = {a.name: op for a, op in layout.partial if a.is_whole}
+    options = [[Partial(partial[n])] if n in partial else [Replicate()] + [Shard(d) for d in range(layout.ndim)]
+               for n in mesh.names]
+    best: tuple | None = None
+    for placements in itertools.product(*options):
+        try:
+            target = layout_from_placements(mesh, layout.shape, placements)
+            cost = redistribute_cost(layout, target, dtype, cost_model)
+        except (LayoutError, AssertionError):
+            continue
+        key = (cost, _numeric_size(target.max_local_shape()))
+        if best is None or key < best[0]:
+            best = (key, target)
+    return best[1] if best is not None else Layout.replicated(mesh, layout.shape)
+
+
+def _numeric_size(shape: Sequence[Any]) -> float:
+    n = 1.0
+    for s in shape:
+        n *= float(s) if isinstance(s, int) else 8.0
+    return n
 
 
 def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None) -> None:

@@ -55,8 +55,13 @@ def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Pie
         cur: list[Piece] = []
         need = size
         while need != 1:
-            if not queue or queue[0].chunked:
+            if not queue:
                 return None
+            if queue[0].chunked:  # an uneven shard moves whole, as the last piece of its dim
+                if len(queue) != 1 or queue[0].size != need:
+                    return None
+                cur.append(queue.pop(0))
+                break
             p = queue.pop(0)
             if not (is_static(p.size) and is_static(need)):
                 return None

@@ -1,0 +1,413 @@
+"""Property test: random layouts x random chains of view-like ops (issue 3).
+
+A chain ``f`` is 1-4 ops drawn from view/reshape, flatten/unflatten, squeeze/unsqueeze,
+permute/transpose, split/chunk (one piece), narrow/slice, select, unbind (one piece) and
+cat/stack of the tensor with ``t * 2``. It runs on a random mesh (1-3 axes of 2-8, at most 16
+ranks) from a random even input layout: DTensor placements (Replicate, Shard, _StridedShard)
+or Pieces with sub-axes. Every chain is checked two ways:
+
+1. numerics, always: ``fxshard.simulate(f, x)`` equals ``f(x)`` on one device, exactly (the
+   ops only move data and double it);
+2. communication, for chains of views, permutes and cat/stack: against an oracle built from
+   what each rank holds (DTensor's own split code, or ``Layout.local_indices`` for Piece
+   layouts), never from fxshard's propagation. A view keeps row-major element order, so a rank
+   can view its block locally iff its elements, read in local order and unraveled into the
+   new shape, form a product grid ``I_0 x ... x I_k`` (each ``I_j`` in order of first
+   appearance); a permute permutes the grid, a cat/stack with a copy stacks it. When every op
+   keeps every rank's elements a grid, fxshard must insert no collective before the graph
+   output, the result's layout must hold exactly those grids, and when DTensor placements
+   hold them the output needs no redistribution either.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from hypothesis import assume, event, given, settings, strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+import fxshard
+from fxshard import Layout, LayoutError, MeshSpec, Piece
+from fxshard.ops import REDISTRIBUTE
+
+R = Replicate()
+MAX_NUMEL = 2048
+Grid = list[list[int]]  # one rank's elements: per-dim global indices, in local order
+
+# ---- chains of ops, as python source -------------------------------------------------------
+
+VIEWS = ("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze")
+MOVES = ("permute", "transpose", "cat", "stack")
+SLICES = ("split", "chunk", "narrow", "slice", "select", "unbind")
+
+SOURCE = {
+    "view": "t.view({})", "reshape": "t.reshape({})", "flatten": "t.flatten({}, {})",
+    "unflatten": "t.unflatten({}, {})", "squeeze": "t.squeeze({})", "unsqueeze": "t.unsqueeze({})",
+    "permute": "t.permute({})", "transpose": "t.transpose({}, {})",
+    "split": "t.split({}, {})[{}]", "chunk": "t.chunk({}, {})[{}]", "narrow": "t.narrow({}, {}, {})",
+    "slice": "t[{}{}:{}:{}]", "select": "t.select({}, {})", "unbind": "t.unbind({})[{}]",
+    "cat": "torch.cat([t, copy(t)], {})", "stack": "torch.stack([t, copy(t)], {})",
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    args: tuple
+
+    def __repr__(self) -> str:
+        return SOURCE[self.kind].format(*self.args)
+
+
+def chain_source(ops: Sequence[Op]) -> str:
+    return "def f(x):\n    t = x\n" + "".join(f"    t = {op!r}\n" for op in ops) + "    return t\n"
+
+
+def chain_function(ops: Sequence[Op]) -> Callable:
+    """``f(x)``: the chain as a plain python function (Dynamo traces it like user code)."""
+    namespace: dict[str, Any] = {"torch": torch, "copy": lambda t: t * 2}
+    exec(compile(chain_source(ops), "<chain>", "exec"), namespace)
+    return namespace["f"]
+
+
+def apply(op: Op, t: torch.Tensor) -> torch.Tensor:
+    return chain_function([op])(t)
+
+
+def prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+@st.composite
+def regrouping(draw, shape: Sequence[int]) -> tuple[int, ...]:
+    """A shape with as many elements: the prime factors, usually in order (so shards can stay), cut into dims."""
+    factors = [f for s in shape for f in draw(st.permutations(prime_factors(s)))]
+    if draw(st.integers(0, 3)) == 0:
+        factors = draw(st.permutations(factors))
+    ndim = draw(st.integers(1, max(1, min(4, len(factors)))))
+    cuts = sorted(draw(st.lists(st.integers(0, len(factors)), min_size=ndim - 1, max_size=ndim - 1)))
+    bounds = [0] + cuts + [len(factors)]
+    out = [math.prod(factors[a:b]) for a, b in zip(bounds, bounds[1:])]
+    if len(out) < 5 and draw(st.integers(0, 4)) == 0:
+        out.insert(draw(st.integers(0, len(out))), 1)
+    return tuple(out)
+
+
+def _applicable(kind: str, t: torch.Tensor) -> bool:
+    n, shape = t.ndim, t.shape
+    return {
+        "view": n >= 1 and t.is_contiguous(), "reshape": n >= 1, "flatten": n >= 2,
+        "unflatten": n >= 1, "squeeze": n >= 2 and 1 in shape, "unsqueeze": 1 <= n <= 4,
+        "permute": n >= 2, "transpose": n >= 2,
+        "split": any(s >= 2 for s in shape), "chunk": any(s >= 2 for s in shape),
+        "narrow": any(s >= 2 for s in shape), "slice": any(s >= 2 for s in shape),
+        "select": n >= 2, "unbind": n >= 2,
+        "cat": n >= 1 and 2 * t.numel() <= MAX_NUMEL, "stack": 1 <= n <= 4 and 2 * t.numel() <= MAX_NUMEL,
+    }[kind]
+
+
+@st.composite
+def op_on(draw, kind: str, t: torch.Tensor) -> Op:
+    shape, n = tuple(t.shape), t.ndim
+    dim = st.integers(0, n - 1)
+    long_dim = st.sampled_from([d for d in range(n) if shape[d] >= 2] or [0])
+    if kind in ("view", "reshape"):
+        return Op(kind, (draw(regrouping(shape)),))
+    if kind == "flatten":
+        start = draw(st.integers(0, n - 2))
+        return Op(kind, (start, draw(st.integers(start + 1, n - 1))))
+    if kind == "unflatten":
+        d = draw(dim)
+        factors = draw(st.permutations(prime_factors(shape[d])))
+        cut = draw(st.integers(0, len(factors)))
+        sizes = [math.prod(factors[:cut]), math.prod(factors[cut:])]
+        if draw(st.booleans()):
+            sizes[draw(st.integers(0, 1))] = -1
+        return Op(kind, (d, tuple(sizes)))
+    if kind == "squeeze":
+        return Op(kind, (draw(st.sampled_from([d for d in range(n) if shape[d] == 1])),))
+    if kind == "unsqueeze":
+        return Op(kind, (draw(st.integers(0, n)),))
+    if kind == "permute":
+        return Op(kind, (tuple(draw(st.permutations(range(n)))),))
+    if kind == "transpose":
+        a, b = draw(st.lists(dim, min_size=2, max_size=2, unique=True))
+        return Op(kind, (a, b))
+    if kind in ("split", "chunk"):
+        d = draw(long_dim)
+        k = draw(st.integers(1, shape[d] - 1)) if kind == "split" else draw(st.integers(2, shape[d]))
+        pieces = len(t.split(k, d) if kind == "split" else t.chunk(k, d))
+        return Op(kind, (k, d, draw(st.integers(0, pieces - 1))))
+    if kind == "narrow":
+        d = draw(long_dim)
+        start = draw(st.integers(0, shape[d] - 1))
+        return Op(kind, (d, start, draw(st.integers(1, shape[d] - start))))
+    if kind == "slice":
+        d = draw(long_dim)
+        start = draw(st.integers(0, shape[d] - 1))
+        end = draw(st.integers(start + 1, shape[d]))
+        return Op(kind, (":, " * d, start, end, draw(st.sampled_from([1, 1, 2]))))
+    if kind == "select":
+        d = draw(dim)
+        return Op(kind, (d, draw(st.integers(-shape[d], shape[d] - 1))))
+    if kind == "unbind":
+        d = draw(dim)
+        return Op(kind, (d, draw(st.integers(0, shape[d] - 1))))
+    if kind == "cat":
+        return Op(kind, (draw(st.integers(-n, n - 1)),))
+    return Op(kind, (draw(st.integers(0, n)),))  # stack
+
+
+@st.composite
+def chains(draw, shape: Sequence[int], kinds: Sequence[str]) -> list[Op]:
+    t = torch.empty(shape, device="meta")
+    ops = []
+    for _ in range(draw(st.integers(1, 4))):
+        options = [k for k in kinds if _applicable(k, t)]
+        if not options:
+            break
+        op = draw(op_on(draw(st.sampled_from(options)), t))
+        t = apply(op, t)
+        ops.append(op)
+    return ops
+
+
+# ---- meshes and input layouts -------------------------------------------------------------------
+
+@st.composite
+def meshes(draw) -> MeshSpec:
+    sizes: list[int] = []
+    for _ in range(draw(st.integers(1, 3))):
+        room = 16 // math.prod(sizes)
+        if room < 2:
+            break
+        sizes.append(draw(st.integers(2, min(8, room))))
+    return MeshSpec(list(zip("abc", sizes)))
+
+
+@dataclass(frozen=True)
+class Input:
+    shape: tuple[int, ...]
+    spec: Any  # what ``placements={0: spec}`` gets: DTensor placements or a Layout
+    grids: dict[tuple[int, ...], Grid]  # coordinate -> what that rank holds
+
+
+@st.composite
+def placement_inputs(draw, mesh: MeshSpec) -> Input:
+    """DTensor placements; every sharded dim is a multiple of its shards (no uneven sizes)."""
+    ndim = draw(st.integers(1, 4))
+    placements = []
+    for _ in mesh.sizes:
+        kind, d = draw(st.sampled_from(["S", "S", "S", "R", "SS"])), draw(st.integers(0, ndim - 1))
+        placements.append(R if kind == "R" else Shard(d) if kind == "S" else
+                          _StridedShard(d, split_factor=draw(st.sampled_from([2, 3]))))
+    shape = [draw(st.sampled_from([2, 1, 3, 4])) for _ in range(ndim)]
+    for p, n in zip(placements, mesh.sizes):
+        if not isinstance(p, Replicate):
+            shape[p.dim] *= n * (p.split_factor if isinstance(p, _StridedShard) else 1)
+    assume(math.prod(shape) <= MAX_NUMEL)
+    grids = dtensor_grids(mesh, shape, placements)
+    assume(grids is not None)  # some _StridedShard factors leave uneven blocks
+    try:
+        layout = Layout.from_placements(mesh, shape, placements)
+    except LayoutError as e:
+        raise AssertionError(f"DTensor shards {shape} evenly with {placements}, but fxshard has no layout: {e}")
+    assert layout_grids(layout) == grids, f"fxshard's {layout} is not DTensor's {placements} of {shape}"
+    return Input(tuple(shape), tuple(placements), grids)
+
+
+@st.composite
+def piece_inputs(draw, mesh: MeshSpec) -> Input:
+    """A Layout from Pieces: each mesh axis whole or split into two sub-axes, on any dim, among local pieces."""
+    ndim = draw(st.integers(1, 4))
+    dims: list[list[Piece]] = [[] for _ in range(ndim)]
+    for name, n in zip(mesh.names, mesh.sizes):
+        outers = [f for f in range(2, n) if n % f == 0]
+        axes = mesh.axis(name).split(draw(st.sampled_from(outers))) if outers and draw(st.booleans()) else \
+            (mesh.axis(name),)
+        for axis in axes:
+            d = draw(st.integers(0, ndim))  # ndim: replicated
+            if d < ndim:
+                dims[d].append(Piece(axis.size, axis))
+    for _ in range(draw(st.integers(0, 3))):
+        dims[draw(st.integers(0, ndim - 1))].append(Piece(draw(st.sampled_from([2, 3]))))
+    dims = [draw(st.permutations(pieces)) for pieces in dims]
+    shape = tuple(math.prod(int(p.size) for p in pieces) for pieces in dims)
+    layout = Layout(mesh, shape, dims)
+    return Input(shape, layout, layout_grids(layout))
+
+
+def inputs(mesh: MeshSpec) -> st.SearchStrategy[Input]:
+    return st.one_of(placement_inputs(mesh), piece_inputs(mesh))
+
+
+# ---- the oracle: what each rank holds, from first principles -----------------------------------
+
+def dtensor_block(ids: torch.Tensor, mesh: MeshSpec, placements: Sequence[Any], coord: Sequence[int]) -> torch.Tensor:
+    """This rank's block of ``ids`` by DTensor's own split code (mesh dims left to right)."""
+    local = ids
+    for p, n, c in zip(placements, mesh.sizes, coord):
+        if not isinstance(p, Replicate):
+            local = p._split_tensor(local, int(n), with_padding=False)[0][c]
+    return local
+
+
+def grid_of(seq: torch.Tensor, shape: Sequence[int]) -> Grid | None:
+    """``seq`` (flat row-major indices into ``shape``) as a product grid, or None if it is not one."""
+    coords = torch.unravel_index(seq, tuple(shape)) if len(shape) else ()
+    grid = [list(dict.fromkeys(c.tolist())) for c in coords]
+    if math.prod(len(i) for i in grid) != seq.numel() or not torch.equal(grid_flat(grid, shape), seq):
+        return None
+    return grid
+
+
+def grid_flat(grid: Grid, shape: Sequence[int]) -> torch.Tensor:
+    """The flat row-major indices of the product grid, in local (row-major) order."""
+    flat = torch.zeros(1, dtype=torch.long)
+    stride = math.prod(shape)
+    for index, size in zip(grid, shape):
+        stride //= size
+        flat = (flat[:, None] + torch.tensor(index, dtype=torch.long)[None, :] * stride).reshape(-1)
+    return flat
+
+
+def dtensor_grids(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Any]) -> dict | None:
+    """Each rank's grid under DTensor placements; None unless all blocks have one size."""
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    blocks = {c: dtensor_block(ids, mesh, placements, c) for c in mesh.coordinates()}
+    if len({b.shape for b in blocks.values()}) != 1:
+        return None
+    return {c: grid_of(b.reshape(-1), shape) for c, b in blocks.items()}
+
+
+def layout_grids(layout: Layout) -> dict[tuple[int, ...], Grid]:
+    return {c: [layout.local_indices(d, c).tolist() for d in range(layout.ndim)] for c in layout.mesh.coordinates()}
+
+
+def oracle_step(grid: Grid, op: Op, before: Sequence[int], after: Sequence[int]) -> Grid | None:
+    """One rank's grid after ``op`` done locally; None if the op cannot be local for this rank."""
+    if op.kind in VIEWS:
+        return grid_of(grid_flat(grid, before), after)
+    if op.kind == "permute":
+        return [grid[p] for p in op.args[0]]
+    if op.kind == "transpose":
+        a, b = op.args
+        out = list(grid)
+        out[a], out[b] = out[b], out[a]
+        return out
+    if op.kind == "cat":  # [t, copy(t)]: the copy's elements follow, shifted by the size of the dim
+        d = op.args[0] % len(before)
+        return grid[:d] + [grid[d] + [i + before[d] for i in grid[d]]] + grid[d + 1:]
+    if op.kind == "stack":
+        return grid[:op.args[0]] + [[0, 1]] + grid[op.args[0]:]
+    raise ValueError(f"the oracle has no rule for {op.kind}")
+
+
+def oracle(grids: dict, ops: Sequence[Op], shapes: Sequence[Sequence[int]]) -> dict | None:
+    """Every rank's grid of the result if the chain can run with no communication, else None."""
+    for op, before, after in zip(ops, shapes, shapes[1:]):
+        grids = {c: oracle_step(g, op, before, after) for c, g in grids.items()}
+        if any(g is None for g in grids.values()):
+            return None
+    return grids
+
+
+def dtensor_holding(mesh: MeshSpec, shape: Sequence[int], grids: dict) -> tuple | None:
+    """DTensor placements whose blocks are exactly ``grids`` (Shard, _StridedShard, Replicate), if any."""
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    zero = (0,) * mesh.ndim
+    options = []
+    for m, n in enumerate(mesh.sizes):
+        moved = {d for v in range(1, n) for d in range(len(shape))
+                 if grids[zero[:m] + (v,) + zero[m + 1:]][d] != grids[zero][d]}
+        if len(moved) > 1:
+            return None
+        if not moved:
+            options.append([R])
+            continue
+        d = moved.pop()
+        options.append([Shard(d)] + [_StridedShard(d, split_factor=f) for f in range(2, shape[d]) if shape[d] % f == 0])
+    want = {c: ids[tuple(torch.tensor(i).reshape([-1 if k == j else 1 for k in range(len(g))])
+                         for j, i in enumerate(g))] for c, g in grids.items()}
+    for placements in itertools.product(*options):
+        if all(torch.equal(dtensor_block(ids, mesh, placements, c), want[c]) for c in grids):
+            return placements
+    return None
+
+
+# ---- the check ------------------------------------------------------------------------------------
+
+def shapes_along(shape: Sequence[int], ops: Sequence[Op]) -> list[tuple[int, ...]]:
+    t = torch.empty(shape, device="meta")
+    out = [tuple(t.shape)]
+    for op in ops:
+        t = apply(op, t)
+        out.append(tuple(t.shape))
+    return out
+
+
+def feeds_only_output(node: fx.Node) -> bool:
+    return all(u.op == "output" for u in node.users)
+
+
+def result_layout(gm: fx.GraphModule) -> Layout:
+    """The layout the chain computes its result in, before any redistribution for the graph output."""
+    (value,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return value.meta["src_layout"] if value.target is REDISTRIBUTE else value.meta["layout"]
+
+
+def check(mesh: MeshSpec, x_in: Input, ops: list[Op], seed: int) -> None:
+    f = chain_function(ops)
+    x = torch.randn(x_in.shape, generator=torch.Generator().manual_seed(seed))
+    placements = {0: x_in.spec}
+    want = f(x)
+    got = fxshard.simulate(f, x, mesh=mesh, placements=placements, strict=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    if not all(op.kind in VIEWS + MOVES for op in ops):
+        return
+    shapes = shapes_along(x_in.shape, ops)
+    grids = oracle(x_in.grids, ops, shapes)
+    event(f"oracle: {'no communication' if grids is not None else 'communication'}")
+    if grids is None:
+        return
+    explained = fxshard.explain(f, x, mesh=mesh, placements=placements, strict=True)
+    inside = [str(c) for c in explained.collectives if not feeds_only_output(c.node)]
+    assert inside == [], f"every rank can compute its block locally, yet fxshard communicates:\n{explained}"
+    layout = result_layout(explained.graph)
+    assert layout_grids(layout) == grids, f"the result's layout {layout} is not what the ranks hold:\n{explained}"
+    dtensor = dtensor_holding(mesh, shapes[-1], grids)
+    event(f"result as DTensor: {dtensor is not None}")
+    if dtensor is not None:
+        assert explained.collectives == [], f"DTensor {dtensor} holds the result as computed:\n{explained}"
+
+
+COMMON = dict(deadline=None, derandomize=True, database=None)
+
+
+@settings(max_examples=60, **COMMON)
+@given(data=st.data())
+def test_views_permutes_and_stacks_need_no_communication_when_ranks_can_view_locally(data):
+    mesh = data.draw(meshes(), label="mesh")
+    x_in = data.draw(inputs(mesh), label="input")
+    ops = data.draw(chains(x_in.shape, VIEWS + VIEWS + MOVES), label="chain")
+    check(mesh, x_in, ops, data.draw(st.integers(0, 2**31 - 1), label="seed"))
+
+
+@settings(max_examples=50, **COMMON)
+@given(data=st.data())
+def test_view_like_chains_compute_the_single_device_result(data):
+    mesh = data.draw(meshes(), label="mesh")
+    x_in = data.draw(inputs(mesh), label="input")
+    ops = data.draw(chains(x_in.shape, VIEWS + MOVES + SLICES + SLICES), label="chain")
+    check(mesh, x_in, ops, data.draw(st.integers(0, 2**31 - 1), label="seed"))
