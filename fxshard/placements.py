@@ -141,17 +141,25 @@ def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
             return None
         result[spec.index(a.name)] = Partial(op)
     for d, pieces in enumerate(layout.dims):
-        sharded = [(spec.index(p.axis.name), i) for i, p in enumerate(pieces) if p.axis is not None]
-        if any(not pieces[i].axis.is_whole for _, i in sharded):
-            return None
+        # a later mesh axis chunks what earlier ones left, so it may come out as sub-axes around
+        # their pieces ([2@b/2 2@a 2@b%2] is _StridedShard(0, 2), Shard(0)): group by mesh axis
+        by_axis: dict[int, list[int]] = {}
+        for i, p in enumerate(pieces):
+            if p.axis is not None:
+                by_axis.setdefault(spec.index(p.axis.name), []).append(i)
         done: set[int] = set()
-        for mesh_dim, i in sorted(sharded):
-            before = [pieces[j] for j in range(i) if j not in done]
+        for mesh_dim, idx in sorted(by_axis.items()):
+            whole: MeshAxis | None = pieces[idx[0]].axis
+            for i in idx[1:]:
+                whole = whole.merge(pieces[i].axis) if whole is not None else None
+            if whole is None or not whole.is_whole:
+                return None
             factor: Size = 1
-            for q in before:
-                factor = factor * q.size
+            for j in range(idx[0]):
+                if j not in done:
+                    factor = factor * pieces[j].size
             result[mesh_dim] = Shard(d) if factor == 1 else _StridedShard(d, split_factor=int(factor))
-            done.add(i)
+            done.update(idx)
     placements = tuple(result)
     try:
         if layout_from_placements(spec, layout.shape, placements) != layout:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .layout import Layout, Piece
+from .layout import Layout, Piece, _merge_adjacent
 from .mesh import is_static
 
 
@@ -49,7 +49,8 @@ def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple
 
 def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Piece]] | None:
     """Cut ``pieces`` (major to minor) into dims of ``sizes``; None if a cut needs communication."""
-    queue = list(pieces)
+    # pieces of adjacent dims may be one piece: [2] [3] is [6] (cut as 3 x 2), [2@tp/3] [3@tp%3] is [6@tp]
+    queue = _merge_adjacent(list(pieces))
     out: list[list[Piece]] = []
     for size in sizes:
         cur: list[Piece] = []
