@@ -374,13 +374,11 @@ def axis_digits(corners: list[tuple[int, ...]]) -> list[tuple[int, int, int]] | 
             digits += [(j, size, inner, stride) for j, stride in moved]
             inner *= size
         else:
-            def corner(v: int) -> tuple[int, ...]:
-                out = [0] * len(corners[0])
-                for j, size, inner, stride in digits:
-                    out[j] += (v // inner) % size * stride
-                return tuple(out)
-
-            if all(corner(v) == corners[v] for v in range(n)):
+            predicted = [[0] * len(corners[0]) for _ in range(n)]
+            for j, size, inner, stride in digits:
+                for v in range(n):
+                    predicted[v][j] += (v // inner) % size * stride
+            if all(tuple(p) == c for p, c in zip(predicted, corners)):
                 return [(j, size, stride) for j, size, _, stride in digits]
     return None
 
@@ -504,7 +502,8 @@ ORACLE_CASES = [  # (mesh, input shape, placements or Layout, chain, no communic
     (M2, (4, 6), (Shard(1),), [Op("reshape", ((24,),))], True),  # [4 2@a 3]
     (M2, (4, 6), (Shard(1),), [Op("reshape", ((3, 8),))], False),  # rank 0: columns 0-2 of rows 0-3
     (M2, (2, 4), (Shard(1),), [Op("cat", (0,)), Op("view", ((16,),))], True),  # [2 2 2@a 2]
-    # one element per rank (grids), but row 3b + a of [3, 2] is no layout: dim 0 would mix a and b
+    # rank (a, b, c) holds element (3b + a, c); as [3, 2, 2] that is ((3b + a) // 2, (3b + a) % 2, c):
+    # one element, a grid on every rank, but no layout (dim 0 would mix a and b)
     (M3x2x2, (6, 2), piece_layout(M3x2x2, (6, 2), [(2, "b"), (3, "a")], [(2, "c")]),
      [Op("unflatten", (0, (3, 2)))], False),
     (M2x4, (8,), (_StridedShard(0, split_factor=2), Shard(0)), [Op("unsqueeze", (0,))], True),
@@ -535,7 +534,7 @@ def test_found_by_the_properties(mesh, shape, spec, ops):
 
 # ---- the properties ---------------------------------------------------------------------------------
 
-COMMON = dict(deadline=None, derandomize=True, database=None)
+COMMON = {"deadline": None, "derandomize": True, "database": None}
 
 
 @settings(max_examples=60, **COMMON)
