@@ -49,10 +49,6 @@ class Piece:
     axis: MeshAxis | None = None
     chunked: bool = False
 
-    @property
-    def is_local(self) -> bool:
-        return self.axis is None
-
     def __str__(self) -> str:
         if self.axis is None:
             return str(self.size)
@@ -117,9 +113,6 @@ class Layout:
 
     def with_partial(self, partial: Iterable[tuple[MeshAxis, str]]) -> "Layout":
         return Layout(self.mesh, self.shape, self.dims, tuple(partial))
-
-    def with_shape(self, shape: Sequence[Any], dims: Sequence[Sequence[Piece]]) -> "Layout":
-        return Layout(self.mesh, shape, dims, self.partial)
 
     # ---- queries --------------------------------------------------------------------------
     @property

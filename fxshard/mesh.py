@@ -78,9 +78,6 @@ class MeshAxis:
     def __repr__(self) -> str:
         return f"MeshAxis({self})"
 
-    def sort_key(self) -> tuple:
-        return (self.name, -sympy.sympify(self.inner).as_coeff_Mul()[0])
-
     def coordinate(self, axis_coordinate: int) -> int:
         return (axis_coordinate // int(self.inner)) % int(self.size)
 

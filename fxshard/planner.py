@@ -55,6 +55,10 @@ class Step:
     reduce_op: str | None = None
     bytes_per_rank: Size = 0
 
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {self.kind!r}; expected one of {STEP_KINDS}")
+
     def __str__(self) -> str:
         where = f" dim {self.dim}" if self.dim is not None else ""
         if self.to_dim is not None:

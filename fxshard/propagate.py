@@ -203,18 +203,6 @@ def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, stric
 
 
 # ---- strategies of declared signatures ------------------------------------------------------
-def _factor_sizes(sig: Signature, in_layouts: Sequence[Layout], out_shape: Sequence[int]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for dims, layout in zip(sig.inputs, in_layouts):
-        for f, s in zip(dims, layout.shape):
-            if f is not None:
-                sizes[f] = s
-    for f, s in zip(sig.output, out_shape):
-        if f is not None:
-            sizes[f] = s
-    return sizes
-
-
 def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str, list[tuple[Piece, ...]]]:
     cands: dict[str, list[tuple[Piece, ...]]] = {}
     for dims, layout in zip(sig.inputs, in_layouts):

@@ -64,11 +64,11 @@ def _dim_arg(node: fx.Node, i: int, ndim: int) -> int:
 def _localize_slice(node: fx.Node, coordinate: Coordinate) -> None:
     src, out = node.args[0].meta["layout"], node.meta["layout"]
     d = _dim_arg(node, 1, src.ndim)
-    start = _global_start(node, src, d)
     step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-    wanted = [start + step * int(i) for i in out.local_indices(d, coordinate)]
-    if step != 1:  # the sliced dim is local: the global arguments are the local ones
+    if step != 1:  # stage 2 made the sliced dim local: the global arguments are the local ones
         return
+    start = _global_start(node, src, d)
+    wanted = [start + int(i) for i in out.local_indices(d, coordinate)]
     lo, hi = local_range(src, d, wanted, coordinate)
     node.args = (node.args[0], d, lo, hi) + tuple(node.args[4:])
     node.kwargs = {}
