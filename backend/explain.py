@@ -64,7 +64,7 @@ def collectives_of(gm: fx.GraphModule) -> list[Collective]:
         if plan is None:
             continue
         for step in plan.collectives:
-            out.append(Collective(step.kind, (step.axis,), step.bytes_per_rank, node))
+            out.append(Collective(step.kind, step.axes, step.bytes_per_rank, node))
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
 
 from fxshard.mesh import MeshSpec
@@ -89,12 +89,20 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
                 flat = [env[indexes[0][o]] for o in outs]
                 outputs = [[_rank_value(v, r) for v in flat] for r in range(ranks)]
                 break
+            if first.op == "get_attr":  # rank-specific constants (exchange tables)
+                env[i] = mode.rank_map(lambda r: getattr(graphs[r], node_lists[r][i].target))
+                continue
             if first.op != "call_function":
                 raise RuntimeError(f"simulate cannot run node {first.format_node()}")
             keys = {(n.target, _key(n.args, indexes[r]), _key(n.kwargs, indexes[r])) for r, n in enumerate(nodes)}
             if len(keys) == 1:
                 args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
                 env[i] = first.target(*args, **kwargs)
+            elif first.target is torch.ops._c10d_functional.all_to_all_single.default:
+                # per-rank split sizes: one call over all ranks with LocalIntNode sizes
+                args = fx.node.map_arg(first.args, lambda a: env[indexes[0][a]])
+                splits = [_rank_ints([n.args[k] for n in nodes]) for k in (1, 2)]
+                env[i] = first.target(args[0], *splits, first.args[3])
             else:
                 def per_rank(r: int) -> torch.Tensor:
                     n = nodes[r]
@@ -103,6 +111,12 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
 
                 env[i] = mode.rank_map(per_rank)
     return outputs
+
+
+def _rank_ints(per_rank: Sequence[Sequence[int]]) -> list:
+    """Per-rank int lists -> one list of SymInts that hold each rank's value."""
+    return [torch.SymInt(LocalIntNode({r: int(v[k]) for r, v in enumerate(per_rank)}))
+            if len({int(v[k]) for v in per_rank}) > 1 else int(per_rank[0][k]) for k in range(len(per_rank[0]))]
 
 
 def _rank_value(v: Any, r: int) -> Any:

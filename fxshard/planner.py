@@ -1,31 +1,44 @@
-"""Redistribution plans: a list of one-axis steps from one layout to another, with a cost.
+"""Redistribution plans: the cheapest sequence of steps from one layout to another.
 
-This is the first planner: a fixed order of phases (reduce partials, gather or all-to-all
-what the target does not keep, slice what it adds, re-partial). Each step records the
-layouts before and after it, so lowering needs nothing else. Byte counts are per rank,
-received over the network, for the busiest rank.
+Dijkstra over layouts (written over atoms, see ``atoms.py``). From each layout the moves
+are collectives on a group of atoms (one mesh axis, a sub-axis, or several flattened into
+one group) that move those atoms toward where the target has them: all_gather, all_reduce,
+reduce_scatter, all_to_all, local_shard and local_partial. Moves are target-directed: an
+atom is inserted into a dim only where the target has it, so the graph stays small. One
+more edge, ``exchange``, goes straight to the target from the first layout with the
+target's partial axes: an all_to_all with per-peer sizes over the atoms that differ, in
+which every rank receives exactly the elements it lacks (the lower bound; see
+``exchange.py``). Step costs are alpha-beta per group (``CostModel``) plus local copies.
+
+Bytes are those the busiest rank receives over the network.
 """
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import sympy
 import torch
 
-from .layout import Layout, LayoutError, Piece
+from .atoms import LOCAL, AtomError, Atoms, State, atoms_in, canonical_dim, local_numel, localized, stride_of
+from .layout import Layout, LayoutError
 from .mesh import MeshAxis, Size, as_size
 
-STEP_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard", "local_partial")
+STEP_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange", "local_shard", "local_partial")
+MAX_STATES = 4000  # a search that pops more layouts than this falls back to its best plan so far
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Alpha-beta cost per collective: ``latency + bytes / bandwidth`` of its mesh axis.
+    """Alpha-beta cost per collective: ``latency + bytes / bandwidth`` of its mesh axes.
 
     ``bandwidth`` and ``latency`` map axis names to bytes/s and seconds; other axes use the
-    defaults (one node). ``copy_bandwidth`` prices local copies (slicing, permutes).
+    defaults (one node). A collective over several axes (a flattened group) runs at the
+    slowest bandwidth and the largest latency among them. ``copy_bandwidth`` prices local
+    copies (slicing, permutes, packing).
     """
 
     default_bandwidth: float = 100e9
@@ -40,31 +53,59 @@ class CostModel:
     def axis_latency(self, axis: MeshAxis) -> float:
         return dict(self.latency).get(axis.name, self.default_latency)
 
+    def collective_cost(self, axes: Sequence[MeshAxis], nbytes: Size) -> float:
+        return max(self.axis_latency(a) for a in axes) + _numeric(nbytes) / min(self.axis_bandwidth(a) for a in axes)
+
+    def copy_cost(self, nbytes: Size) -> float:
+        return _numeric(nbytes) / self.copy_bandwidth
+
 
 DEFAULT_COST_MODEL = CostModel()
 
 
 @dataclass(frozen=True)
 class Step:
+    """One step of a plan: ``kind`` on the flattened group ``axes`` (mesh order, major first)."""
+
     kind: str
-    axis: MeshAxis
+    axes: tuple[MeshAxis, ...]
     before: Layout
     after: Layout
-    dim: int | None = None  # the tensor dim sharded/gathered (all_to_all: the gathered dim)
-    to_dim: int | None = None  # all_to_all: the dim that becomes sharded
+    dim: int | None = None  # the tensor dim gathered / sharded (all_to_all: the gathered one), if one
+    to_dim: int | None = None  # all_to_all: the dim that becomes sharded, if one
     reduce_op: str | None = None
     bytes_per_rank: Size = 0
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}; expected one of {STEP_KINDS}")
+        if not self.axes:
+            raise ValueError(f"a {self.kind} step needs at least one mesh axis")
+
+    @property
+    def axis(self) -> MeshAxis:
+        """The one mesh axis of a single-axis step."""
+        if len(self.axes) != 1:
+            raise ValueError(f"step {self} runs on a flattened group of {len(self.axes)} axes")
+        return self.axes[0]
+
+    @property
+    def group_size(self) -> Size:
+        n: Size = 1
+        for a in self.axes:
+            n = n * a.size
+        return as_size(n)
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind.startswith("local")
 
     def __str__(self) -> str:
         where = f" dim {self.dim}" if self.dim is not None else ""
         if self.to_dim is not None:
-            where = f" dim {self.dim}->{self.to_dim}"
+            where = f" dim {self.dim if self.dim is not None else '*'}->{self.to_dim}"
         op = f" {self.reduce_op}" if self.reduce_op else ""
-        return f"{self.kind}({self.axis}{where}{op})"
+        return f"{self.kind}({','.join(str(a) for a in self.axes)}{where}{op})"
 
 
 @dataclass(frozen=True)
@@ -81,7 +122,7 @@ class Plan:
 
     @property
     def collectives(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if not s.kind.startswith("local"))
+        return tuple(s for s in self.steps if not s.is_local)
 
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst}: " + (", ".join(str(s) for s in self.steps) or "no-op")
@@ -94,7 +135,7 @@ def numel(shape: Sequence[Size]) -> Size:
     return as_size(n)
 
 
-def _dtype_size(dtype: torch.dtype) -> int:
+def dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -106,47 +147,23 @@ def _numeric(x: Size) -> float:
     return float(expr.subs({s: 8 for s in expr.free_symbols}))
 
 
-def _without_axis(pieces: Sequence[Piece], axis: MeshAxis) -> tuple[Piece, ...]:
-    """The pieces with ``axis`` gathered: its piece becomes local (a trailing chunked piece just goes)."""
-    return tuple(Piece(p.size) if p.axis == axis else p for p in pieces if not (p.axis == axis and p.chunked))
-
-
-def _axes_of(pieces: Sequence[Piece]) -> list[MeshAxis]:
-    return [p.axis for p in pieces if p.axis is not None]
-
-
-def _dim_of(layout: Layout, axis: MeshAxis) -> int | None:
-    for d, pieces in enumerate(layout.dims):
-        if axis in _axes_of(pieces):
-            return d
-    return None
-
-
-def _is_chunked(pieces: Sequence[Piece], axis: MeshAxis) -> bool:
-    return any(p.axis == axis and p.chunked for p in pieces)
-
-
-def _step_bytes(kind: str, axis: MeshAxis, before: Layout, dtype: torch.dtype) -> Size:
-    n = axis.size
-    local = numel(before.max_local_shape()) * _dtype_size(dtype)
+def collective_bytes(kind: str, n: Size, local_bytes: Size) -> Size:
+    """Bytes one rank receives in a collective over ``n`` ranks on ``local_bytes`` per rank."""
     if kind == "all_gather":
-        return as_size((n - 1) * local)
-    if kind == "all_reduce":
-        return as_size(sympy.sympify(2 * (n - 1) * local) / n) if not isinstance(n, int) else 2 * (n - 1) * local // n
-    if kind in ("reduce_scatter", "all_to_all"):
-        return as_size(sympy.sympify((n - 1) * local) / n) if not isinstance(n, int) else (n - 1) * local // n
-    return 0
+        return as_size((n - 1) * local_bytes)
+    factor = {"all_reduce": 2, "reduce_scatter": 1, "all_to_all": 1}.get(kind, 0)
+    if not factor:
+        return 0
+    if isinstance(n, int) and isinstance(local_bytes, int):
+        return factor * (n - 1) * local_bytes // n
+    return as_size(sympy.sympify(factor * (n - 1) * local_bytes) / n)
 
 
-def _step_cost(step: Step, dtype: torch.dtype, model: CostModel) -> float:
-    if step.kind.startswith("local"):
-        return _numeric(numel(step.after.max_local_shape())) * _dtype_size(dtype) / model.copy_bandwidth
-    return model.axis_latency(step.axis) + _numeric(step.bytes_per_rank) / model.axis_bandwidth(step.axis)
-
+# ---- the public entry points -------------------------------------------------------------------
 
 def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int] | None = None,
                       dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None) -> Plan:
-    """The steps that turn a tensor of layout ``src`` into layout ``dst`` on every rank."""
+    """The cheapest steps that turn a tensor of layout ``src`` into layout ``dst`` on every rank."""
     if shape is not None and tuple(shape) != tuple(src.shape):
         raise ValueError(f"shape {list(shape)} does not match the layouts' shape {list(src.shape)}")
     if src.shape != dst.shape or src.mesh != dst.mesh:
@@ -155,84 +172,323 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int] | None = No
     return _plan_cached(src, dst, dtype, cost_model or DEFAULT_COST_MODEL)
 
 
-@functools.lru_cache(maxsize=65536)
-def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
-    steps: list[Step] = []
-    cur = src
-
-    def add(kind: str, axis: MeshAxis, after: Layout, **kw) -> None:
-        nonlocal cur
-        step = Step(kind, axis, cur, after, bytes_per_rank=_step_bytes(kind, axis, cur, dtype), **kw)
-        steps.append(step)
-        cur = after
-
-    # 1. partial axes the target does not keep: reduce-scatter into a target shard, else all-reduce
-    dst_partial = set(dst.partial)
-    for axis, op in cur.partial:
-        if (axis, op) in dst_partial:
-            continue
-        rest = tuple(p for p in cur.partial if p[0] != axis)
-        d = _dim_of(dst, axis)
-        if d is not None and not _is_chunked(dst.dims[d], axis) and \
-                _canon(_without_axis(dst.dims[d], axis)) == _canon(cur.dims[d]):
-            after = Layout(cur.mesh, cur.shape, [dst.dims[d] if k == d else cur.dims[k] for k in range(cur.ndim)], rest)
-            add("reduce_scatter", axis, after, dim=d, reduce_op=op)
-        else:
-            add("all_reduce", axis, cur.with_partial(rest), reduce_op=op)
-
-    # 2. per dim: keep it, or remove the shards the target does not have (all-to-all when the
-    #    target wants the same axis on another dim whose other pieces already match)
-    for d in range(cur.ndim):
-        for axis in reversed(_axes_of(cur.dims[d])):
-            if _keeps(cur.dims[d], dst.dims[d]):
-                break
-            gathered = cur.with_dim(d, _without_axis(cur.dims[d], axis))
-            e = _dim_of(dst, axis)
-            if e is not None and e != d and not _is_chunked(cur.dims[d], axis) and \
-                    not _is_chunked(dst.dims[e], axis) and _canon(_without_axis(dst.dims[e], axis)) == _canon(cur.dims[e]):
-                add("all_to_all", axis, gathered.with_dim(e, dst.dims[e]), dim=d, to_dim=e)
-            else:
-                add("all_gather", axis, gathered, dim=d)
-
-    # 3. shards the target adds: slice locally, outermost first
-    for d in range(cur.ndim):
-        todo = [a for a in _axes_of(dst.dims[d]) if a not in _axes_of(cur.dims[d])]
-        for i, axis in enumerate(todo):
-            later = todo[i + 1:]
-            pieces = dst.dims[d]
-            for a in later:
-                pieces = _without_axis(pieces, a)
-            add("local_shard", axis, cur.with_dim(d, pieces), dim=d)
-
-    # 4. partial axes the target adds: R -> P, a local step
-    for axis, op in dst.partial:
-        if (axis, op) not in set(cur.partial):
-            add("local_partial", axis, cur.with_partial(cur.partial + ((axis, op),)), reduce_op=op)
-
-    if cur != dst:
-        raise AssertionError(f"planner ended at {cur}, not at {dst} (from {src})")
-    cost = sum(_step_cost(s, dtype, model) for s in steps)
-    return Plan(src, dst, tuple(steps), cost, dtype)
-
-
-def _keeps(cur: Sequence[Piece], dst: Sequence[Piece]) -> bool:
-    """Whether ``dst`` is ``cur`` plus extra shards (reached by local slicing alone)."""
-    extra = [a for a in _axes_of(dst) if a not in _axes_of(cur)]
-    pieces = tuple(dst)
-    for a in extra:
-        pieces = _without_axis(pieces, a)
-    return _canon(pieces) == _canon(cur)
-
-
-def _canon(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
-    from .layout import _merge_adjacent
-
-    # a chunked piece of size 1 (a size-1 dim sharded: one rank holds it) is still a shard
-    return tuple(_merge_adjacent([p for p in pieces if p.size != 1 or p.axis is not None]))
-
-
 def redistribute_cost(src: Layout, dst: Layout, dtype: torch.dtype = torch.float32,
                       cost_model: CostModel | None = None) -> float:
     if src == dst:
         return 0.0
     return plan_redistribute(src, dst, dtype=dtype, cost_model=cost_model).cost
+
+
+def clear_plan_cache() -> None:
+    _plan_cached.cache_clear()
+
+
+# ---- the search --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Move:
+    kind: str
+    ids: frozenset
+    state: State
+    reduce_op: str | None = None
+    axes: tuple = ()  # the exchange's group (its atoms are not in ``ids``)
+
+
+class _Search:
+    """Everything one planning problem needs: atoms, target, sizes, costs."""
+
+    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel):
+        self.src, self.dst, self.model = src, dst, model
+        self.itemsize = dtype_size(dtype)
+        self.atoms = Atoms.of([src, dst])
+        self.sizes = [a.size for a in self.atoms.axes]
+        self.start, self.goal = self.atoms.state(src), self.atoms.state(dst)
+        self.goal_where = _where(self.goal)
+        self.goal_strides = [stride_of(p) for p in self.goal[0]]
+
+    # -- moves --------------------------------------------------------------------------------
+    def moves(self, state: State) -> Iterator[_Move]:
+        where = _where(state)
+        strides = [stride_of(p) for p in state[0]]
+        classes: dict[tuple, list[int]] = {}
+        for a in range(len(self.sizes)):
+            here, there = where.get(a), self.goal_where.get(a)
+            if here == there and (here is None or here[0] == "p" or self._in_place(state, strides, a, here[1])):
+                continue
+            key = (here[0] if here else "free", there[0] if there else "free", here and here[0] == "p" and here[1])
+            classes.setdefault(key, []).append(a)
+        seen: set = set()
+        for (src_kind, dst_kind, _), members in classes.items():
+            for ids in _groups(members, self.atoms.axes):
+                if ids in seen and src_kind != "d":
+                    continue
+                seen.add(ids)
+                yield from self._moves_for(state, where, src_kind, dst_kind, ids)
+
+    def _in_place(self, state: State, strides: list, a: int, d: int) -> bool:
+        if strides[d][a] == -1:  # uneven: only an identical dim is in place
+            return state[0][d] == self.goal[0][d]
+        return strides[d][a] == self.goal_strides[d].get(a)
+
+    def _moves_for(self, state: State, where: dict, src_kind: str, dst_kind: str, ids: frozenset) -> Iterator[_Move]:
+        dims, partial = state
+        if src_kind == "p":
+            op = where[next(iter(ids))][1]
+            rest = tuple(p for p in partial if p[0] not in ids)
+            yield _Move("all_reduce", ids, (dims, rest), op)
+            if dst_kind == "d":
+                new = self._insert(dims, ids)
+                if new is not None:
+                    yield _Move("reduce_scatter", ids, (new, rest), op)
+            return
+        if src_kind == "d":
+            if any(self._chunked(dims, a) for a in ids) and not self._gatherable_chunk(dims, ids):
+                return
+            gathered = tuple(localized(p, ids) for p in dims)
+            yield _Move("all_gather", ids, (gathered, partial))
+            if dst_kind == "d" and not any(self._chunked(dims, a) for a in ids):
+                new = self._insert(gathered, ids, even_only=True)
+                if new is not None and _disjoint_places(dims, new, ids):
+                    yield _Move("all_to_all", ids, (new, partial))
+            return
+        # free atoms: shard locally toward the target, or make them partial
+        if dst_kind == "d":
+            new = self._insert(dims, ids, local_chunk=True)
+            if new is not None:
+                yield _Move("local_shard", ids, (new, partial))
+        elif dst_kind == "p":
+            op = self.goal_where[next(iter(ids))][1]
+            if all(o == op for _, o in partial):
+                yield _Move("local_partial", ids, (dims, tuple(sorted(partial + tuple((a, op) for a in ids)))), op)
+
+    def _insert(self, dims: tuple, ids: frozenset, even_only: bool = False, local_chunk: bool = False) -> tuple | None:
+        """``dims`` with ``ids`` sharded where the target has them, if the rest of each dim allows."""
+        out = list(dims)
+        for e, target in enumerate(self.goal[0]):
+            mine = ids & atoms_in(target)
+            if not mine:
+                continue
+            keep = atoms_in(dims[e]) | mine
+            candidate = localized(target, atoms_in(target) - keep)
+            if localized(candidate, mine) != dims[e]:
+                return None
+            chunked = [i for i, p in enumerate(candidate) if p[2] and p[1] in mine]
+            if chunked:
+                if even_only or not local_chunk or len(ids) != 1:
+                    return None
+                if any(p[1] == LOCAL for p in candidate[:chunked[0]]):
+                    return None  # an uneven shard of a strided block: no local lowering
+            out[e] = candidate
+        return tuple(out)
+
+    @staticmethod
+    def _chunked(dims: tuple, a: int) -> bool:
+        return any(p[1] == a and p[2] for pieces in dims for p in pieces)
+
+    @staticmethod
+    def _gatherable_chunk(dims: tuple, ids: frozenset) -> bool:
+        """An uneven all_gather pads one chunked piece that is its dim's only piece."""
+        return len(ids) == 1 and any(len(p) == 1 and p[0][1] in ids for p in dims)
+
+    # -- costs --------------------------------------------------------------------------------
+    def local_bytes(self, state: State) -> Size:
+        return as_size(local_numel(state, self.src.shape, self.sizes) * self.itemsize)
+
+    def step_bytes(self, move: _Move, before: State) -> Size:
+        if move.kind.startswith("local"):
+            return 0
+        return collective_bytes(move.kind, self.atoms.group_size(move.ids), self.local_bytes(before))
+
+    def step_cost(self, move: _Move, before: State, nbytes: Size) -> float:
+        if move.kind.startswith("local"):
+            return self.model.copy_cost(self.local_bytes(move.state))
+        return self.model.collective_cost(self.atoms.group(move.ids), nbytes)
+
+    # -- the exchange edge --------------------------------------------------------------------
+    def exchange(self, state: State) -> tuple[frozenset, Size, float] | None:
+        """(group, bytes, cost) of one exchange from ``state`` straight to the goal, when possible."""
+        from .exchange import exchange_group, received_elements
+
+        if state[1] != self.goal[1] or not self.src.mesh.is_static or not all(isinstance(s, int) for s in self.src.shape):
+            return None
+        before = self.atoms.layout(state, self.src.shape)
+        group = exchange_group(before, self.dst)
+        if not group:
+            return None
+        nbytes = received_elements(before, self.dst) * self.itemsize
+        pack = 2 * (self.local_bytes(state) + self.local_bytes(self.goal))  # index gathers on both ends
+        cost = self.model.collective_cost(group, nbytes) + self.model.copy_cost(pack)
+        return group, nbytes, cost
+
+
+def _where(state: State) -> dict[int, tuple]:
+    """Atom -> ("d", dim) or ("p", op); free atoms are absent."""
+    out: dict[int, tuple] = {}
+    for d, pieces in enumerate(state[0]):
+        for _, a, _ in pieces:
+            if a != LOCAL:
+                out[a] = ("d", d)
+    for a, op in state[1]:
+        out[a] = ("p", op)
+    return out
+
+
+def _disjoint_places(before: tuple, after: tuple, ids: frozenset) -> bool:
+    """An all_to_all gathers some index digits and scatters others: the two sets must not overlap.
+
+    (Where an atom leaves a digit that another atom of the group takes, ranks swap whole blocks:
+    that is a permutation, which the exchange does, not an all_to_all.)
+    """
+    for b, a in zip(before, after):
+        left = [(s, s * n) for x, s, n in _spans(b) if x in ids]
+        taken = [(s, s * n) for x, s, n in _spans(a) if x in ids]
+        if any(lo1 < hi2 and lo2 < hi1 for lo1, hi1 in left for lo2, hi2 in taken):
+            return False
+    return True
+
+
+def _spans(pieces: tuple) -> list[tuple[int, Size, Size]]:
+    """(atom, stride, size) of each sharded piece of an even dim."""
+    out, inner = [], 1
+    for s, a, _ in reversed(pieces):
+        if a != LOCAL:
+            out.append((a, inner, s))
+        inner = as_size(inner * s)
+    return out
+
+
+def _groups(members: list[int], axes: Sequence[MeshAxis]) -> list[frozenset]:
+    """The groups a class of atoms is tried in: each atom, each mesh axis's atoms, and all of them."""
+    out = [frozenset([a]) for a in members]
+    by_name: dict[str, list[int]] = {}
+    for a in members:
+        by_name.setdefault(axes[a].name, []).append(a)
+    out += [frozenset(v) for v in by_name.values() if len(v) > 1]
+    if len(by_name) > 1:
+        out.append(frozenset(members))
+    return list(dict.fromkeys(out))
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
+    if src == dst:
+        return Plan(src, dst, (), 0.0, dtype)
+    try:
+        search = _Search(src, dst, dtype, model)
+    except AtomError:
+        return _exchange_only(src, dst, dtype, model)
+    path = _dijkstra(search)
+    if path is None:
+        raise LayoutError(f"no redistribution plan from {src} to {dst} on {src.mesh} (shape {list(src.shape)})")
+    return _to_plan(search, path, dtype)
+
+
+def _dijkstra(search: _Search) -> list | None:
+    start, goal = search.start, search.goal
+    best: dict[State, float] = {start: 0.0}
+    parent: dict[State, tuple] = {}
+    heap: list = [(0.0, 0, start)]
+    counter = itertools.count(1)
+    tried_exchange = False
+    popped = 0
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if cost > best.get(state, float("inf")):
+            continue
+        if state == goal:
+            break
+        popped += 1
+        if popped > MAX_STATES:
+            break
+        if not tried_exchange and state[1] == goal[1]:
+            tried_exchange = True
+            edge = search.exchange(state)
+            if edge is not None:
+                ids, nbytes, c = edge
+                if cost + c < best.get(goal, float("inf")):
+                    best[goal] = cost + c
+                    parent[goal] = (state, _Move("exchange", frozenset(), goal, axes=ids), nbytes)
+                    heapq.heappush(heap, (cost + c, next(counter), goal))
+        for move in search.moves(state):
+            nbytes = search.step_bytes(move, state)
+            new_cost = cost + search.step_cost(move, state, nbytes)
+            if new_cost < best.get(move.state, float("inf")):
+                best[move.state] = new_cost
+                parent[move.state] = (state, move, nbytes)
+                heapq.heappush(heap, (new_cost, next(counter), move.state))
+    if goal not in parent:
+        return None
+    path = []
+    state = goal
+    while state != start:
+        prev, move, nbytes = parent[state]
+        path.append((prev, move, nbytes))
+        state = prev
+    return path[::-1]
+
+
+def _to_plan(search: _Search, path: list, dtype: torch.dtype) -> Plan:
+    atoms, shape = search.atoms, search.src.shape
+    steps, total = [], 0.0
+    for before, move, nbytes in path:
+        b, a = atoms.layout(before, shape), atoms.layout(move.state, shape)
+        dims_from = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(before[0][d]) & move.ids})
+        dims_to = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(move.state[0][d]) & move.ids})
+        dim, to_dim = _step_dims(move.kind, dims_from, dims_to)
+        steps.append(Step(move.kind, move.axes or atoms.group(move.ids), b, a, dim, to_dim, move.reduce_op, nbytes))
+        total += (search.model.copy_cost(search.local_bytes(move.state)) if move.kind.startswith("local")
+                  else search.model.collective_cost(steps[-1].axes, nbytes))
+    if steps and steps[-1].after != search.dst:
+        raise AssertionError(f"planner ended at {steps[-1].after}, not at {search.dst} (from {search.src})")
+    cost = total if path[-1][1].kind != "exchange" else _path_cost(search, path)
+    return Plan(search.src, search.dst, tuple(steps), cost, dtype)
+
+
+def _path_cost(search: _Search, path: list) -> float:
+    total = 0.0
+    for before, move, nbytes in path:
+        if move.kind == "exchange":
+            total += search.exchange(before)[2]
+        else:
+            total += search.step_cost(move, before, nbytes)
+    return total
+
+
+def _step_dims(kind: str, dims_from: list[int], dims_to: list[int]) -> tuple[int | None, int | None]:
+    one = lambda ds: ds[0] if len(ds) == 1 else None  # noqa: E731
+    if kind == "all_to_all":
+        return one(dims_from), one(dims_to)
+    if kind in ("all_gather",):
+        return one(dims_from), None
+    if kind in ("reduce_scatter", "local_shard"):
+        return one(dims_to), None
+    return None, None
+
+
+def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
+    """Layouts the atom states cannot hold together: reduce partials, then one exchange."""
+    from .exchange import exchange_group, received_elements
+
+    steps: list[Step] = []
+    cur = src
+    removed = [(a, op) for a, op in src.partial if (a, op) not in dst.partial]
+    if removed:
+        kept = tuple(p for p in src.partial if p not in removed)
+        after = cur.with_partial(kept)
+        axes = tuple(a for a, _ in removed)
+        n = numel([a.size for a in axes])
+        nbytes = collective_bytes("all_reduce", n, numel(cur.max_local_shape()) * dtype_size(dtype))
+        steps.append(Step("all_reduce", axes, cur, after, reduce_op=removed[0][1], bytes_per_rank=nbytes))
+        cur = after
+    if cur.partial != dst.partial or not src.mesh.is_static:
+        raise LayoutError(f"no redistribution plan from {src} to {dst}: their sub-axes do not nest")
+    group = exchange_group(cur, dst)
+    if group:
+        nbytes = received_elements(cur, dst) * dtype_size(dtype)
+        steps.append(Step("exchange", tuple(group), cur, dst, bytes_per_rank=nbytes))
+    cost = sum(model.collective_cost(s.axes, s.bytes_per_rank) for s in steps)
+    return Plan(src, dst, tuple(steps), cost, dtype)
+
+
+def canonical(dims: Sequence) -> tuple:
+    return tuple(canonical_dim(p) for p in dims)

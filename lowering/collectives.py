@@ -1,29 +1,32 @@
 """Stage 5: each planned step -> functional collectives (+ local view/permute/slice).
 
-A step carries the layouts before and after it; the local structure of a dim at this
-rank's coordinate (its local pieces, major to minor) says where the moving mesh index sits
-inside the local block, so one view + permute places it, whatever the strides. Collectives
-work on dim 0, so the moving index is permuted to the front or from it.
+A step carries the layouts before and after it. Cut into digits (``digits.py``), the local
+block is a dense array of digits; a collective needs its group's digits at the front in
+group order (one block per peer), so every step is: view as digits, permute, collective,
+view as digits, permute, view. Uneven steps (one chunked piece) pad or slice; the exchange
+packs and unpacks with index tables.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-from fxshard.layout import Piece
 from fxshard.mesh import Coordinate, MeshAxis
+from fxshard.exchange import exchange_tables
 from fxshard.ops import REDISTRIBUTE
 from fxshard.planner import Step
 
+from .digits import coordinate_of, in_group, lead_labels, step_digits
 from .localize import copy_graph_module, propagate_local_shapes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-GroupName = Callable[[MeshAxis], str]
+GroupName = Callable[[tuple[MeshAxis, ...]], str]
 
 
 class LoweringError(NotImplementedError):
@@ -31,145 +34,159 @@ class LoweringError(NotImplementedError):
 
 
 class _Emit:
-    """Appends nodes before ``anchor``; keeps the local shape of the value being built."""
+    """Appends nodes before ``anchor``; constants become attributes of ``module``."""
 
-    def __init__(self, graph: fx.Graph, anchor: fx.Node):
-        self.graph, self.anchor = graph, anchor
+    def __init__(self, module: fx.GraphModule, anchor: fx.Node):
+        self.module, self.graph, self.anchor = module, module.graph, anchor
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
             return self.graph.call_function(target, args, kwargs)
 
-
-def _local_pieces(pieces: Sequence[Piece]) -> list[int]:
-    return [int(p.size) for p in pieces if p.axis is None]
-
-
-def _position(pieces: Sequence[Piece], axis: MeshAxis) -> tuple[int, int, int]:
-    """(index of ``axis``'s piece, product of local pieces before it, after it)."""
-    i = next(k for k, p in enumerate(pieces) if p.axis == axis)
-    before = math.prod(_local_pieces(pieces[:i]))
-    after = math.prod(_local_pieces(pieces[i + 1:]))
-    return i, before, after
-
-
-def _split_shape(shape: Sequence[int], d: int, parts: Sequence[int]) -> list[int]:
-    return list(shape[:d]) + list(parts) + list(shape[d + 1:])
-
-
-def _move(e: _Emit, x: fx.Node, ndim: int, src: int, dst: int) -> fx.Node:
-    if src == dst:
-        return x
-    perm = [k for k in range(ndim) if k != src]
-    perm.insert(dst, src)
-    return e(aten.permute.default, x, perm)
+    def constant(self, value: torch.Tensor, hint: str) -> fx.Node:
+        name = next(f"_{hint}_{i}" for i in itertools.count() if not hasattr(self.module, f"_{hint}_{i}"))
+        self.module.register_buffer(name, value)
+        with self.graph.inserting_before(self.anchor):
+            return self.graph.get_attr(name)
 
 
 def _contiguous(e: _Emit, x: fx.Node) -> fx.Node:
     return e(aten.clone.default, x, memory_format=torch.contiguous_format)
 
 
-def _to_front(e: _Emit, x: fx.Node, shape: Sequence[int], d: int, pre: int, n: int, post: int) -> fx.Node:
-    """View dim ``d`` as [pre, n, post] and bring ``n`` to the front: [n, ...] contiguous."""
-    if d == 0 and pre == 1:
+def _rearrange(e: _Emit, x: fx.Node, keys_in: Sequence, keys_out: Sequence, sizes: dict, out_shape: Sequence[int],
+               in_shape: Sequence[int] | None = None) -> fx.Node:
+    """View ``x`` (of ``in_shape``) as digits ``keys_in``, reorder them to ``keys_out``, view as ``out_shape``."""
+    keys_in = [k for k in keys_in if sizes[k] != 1]
+    keys_out = [k for k in keys_out if sizes[k] != 1]
+    perm = [keys_in.index(k) for k in keys_out]
+    if perm != sorted(perm):  # (reshape: the step's input may be any strided view)
+        x = e(aten.reshape.default, x, [sizes[k] for k in keys_in])
+        x = _contiguous(e, e(aten.permute.default, x, perm))
+    elif in_shape is not None and list(in_shape) == list(out_shape):
         return x
-    split = _split_shape(shape, d, [pre, n, post])
-    y = e(aten.view.default, x, split)
-    y = _move(e, y, len(split), d + 1, 0)
-    return _contiguous(e, y)
+    return e(aten.reshape.default, x, list(out_shape))
 
 
-def _from_front(e: _Emit, x: fx.Node, shape_after: Sequence[int], d: int, pre: int, n: int, post: int) -> fx.Node:
-    """Inverse: ``x`` is [n, ...rest] where rest has dim ``d`` = pre*post; put n between pre and post."""
-    if d == 0 and pre == 1:
-        return e(aten.view.default, x, list(shape_after))
-    rest = list(shape_after)
-    rest[d] = pre * post
-    split = [n] + _split_shape(rest, d, [pre, post])
-    y = e(aten.view.default, x, split)
-    y = _move(e, y, len(split), 0, d + 1)
-    if math.prod(shape_after[:d]) * pre != 1:  # n moved behind larger dims: dense again for later views
-        y = _contiguous(e, y)
-    return e(aten.view.default, y, list(shape_after))
+def _sliced_digits(e: _Emit, x: fx.Node, keys: Sequence, sizes: dict, picks: dict, out_shape: Sequence[int]) -> fx.Node:
+    """Select index ``picks[k]`` of each digit ``k`` of dense ``x`` (viewed as ``keys``); dense result."""
+    keys = [k for k in keys if sizes[k] != 1]
+    x = e(aten.reshape.default, x, [sizes[k] for k in keys])
+    strided = False
+    for i, k in enumerate(keys):
+        if k in picks:
+            x = e(aten.slice.Tensor, x, i, picks[k], picks[k] + 1)
+            strided = strided or any(sizes[j] != 1 and j not in picks for j in keys[:i])
+    if strided:  # the slice is strided: make it dense for later views
+        x = _contiguous(e, x)
+    return e(aten.view.default, x, list(out_shape))
+
+
+def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str) -> fx.Node:
+    """all_gather, all_to_all, reduce_scatter and local_shard of even layouts, over any group."""
+    dims = step_digits(step.before, step.after, step.axes)
+    lead = lead_labels(dims, step.axes, step.before.mesh)
+    n = math.prod(lab[2] for lab in lead)
+    sizes: dict = {("lead", lab): lab[2] for lab in lead}
+    before_keys, after_keys, scattered = [], [], []
+    for d, digits in enumerate(dims):
+        for k, dg in enumerate(digits):
+            sizes[(d, k)] = dg.size
+            gathered = in_group(dg.before, step.axes) and dg.after is None
+            scatters = dg.before is None and in_group(dg.after, step.axes)
+            if dg.before != dg.after and not (gathered or scatters):
+                raise LoweringError(f"{step}: digit {dg} of dim {d} changes in a way no {step.kind} does")
+            if dg.before is None:
+                before_keys.append((d, k))
+            if dg.after is None:
+                after_keys.append(("lead", dg.before) if gathered else (d, k))
+            if scatters:
+                scattered.append(((d, k), dg.after))
+    after_shape = [int(s) for s in step.after.local_shape(coord)]
+    before_shape = [int(s) for s in step.before.local_shape(coord)]
+    kind = step.kind
+    if kind == "local_shard":
+        picks = {key: coordinate_of(lab, coord) for key, lab in scattered}
+        return _sliced_digits(e, x, before_keys, sizes, picks, after_shape)
+    if kind == "all_gather":
+        y = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, x, n, group))
+        gathered_shape = [n * before_shape[0]] + before_shape[1:]
+        return _rearrange(e, y, [("lead", lab) for lab in lead] + before_keys, after_keys, sizes, after_shape,
+                          gathered_shape)
+    # all_to_all and reduce_scatter: the scattered digits go to the front, one block per peer
+    by_label = {lab: key for key, lab in scattered}
+    front = [by_label[lab] for lab in lead]
+    rest = [k for k in before_keys if k not in front]
+    rest_numel = math.prod(sizes[k] for k in rest)
+    y = _rearrange(e, x, before_keys, front + rest, sizes, [n, rest_numel], before_shape)
+    if kind == "reduce_scatter":
+        op = "sum" if step.reduce_op == "avg" else step.reduce_op
+        y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, y, op, n, group))
+        y = e(aten.view.default, y, after_shape)
+        return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
+    if kind == "all_to_all":
+        y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, y, [1] * n, [1] * n, group))
+        return _rearrange(e, y, [("lead", lab) for lab in lead] + rest, after_keys, sizes, after_shape)
+    raise LoweringError(f"no structured lowering for step kind {kind!r}")
+
+
+def _exchange(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group: str) -> fx.Node:
+    """Every rank sends each peer exactly the elements it lacks (per-peer sizes), then reorders."""
+    tables = exchange_tables(step.before, step.after, step.axes, coordinate)
+    flat = e(aten.reshape.default, x, [-1])
+    send = e(aten.index_select.default, flat, 0, e.constant(tables.send_index, "exchange_send"))
+    recv = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, send, tables.recv_splits,
+                                          tables.send_splits, group))
+    both = e(aten.cat.default, [flat, recv])
+    out = e(aten.index_select.default, both, 0, e.constant(tables.unpack_index, "exchange_unpack"))
+    return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
+
+
+def _is_uneven(step: Step) -> bool:
+    return not (step.before.is_even() and step.after.is_even())
 
 
 def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_name: GroupName) -> fx.Node:
     mesh = step.before.mesh
     coord = mesh.coordinate_dict(coordinate)
-    before = [int(s) for s in step.before.local_shape(coordinate)]
-    after = [int(s) for s in step.after.local_shape(coordinate)]
-    axis, n = step.axis, int(step.axis.size)
-    c = axis.coordinate(coord[axis.name])
     kind = step.kind
+    n = int(step.group_size)
+    group = group_name(step.axes) if not step.is_local else ""
 
     if kind == "all_reduce":
         op = "sum" if step.reduce_op == "avg" else step.reduce_op
-        y = e(c10d.wait_tensor.default, e(c10d.all_reduce.default, x, op, group_name(axis)))
+        y = e(c10d.wait_tensor.default, e(c10d.all_reduce.default, x, op, group))
         return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
 
     if kind == "local_partial":
-        holds = step.reduce_op != "sum" or c == 0
+        holds = step.reduce_op != "sum" or all(a.coordinate(coord[a.name]) == 0 for a in step.axes)
         return e(aten.clone.default, x) if holds else e(aten.zeros_like.default, x)
 
-    d = step.dim
-    if kind == "all_gather":
-        pieces = step.before.dims[d]
-        i, pre, post = _position(pieces, axis)
-        if pieces[i].chunked:
-            return _gather_chunked(e, x, step, before, after, d, n, group_name(axis))
-        g = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, x, n, group_name(axis)))
-        if d == 0 and pre == 1:  # gathered along the outermost piece of dim 0: already the target block
-            return g
-        return _from_front(e, g, after, d, pre, n, post)
+    if kind == "exchange":
+        return _exchange(e, x, step, coordinate, group)
 
-    if kind == "reduce_scatter":
-        i, pre, post = _position(step.after.dims[d], axis)
-        op = "sum" if step.reduce_op == "avg" else step.reduce_op
-        front = _to_front(e, x, before, d, pre, n, post)
-        y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, front, op, n, group_name(axis)))
-        y = e(aten.view.default, y, _front_shape(before, d, pre, n, post)[1:]) if not (d == 0 and pre == 1) else y
-        y = e(aten.reshape.default, y, after)
-        return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
-
-    if kind == "all_to_all":
-        to = step.to_dim
-        _, pre_t, post_t = _position(step.after.dims[to], axis)
-        _, pre_g, post_g = _position(step.before.dims[d], axis)
-        front = _to_front(e, x, before, to, pre_t, n, post_t)
-        mid = list(before)
-        mid[to] = pre_t * post_t
-        # the op takes explicit split sizes: front's dim 0 holds n equal blocks, one per peer
-        rows = post_t if (to == 0 and pre_t == 1) else 1
-        splits = [rows] * n
-        y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, front, splits, splits, group_name(axis)))
-        y = e(aten.view.default, y, [n] + mid)
-        # y is [n, ...mid]: n is the index along dim d that this rank now gathers
-        return _from_front(e, y, after, d, pre_g, n, post_g)
-
-    if kind == "local_shard":
-        i, pre, post = _position(step.after.dims[d], axis)
-        if step.after.dims[d][i].chunked:
-            if pre != 1:
-                raise LoweringError(f"uneven shard of a strided block ({step.after}) is not supported yet")
-            total = before[d]
-            chunk = -(-total // n)
-            start = min(c * chunk, total)
-            length = max(0, min(chunk, total - start))
-            return _sliced(e, x, d, start, start + length)
-        split = _split_shape(before, d, [pre, n, post])
-        y = e(aten.view.default, x, split)
-        y = e(aten.slice.Tensor, y, d + 1, c, c + 1)
-        if math.prod(before[:d]) * pre != 1:  # the slice is strided: make it dense for later views
-            y = _contiguous(e, y)
-        return e(aten.view.default, y, after)
-
-    raise LoweringError(f"no lowering for step kind {kind!r}")
+    if _is_uneven(step):
+        return _uneven(e, x, step, coord, group)
+    return _structured(e, x, step, coord, group)
 
 
-def _front_shape(shape: Sequence[int], d: int, pre: int, n: int, post: int) -> list[int]:
-    rest = list(shape)
-    rest[d] = pre * post
-    return [n] + _split_shape(rest, d, [pre, post])
+def _uneven(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str) -> fx.Node:
+    """One axis, one chunked piece (torch.chunk layout): a padded all_gather or a local slice."""
+    before = [int(s) for s in step.before.local_shape(coord)]
+    after = [int(s) for s in step.after.local_shape(coord)]
+    axis, d = step.axis, step.dim
+    n, c = int(axis.size), axis.coordinate(coord[axis.name])
+    if step.kind == "all_gather" and len(step.before.dims[d]) == 1:
+        return _gather_chunked(e, x, step, before, after, d, n, group)
+    pieces = step.after.dims[d]
+    i = next(k for k, p in enumerate(pieces) if p.axis == axis)
+    if step.kind == "local_shard" and pieces[i].chunked and all(p.axis is not None for p in pieces[:i]):
+        total = before[d]
+        chunk = -(-total // n)
+        start = min(c * chunk, total)
+        length = max(0, min(chunk, total - start))
+        return _sliced(e, x, d, start, start + length)
+    raise LoweringError(f"{step}: uneven {step.kind} from {step.before} to {step.after} is not supported")
 
 
 def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: list[int], d: int, n: int,
@@ -187,7 +204,11 @@ def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: 
     g = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, padded, n, group))
     full = list(after)
     full[d] = n * chunk
-    g = _from_front(e, g, full, d, 1, n, chunk)
+    # g is [n * padded[0], ...]: the peer index leads; it becomes dim d's outermost digit
+    keys = ["n"] + list(range(len(before)))
+    sizes = {"n": n, **{k: padded_shape[k] for k in range(len(before))}}
+    order = list(range(d)) + ["n"] + list(range(d, len(before)))
+    g = _rearrange(e, g, keys, order, sizes, full, [n * padded_shape[0]] + padded_shape[1:])
     return _sliced(e, g, d, 0, total)
 
 
@@ -204,7 +225,7 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
     for node in list(graph.nodes):
         if node.target is not REDISTRIBUTE:
             continue
-        e = _Emit(graph, node)
+        e = _Emit(out, node)
         x = node.args[0]
         for step in node.meta["plan"].steps:
             x = lower_step(e, x, step, coordinate, group_name)

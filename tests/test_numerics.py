@@ -195,6 +195,9 @@ SOFTMAX = [
 ]
 
 UNEVEN = [  # torch.chunk semantics: 10 over 4 is 3,3,3,1; 9 over 4 is 3,3,3,0
+    # a dim chunked twice (9 -> 5,4 -> 3,2 / 2,2): gathered by one exchange
+    program("[9,4] S(0),S(0) on 2x2 mean(0)", f(lambda x: (x * 2).mean(0)), [(9, 4)], M22, {0: (S(0), S(0))}),
+    program("[10,6] S(0),S(0) -> R,R on 2x2", f(lambda x: pinned((R, R))(x)), [(10, 6)], M22, {0: (S(0), S(0))}),
     program("[10,8] S(0) pointwise", f(lambda x: (x * 2 + 1).relu()), [(10, 8)], TP4, {0: (S(0),)}),
     program("[9] S(0) pointwise", f(lambda x: (x.exp() - 1) * x), [(9,)], TP4, {0: (S(0),)}),
     program("[8,9] S(1) pointwise + bcast", f(lambda x, y: x.sigmoid() * y), [(8, 9), (9,)], TP4, {0: (S(1),)}),
@@ -369,14 +372,8 @@ def limitation(case_id: str, fn, shapes: list, mesh: MeshSpec, placements: Mappi
     return pytest.param(fn, shapes, mesh, placements, error, match, id=case_id)
 
 
-NESTED_UNEVEN = "uneven gather of .* with other pieces .* not supported yet"
 
 LIMITATIONS = [
-    # gathering the inner piece of a dim chunked twice (9 -> 5,4 -> 3,2 / 2,2) is not lowered yet
-    limitation("[9,4] S(0),S(0) on 2x2 mean(0)", f(lambda x: (x * 2).mean(0)), [(9, 4)], M22, {0: (S(0), S(0))},
-               LoweringError, NESTED_UNEVEN),
-    limitation("[10,6] S(0),S(0) -> R,R on 2x2", f(lambda x: pinned((R, R))(x)), [(10, 6)], M22,
-               {0: (S(0), S(0))}, LoweringError, NESTED_UNEVEN),
     # more shards than rows (4 rows over 8 ranks): DTensor leaves ranks empty, Layout has no form for it
     limitation("[4,8] S(0),S(0),S(0) on 2x2x2", f(lambda x: x * 2), [(4, 8)], M222, {0: (S(0), S(0), S(0))},
                LayoutError, "nothing left to shard"),

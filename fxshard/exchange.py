@@ -1,0 +1,207 @@
+"""The exchange: one all_to_all with per-peer sizes in which every rank receives exactly what it lacks.
+
+Over the flattened group of the atoms whose place differs between two layouts, rank r
+receives, for each element of its target block it does not hold, that element from one
+peer that holds it (the peer of lowest group index). What it receives is therefore the
+lower bound for layouts without partial reductions, uneven and strided ones included. The
+price is local packing with index gathers, which the cost model charges, so a structured
+collective wins whenever it moves as few bytes.
+
+Peers of a rank are the ranks that differ from it only on the group's atoms; an atom in
+the same place in both layouts selects the same elements everywhere, so no holder lies
+outside the group (replicated axes hold the same data at every coordinate).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .atoms import Atoms, stride_of
+from .layout import Layout
+from .mesh import Coordinate, MeshAxis
+
+
+def exchange_group(src: Layout, dst: Layout) -> tuple[MeshAxis, ...]:
+    """The atoms (merged where adjacent) whose place differs between ``src`` and ``dst``."""
+    atoms = Atoms.of([src, dst])
+    s, t = atoms.state(src), atoms.state(dst)
+    where_s, where_t = _places(s), _places(t)
+    moving = [a for a in range(len(atoms.axes)) if where_s.get(a) != where_t.get(a)]
+    return atoms.group(moving)
+
+
+def _places(state) -> dict[int, tuple]:
+    out: dict[int, tuple] = {}
+    for d, pieces in enumerate(state[0]):
+        strides = stride_of(pieces)
+        for a, stride in strides.items():
+            out[a] = ("d", d, stride if stride != -1 else pieces)
+    for a, op in state[1]:
+        out[a] = ("p", op)
+    return out
+
+
+def received_elements(src: Layout, dst: Layout) -> int:
+    """Max over ranks of the elements of the ``dst`` block a rank does not hold in ``src``."""
+    fast = _received_even(src, dst)
+    return fast if fast is not None else _received_enumerated(src, dst)
+
+
+def _received_even(src: Layout, dst: Layout) -> int | None:
+    """Closed form for even layouts whose shard boundaries nest.
+
+    Cut every dim at each boundary of a sharded piece of either layout: each digit of an
+    index is then fixed by one (sub-)axis coordinate or free, in each layout. A rank holds
+    the part of its target block where every digit fixed by both agrees; where two different
+    sub-axes fix one digit, some rank has them disagree and holds nothing of its target.
+    Otherwise every rank holds the product of the digits both leave free.
+    """
+    if not (src.is_even() and dst.is_even()):
+        return None
+    need, both_free = 1, 1
+    for d in range(src.ndim):
+        s_spans, t_spans = _axis_spans(src.dims[d]), _axis_spans(dst.dims[d])
+        bounds = sorted({1, int(src.shape[d])} | {b for lo, hi, _ in s_spans + t_spans for b in (lo, hi)})
+        if any(hi % lo for lo, hi in zip(bounds, bounds[1:])):
+            return None
+        for lo, hi in zip(bounds, bounds[1:]):
+            a, b = _label(s_spans, lo, hi), _label(t_spans, lo, hi)
+            if a is not None and b is not None and a != b:
+                return _numel(dst.max_local_shape())
+            if b is None:
+                need *= hi // lo
+                if a is None:
+                    both_free *= hi // lo
+    return need - both_free
+
+
+def _axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
+    out, inner = [], 1
+    for p in reversed(pieces):
+        if p.axis is not None:
+            out.append((inner, inner * int(p.size), p.axis))
+        inner *= int(p.size)
+    return out
+
+
+def _label(spans, lo: int, hi: int) -> tuple | None:
+    """The sub-axis (name, inner, size) fixing digit [lo, hi), or None where the digit is free."""
+    for s_lo, s_hi, axis in spans:
+        if s_lo <= lo and hi <= s_hi:
+            return (axis.name, int(axis.inner) * (lo // s_lo), hi // lo)
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _received_enumerated(src: Layout, dst: Layout) -> int:
+    mesh = src.mesh
+    cache: dict[tuple, tuple[int, int]] = {}
+    names = [sorted({a.name for p in (src.dims[d] + dst.dims[d]) if (a := p.axis) is not None}) for d in range(src.ndim)]
+    worst = 0
+    for coord in mesh.coordinates():
+        cd = mesh.coordinate_dict(coord)
+        need, common = 1, 1
+        for d in range(src.ndim):
+            key = (d,) + tuple(cd[n] for n in names[d])
+            if key not in cache:
+                mine, wanted = src.local_indices(d, cd), dst.local_indices(d, cd)
+                cache[key] = (len(wanted), int(torch.isin(wanted, mine).sum()))
+            n, c = cache[key]
+            need, common = need * n, common * c
+        worst = max(worst, need - common)
+    return worst
+
+
+# ---- lowering tables --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExchangeTables:
+    """What one rank does in an exchange (flat local positions, group order of peers)."""
+
+    send_index: torch.Tensor  # positions in my src block, concatenated in peer order
+    send_splits: list[int]
+    recv_splits: list[int]
+    unpack_index: torch.Tensor  # dst position -> index into cat(my src block, received)
+
+
+def group_coordinates(mesh_names: tuple, axes: tuple[MeshAxis, ...], coord: dict[str, int]) -> list[dict[str, int]]:
+    """Coordinates of the ranks in ``coord``'s group over ``axes``, in group order (row-major, axes major first)."""
+    out = []
+    for digits in itertools.product(*(range(int(a.size)) for a in axes)):
+        c = dict(coord)
+        for a, v in zip(axes, digits):
+            c[a.name] += (v - a.coordinate(coord[a.name])) * int(a.inner)
+        out.append(c)
+    return out
+
+
+def _flat_indices(layout: Layout, coord: dict[str, int]) -> torch.Tensor:
+    """Global flat index of every element of the rank's block, in local (row-major) order."""
+    strides = torch.ones(layout.ndim, dtype=torch.long)
+    for d in range(layout.ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(layout.shape[d + 1])
+    flat = torch.zeros((), dtype=torch.long)
+    for d in range(layout.ndim):
+        idx = layout.local_indices(d, coord) * strides[d]
+        flat = flat.unsqueeze(-1) + idx
+    return flat.reshape(-1)
+
+
+def exchange_tables(src: Layout, dst: Layout, axes: tuple[MeshAxis, ...], coordinate: Coordinate) -> ExchangeTables:
+    coord = src.mesh.coordinate_dict(coordinate)
+    peers = group_coordinates(src.mesh.names, axes, coord)
+    me = peers.index(coord)
+    total = 1
+    for s in src.shape:
+        total *= int(s)
+    held = [_flat_indices(src, p) for p in peers]
+    # the holder of each element: lowest group index (each rank first asks itself)
+    owner = torch.full((total,), -1, dtype=torch.long)
+    owner_pos = torch.zeros(total, dtype=torch.long)
+    for i in reversed(range(len(peers))):
+        owner[held[i]] = i
+        owner_pos[held[i]] = torch.arange(len(held[i]))
+
+    def sources(receiver: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``receiver``'s dst block: holder peer and its position, per element (self first)."""
+        need = _flat_indices(dst, peers[receiver])
+        who, pos = owner[need].clone(), owner_pos[need].clone()
+        mine = torch.full((total,), -1, dtype=torch.long)
+        mine[held[receiver]] = torch.arange(len(held[receiver]))
+        self_pos = mine[need]
+        local = self_pos >= 0
+        who[local], pos[local] = receiver, self_pos[local]
+        if bool((who < 0).any()):
+            raise AssertionError(f"exchange {src} -> {dst} over {axes}: an element has no holder in the group")
+        return need, who, pos
+
+    send_parts, send_splits = [], []
+    for q in range(len(peers)):
+        if q == me:
+            send_splits.append(0)
+            send_parts.append(torch.zeros(0, dtype=torch.long))
+            continue
+        _, who, pos = sources(q)
+        part = pos[who == me]
+        send_parts.append(part)
+        send_splits.append(len(part))
+    _, who, pos = sources(me)
+    recv_splits = [0 if p == me else int((who == p).sum()) for p in range(len(peers))]
+    # received elements arrive grouped by sender, each group in my dst order
+    own = len(held[me])
+    unpack = pos.clone()
+    offsets = [own + sum(recv_splits[:p]) for p in range(len(peers))]
+    for p in range(len(peers)):
+        if p == me:
+            continue
+        sel = who == p
+        unpack[sel] = offsets[p] + torch.arange(int(sel.sum()))
+    return ExchangeTables(torch.cat(send_parts), send_splits, recv_splits, unpack)
