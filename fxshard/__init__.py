@@ -3,10 +3,11 @@ from typing import Any
 
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshAxis, MeshSpec
+from .lower_bound import lower_bound_bytes
 from .planner import CostModel, Plan, Step, plan_redistribute
 
 __all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "explain",
-           "plan_redistribute", "simulate"]
+           "lower_bound_bytes", "plan_redistribute", "simulate", "simulate_plan"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from .backend.simulate import simulate
 
         return simulate
+    if name == "simulate_plan":
+        from .backend.simulate_plan import simulate_plan
+
+        return simulate_plan
     raise AttributeError(f"module 'fxshard' has no attribute {name!r}")

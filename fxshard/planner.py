@@ -155,7 +155,7 @@ def collective_bytes(kind: str, n: Size, local_bytes: Size) -> Size:
     if not factor:
         return 0
     if isinstance(n, int) and isinstance(local_bytes, int):
-        return factor * (n - 1) * local_bytes // n
+        return -(-factor * (n - 1) * local_bytes // n)  # uneven chunks: the busiest rank rounds up
     return as_size(sympy.sympify(factor * (n - 1) * local_bytes) / n)
 
 
@@ -305,18 +305,24 @@ class _Search:
         return self.model.collective_cost(self.atoms.group(move.ids), nbytes)
 
     # -- the exchange edge --------------------------------------------------------------------
-    def exchange(self, state: State) -> tuple[frozenset, Size, float] | None:
-        """(group, bytes, cost) of one exchange from ``state`` straight to the goal, when possible."""
+    def exchange_target(self, state: State) -> State | None:
+        """The goal's dims with ``state``'s partial axes, if no reduction is pending (then local_partial ends)."""
+        if not set(state[1]) <= set(self.goal[1]):
+            return None
+        return (self.goal[0], state[1])
+
+    def exchange(self, state: State, target: State) -> tuple[tuple, Size, float] | None:
+        """(group, bytes, cost) of one exchange from ``state`` to ``target``, when possible."""
         from .exchange import exchange_group, received_elements
 
-        if state[1] != self.goal[1] or not self.src.mesh.is_static or not all(isinstance(s, int) for s in self.src.shape):
+        if not self.src.mesh.is_static or not all(isinstance(s, int) for s in self.src.shape):
             return None
-        before = self.atoms.layout(state, self.src.shape)
-        group = exchange_group(before, self.dst)
+        before, after = self.atoms.layout(state, self.src.shape), self.atoms.layout(target, self.src.shape)
+        group = exchange_group(before, after)
         if not group:
             return None
-        nbytes = received_elements(before, self.dst) * self.itemsize
-        pack = 2 * (self.local_bytes(state) + self.local_bytes(self.goal))  # index gathers on both ends
+        nbytes = received_elements(before, after) * self.itemsize
+        pack = 2 * (self.local_bytes(state) + self.local_bytes(target))  # index gathers on both ends
         cost = self.model.collective_cost(group, nbytes) + self.model.copy_cost(pack)
         return group, nbytes, cost
 
@@ -400,15 +406,16 @@ def _dijkstra(search: _Search) -> list | None:
         popped += 1
         if popped > MAX_STATES:
             break
-        if not tried_exchange and state[1] == goal[1]:
+        target = search.exchange_target(state) if not tried_exchange else None
+        if target is not None and target != state:
             tried_exchange = True
-            edge = search.exchange(state)
+            edge = search.exchange(state, target)
             if edge is not None:
-                ids, nbytes, c = edge
-                if cost + c < best.get(goal, float("inf")):
-                    best[goal] = cost + c
-                    parent[goal] = (state, _Move("exchange", frozenset(), goal, axes=ids), nbytes)
-                    heapq.heappush(heap, (cost + c, next(counter), goal))
+                axes, nbytes, c = edge
+                if cost + c < best.get(target, float("inf")):
+                    best[target] = cost + c
+                    parent[target] = (state, _Move("exchange", frozenset(), target, axes=axes), nbytes)
+                    heapq.heappush(heap, (cost + c, next(counter), target))
         for move in search.moves(state):
             nbytes = search.step_bytes(move, state)
             new_cost = cost + search.step_cost(move, state, nbytes)
@@ -436,22 +443,13 @@ def _to_plan(search: _Search, path: list, dtype: torch.dtype) -> Plan:
         dims_to = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(move.state[0][d]) & move.ids})
         dim, to_dim = _step_dims(move.kind, dims_from, dims_to)
         steps.append(Step(move.kind, move.axes or atoms.group(move.ids), b, a, dim, to_dim, move.reduce_op, nbytes))
-        total += (search.model.copy_cost(search.local_bytes(move.state)) if move.kind.startswith("local")
-                  else search.model.collective_cost(steps[-1].axes, nbytes))
-    if steps and steps[-1].after != search.dst:
-        raise AssertionError(f"planner ended at {steps[-1].after}, not at {search.dst} (from {search.src})")
-    cost = total if path[-1][1].kind != "exchange" else _path_cost(search, path)
-    return Plan(search.src, search.dst, tuple(steps), cost, dtype)
-
-
-def _path_cost(search: _Search, path: list) -> float:
-    total = 0.0
-    for before, move, nbytes in path:
         if move.kind == "exchange":
-            total += search.exchange(before)[2]
+            total += search.exchange(before, move.state)[2]
         else:
             total += search.step_cost(move, before, nbytes)
-    return total
+    if steps and steps[-1].after != search.dst:
+        raise AssertionError(f"planner ended at {steps[-1].after}, not at {search.dst} (from {search.src})")
+    return Plan(search.src, search.dst, tuple(steps), total, dtype)
 
 
 def _step_dims(kind: str, dims_from: list[int], dims_to: list[int]) -> tuple[int | None, int | None]:

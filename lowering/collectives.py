@@ -54,29 +54,34 @@ def _contiguous(e: _Emit, x: fx.Node) -> fx.Node:
     return e(aten.clone.default, x, memory_format=torch.contiguous_format)
 
 
+def _kept(size: int) -> bool:
+    return size != 1 or isinstance(size, _Varying)
+
+
 def _rearrange(e: _Emit, x: fx.Node, keys_in: Sequence, keys_out: Sequence, sizes: dict, out_shape: Sequence[int],
                in_shape: Sequence[int] | None = None) -> fx.Node:
     """View ``x`` (of ``in_shape``) as digits ``keys_in``, reorder them to ``keys_out``, view as ``out_shape``."""
-    keys_in = [k for k in keys_in if sizes[k] != 1]
-    keys_out = [k for k in keys_out if sizes[k] != 1]
+    keys_in = [k for k in keys_in if _kept(sizes[k])]
+    keys_out = [k for k in keys_out if _kept(sizes[k])]
     perm = [keys_in.index(k) for k in keys_out]
+    varying = any(isinstance(v, _Varying) for v in sizes.values())
     if perm != sorted(perm):  # (reshape: the step's input may be any strided view)
-        x = e(aten.reshape.default, x, [sizes[k] for k in keys_in])
+        x = e(aten.reshape.default, x, [int(sizes[k]) for k in keys_in])
         x = _contiguous(e, e(aten.permute.default, x, perm))
-    elif in_shape is not None and list(in_shape) == list(out_shape):
+    elif in_shape is not None and not varying and list(in_shape) == list(out_shape):
         return x
     return e(aten.reshape.default, x, list(out_shape))
 
 
 def _sliced_digits(e: _Emit, x: fx.Node, keys: Sequence, sizes: dict, picks: dict, out_shape: Sequence[int]) -> fx.Node:
     """Select index ``picks[k]`` of each digit ``k`` of dense ``x`` (viewed as ``keys``); dense result."""
-    keys = [k for k in keys if sizes[k] != 1]
-    x = e(aten.reshape.default, x, [sizes[k] for k in keys])
+    keys = [k for k in keys if _kept(sizes[k])]
+    x = e(aten.reshape.default, x, [int(sizes[k]) for k in keys])
     strided = False
     for i, k in enumerate(keys):
         if k in picks:
             x = e(aten.slice.Tensor, x, i, picks[k], picks[k] + 1)
-            strided = strided or any(sizes[j] != 1 and j not in picks for j in keys[:i])
+            strided = strided or any(_kept(sizes[j]) and j not in picks for j in keys[:i])
     if strided:  # the slice is strided: make it dense for later views
         x = _contiguous(e, x)
     return e(aten.view.default, x, list(out_shape))
@@ -84,8 +89,12 @@ def _sliced_digits(e: _Emit, x: fx.Node, keys: Sequence, sizes: dict, picks: dic
 
 def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str) -> fx.Node:
     """all_gather, all_to_all, reduce_scatter and local_shard of even layouts, over any group."""
-    dims = step_digits(step.before, step.after, step.axes)
+    before_shape = [int(s) for s in step.before.local_shape(coord)]
+    dims = step_digits(step.before, step.after, step.axes, before_shape)
     lead = lead_labels(dims, step.axes, step.before.mesh)
+    # digits of size 1 are dropped from views, but only where that holds on every rank
+    fixed = {(d, k) for d, digits in enumerate(dims) for k, dg in enumerate(digits)
+             if len(digits) > 1 or step.before.dims[d] != step.after.dims[d] or not _uneven_dim(step.before, d)}
     n = math.prod(lab[2] for lab in lead)
     sizes: dict = {("lead", lab): lab[2] for lab in lead}
     before_keys, after_keys, scattered = [], [], []
@@ -103,7 +112,9 @@ def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: 
             if scatters:
                 scattered.append(((d, k), dg.after))
     after_shape = [int(s) for s in step.after.local_shape(coord)]
-    before_shape = [int(s) for s in step.before.local_shape(coord)]
+    for key in list(sizes):
+        if key[0] != "lead" and key not in fixed:
+            sizes[key] = _Varying(sizes[key])
     kind = step.kind
     if kind == "local_shard":
         picks = {key: coordinate_of(lab, coord) for key, lab in scattered}
@@ -142,8 +153,18 @@ def _exchange(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group: s
     return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
 
 
+class _Varying(int):
+    """A digit size that differs between ranks: never dropped from a view, even when 1."""
+
+
+def _uneven_dim(layout, d: int) -> bool:
+    return any(p.chunked for p in layout.dims[d])
+
+
 def _is_uneven(step: Step) -> bool:
-    return not (step.before.is_even() and step.after.is_even())
+    """Whether a dim the step changes holds a chunked piece."""
+    return any((_uneven_dim(step.before, d) or _uneven_dim(step.after, d)) and step.before.dims[d] != step.after.dims[d]
+               for d in range(step.before.ndim))
 
 
 def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_name: GroupName) -> fx.Node:

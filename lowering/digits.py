@@ -41,13 +41,21 @@ def _label(spans, lo: int, hi: int) -> Label | None:
     return None
 
 
-def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis]) -> list[list[Digit]]:
-    """Per dim, its digits major to minor (both layouts even)."""
+def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis],
+                local_shape: Sequence[int]) -> list[list[Digit]]:
+    """Per dim, its digits major to minor; a dim the step leaves alone is one local digit.
+
+    (Such a dim may be uneven: its local size, from ``local_shape``, is this rank's.)
+    """
     names = {a.name for a in group}
     cuts: dict[str, set[int]] = {n: set() for n in names}
     while True:
         dims = []
         for d in range(before.ndim):
+            if before.dims[d] == after.dims[d] and not any(p.axis is not None and p.axis.name in names
+                                                             for p in before.dims[d]):
+                dims.append([Digit(int(local_shape[d]), None, None)])
+                continue
             sb, sa = _spans(before.dims[d]), _spans(after.dims[d])
             bounds = {1, int(before.shape[d])} | {b for lo, hi, _ in sb + sa for b in (lo, hi)}
             for lo, hi, axis in sb + sa:  # where a group axis is cut elsewhere, cut it here too
