@@ -124,7 +124,8 @@ def canonical_dim(pieces: Iterable[PieceT]) -> Dim:
             if p[0] == 1:
                 continue
             if out and out[-1][1] == LOCAL:
-                out[-1] = (as_size(out[-1][0] * p[0]), LOCAL, False)
+                size = out[-1][0] * p[0]
+                out[-1] = (size if type(size) is int else as_size(size), LOCAL, False)
                 continue
         out.append(p)
     return tuple(out)
@@ -143,14 +144,12 @@ def local_numel(state: State, shape: Sequence[Size], sizes: Sequence[Size]) -> S
     """Elements on the rank holding the most (coordinate 0 of every chunked piece)."""
     n: Size = 1
     for pieces in state[0]:
-        rows: Size = 1
         for s, a, chunked in pieces:
             if a == LOCAL:
-                rows = rows * s
+                n = n * s
             elif chunked:
-                rows = rows * (-(-int(s) // int(sizes[a])))
-        n = n * rows
-    return as_size(n)
+                n = n * (-(-int(s) // int(sizes[a])))
+    return n if type(n) is int else as_size(n)
 
 
 def stride_of(pieces: Dim) -> dict[int, Size]:

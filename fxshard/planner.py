@@ -5,8 +5,8 @@ are collectives on a group of atoms (one mesh axis, a sub-axis, or several flatt
 one group) that move those atoms toward where the target has them: all_gather, all_reduce,
 reduce_scatter, all_to_all, local_shard and local_partial. Moves are target-directed: an
 atom is inserted into a dim only where the target has it, so the graph stays small. One
-more edge, ``exchange``, goes straight to the target from the first layout with the
-target's partial axes: an all_to_all with per-peer sizes over the atoms that differ, in
+more edge, ``exchange``, goes straight to the target's shards from the first few layouts
+with no reduction pending: an all_to_all with per-peer sizes over the atoms that differ, in
 which every rank receives exactly the elements it lacks (the lower bound; see
 ``exchange.py``). Step costs are alpha-beta per group (``CostModel``) plus local copies.
 
@@ -29,6 +29,7 @@ from .mesh import MeshAxis, Size, as_size
 
 STEP_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange", "local_shard", "local_partial")
 MAX_STATES = 4000  # a search that pops more layouts than this falls back to its best plan so far
+EXCHANGE_TRIES = 3  # exchanges are priced from the first layouts popped with no reduction pending
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,18 @@ class CostModel:
     latency: tuple[tuple[str, float], ...] = ()
 
     def axis_bandwidth(self, axis: MeshAxis) -> float:
-        return dict(self.bandwidth).get(axis.name, self.default_bandwidth)
+        return self._bandwidths.get(axis.name, self.default_bandwidth)
 
     def axis_latency(self, axis: MeshAxis) -> float:
-        return dict(self.latency).get(axis.name, self.default_latency)
+        return self._latencies.get(axis.name, self.default_latency)
+
+    @functools.cached_property
+    def _bandwidths(self) -> dict[str, float]:
+        return dict(self.bandwidth)
+
+    @functools.cached_property
+    def _latencies(self) -> dict[str, float]:
+        return dict(self.latency)
 
     def collective_cost(self, axes: Sequence[MeshAxis], nbytes: Size) -> float:
         return max(self.axis_latency(a) for a in axes) + _numeric(nbytes) / min(self.axis_bandwidth(a) for a in axes)
@@ -205,6 +214,8 @@ class _Search:
         self.start, self.goal = self.atoms.state(src), self.atoms.state(dst)
         self.goal_where = _where(self.goal)
         self.goal_strides = [stride_of(p) for p in self.goal[0]]
+        self._local_bytes: dict = {}
+        self._groups: dict = {}
 
     # -- moves --------------------------------------------------------------------------------
     def moves(self, state: State) -> Iterator[_Move]:
@@ -237,9 +248,13 @@ class _Search:
             rest = tuple(p for p in partial if p[0] not in ids)
             yield _Move("all_reduce", ids, (dims, rest), op)
             if dst_kind == "d":
-                new = self._insert(dims, ids)
+                new = self._insert(dims, ids, padded_reduce=True)
                 if new is not None:
                     yield _Move("reduce_scatter", ids, (new, rest), op)
+            for e in range(len(dims)):  # reduce early into any dim: later steps move 1/n of the data
+                parked = self._park(dims, ids, e)
+                if parked is not None:
+                    yield _Move("reduce_scatter", ids, (parked, rest), op)
             return
         if src_kind == "d":
             if any(self._chunked(dims, a) for a in ids) and not self._gatherable_chunk(dims, ids):
@@ -261,7 +276,8 @@ class _Search:
             if all(o == op for _, o in partial):
                 yield _Move("local_partial", ids, (dims, tuple(sorted(partial + tuple((a, op) for a in ids)))), op)
 
-    def _insert(self, dims: tuple, ids: frozenset, even_only: bool = False, local_chunk: bool = False) -> tuple | None:
+    def _insert(self, dims: tuple, ids: frozenset, even_only: bool = False, local_chunk: bool = False,
+                padded_reduce: bool = False) -> tuple | None:
         """``dims`` with ``ids`` sharded where the target has them, if the rest of each dim allows."""
         out = list(dims)
         for e, target in enumerate(self.goal[0]):
@@ -274,11 +290,30 @@ class _Search:
                 return None
             chunked = [i for i, p in enumerate(candidate) if p[2] and p[1] in mine]
             if chunked:
+                if padded_reduce and len(ids) == 1 and len(candidate) == 1:
+                    out[e] = candidate  # a padded reduce_scatter (DTensor's way), then the tail is cut
+                    continue
                 if even_only or not local_chunk or len(ids) != 1:
                     return None
                 if any(p[1] == LOCAL for p in candidate[:chunked[0]]):
                     return None  # an uneven shard of a strided block: no local lowering
             out[e] = candidate
+        return tuple(out)
+
+    def _park(self, dims: tuple, ids: frozenset, e: int) -> tuple | None:
+        """``dims`` with ``ids`` sharding the front of dim ``e``'s last local piece, where it divides."""
+        pieces = dims[e]
+        last = max((i for i, p in enumerate(pieces) if p[1] == LOCAL), default=None)
+        if last is None or (last + 1 < len(pieces) and pieces[last + 1][2]):
+            return None
+        n = self.group(ids)[1]
+        size = pieces[last][0]
+        if not (isinstance(size, int) and isinstance(n, int) and size % n == 0):
+            return None
+        new = pieces[:last] + tuple((self.sizes[a], a, False) for a in sorted(ids)) + \
+            ((size // n, LOCAL, False),) + pieces[last + 1:]
+        out = list(dims)
+        out[e] = canonical_dim(new)
         return tuple(out)
 
     @staticmethod
@@ -292,17 +327,30 @@ class _Search:
 
     # -- costs --------------------------------------------------------------------------------
     def local_bytes(self, state: State) -> Size:
-        return as_size(local_numel(state, self.src.shape, self.sizes) * self.itemsize)
+        got = self._local_bytes.get(state)
+        if got is None:
+            got = self._local_bytes[state] = local_numel(state, self.src.shape, self.sizes) * self.itemsize
+        return got
+
+    def group(self, ids: frozenset) -> tuple[MeshAxis, ...]:
+        got = self._groups.get(ids)
+        if got is None:
+            got = self._groups[ids] = (self.atoms.group(ids), self.atoms.group_size(ids))
+        return got
 
     def step_bytes(self, move: _Move, before: State) -> Size:
         if move.kind.startswith("local"):
             return 0
-        return collective_bytes(move.kind, self.atoms.group_size(move.ids), self.local_bytes(before))
+        n = self.group(move.ids)[1]
+        local = self.local_bytes(before)
+        if move.kind == "reduce_scatter" and any(p[2] for pieces in move.state[0] for p in pieces if p[1] in move.ids):
+            local = as_size(self.local_bytes(move.state) * n)  # padded to n equal chunks
+        return collective_bytes(move.kind, n, local)
 
     def step_cost(self, move: _Move, before: State, nbytes: Size) -> float:
         if move.kind.startswith("local"):
             return self.model.copy_cost(self.local_bytes(move.state))
-        return self.model.collective_cost(self.atoms.group(move.ids), nbytes)
+        return self.model.collective_cost(self.group(move.ids)[0], nbytes)
 
     # -- the exchange edge --------------------------------------------------------------------
     def exchange_target(self, state: State) -> State | None:
@@ -313,18 +361,82 @@ class _Search:
 
     def exchange(self, state: State, target: State) -> tuple[tuple, Size, float] | None:
         """(group, bytes, cost) of one exchange from ``state`` to ``target``, when possible."""
-        from .exchange import exchange_group, received_elements
-
         if not self.src.mesh.is_static or not all(isinstance(s, int) for s in self.src.shape):
             return None
-        before, after = self.atoms.layout(state, self.src.shape), self.atoms.layout(target, self.src.shape)
-        group = exchange_group(before, after)
-        if not group:
+        moving = self._moving(state, target)
+        if not moving:
             return None
-        nbytes = received_elements(before, after) * self.itemsize
+        group = self.atoms.group(moving)
+        received = _received_even(state, target, self.sizes)
+        if received is None:  # uneven or non-nesting: count on the layouts
+            from .exchange import received_elements
+
+            before, after = self.atoms.layout(state, self.src.shape), self.atoms.layout(target, self.src.shape)
+            received = received_elements(before, after)
+        nbytes = received * self.itemsize
         pack = 2 * (self.local_bytes(state) + self.local_bytes(target))  # index gathers on both ends
         cost = self.model.collective_cost(group, nbytes) + self.model.copy_cost(pack)
         return group, nbytes, cost
+
+    @staticmethod
+    def _moving(state: State, target: State) -> list[int]:
+        """Atoms whose place differs (the exchange's group; see exchange.exchange_group)."""
+        def places(st: State) -> dict:
+            out = {a: ("p", op) for a, op in st[1]}
+            for d, pieces in enumerate(st[0]):
+                for a, stride in stride_of(pieces).items():
+                    out[a] = ("d", d, stride if stride != -1 else pieces)
+            return out
+
+        here, there = places(state), places(target)
+        return sorted(a for a in set(here) | set(there) if here.get(a) != there.get(a))
+
+
+def _received_even(state: State, target: State, sizes: Sequence[Size]) -> int | None:
+    """Elements of its target block the busiest rank lacks (closed form of exchange.received_elements).
+
+    Atoms are the finest sub-axes of the search, so a digit fixed by two different atoms (or
+    two parts of one) in the two states is fixed differently on some rank.
+    """
+    need, both_free = 1, 1
+    for here, there in zip(state[0], target[0]):
+        if any(p[2] for p in here + there):
+            return None
+        s_spans, t_spans = _spans(here), _spans(there)
+        total = 1
+        for p in here:
+            total *= p[0]
+        bounds = {1, total} | {b for _, lo, n in s_spans + t_spans for b in (lo, lo * n)}
+        if not all(isinstance(b, int) for b in bounds):
+            return None
+        edges = sorted(bounds)
+        if any(hi % lo for lo, hi in zip(edges, edges[1:])):
+            return None
+        for lo, hi in zip(edges, edges[1:]):
+            a, b = _digit(s_spans, lo, hi), _digit(t_spans, lo, hi)
+            if a is not None and b is not None and a != b:
+                return _dst_numel(target)
+            if b is None:
+                need *= hi // lo
+                if a is None:
+                    both_free *= hi // lo
+    return need - both_free
+
+
+def _digit(spans: list, lo: int, hi: int) -> tuple | None:
+    for atom, s_lo, n in spans:
+        if s_lo <= lo and hi <= s_lo * n:
+            return (atom, lo // s_lo, hi // lo)
+    return None
+
+
+def _dst_numel(state: State) -> int:
+    n = 1
+    for pieces in state[0]:
+        for s, a, _ in pieces:
+            if a == LOCAL:
+                n *= s
+    return n
 
 
 def _where(state: State) -> dict[int, tuple]:
@@ -395,7 +507,7 @@ def _dijkstra(search: _Search) -> list | None:
     parent: dict[State, tuple] = {}
     heap: list = [(0.0, 0, start)]
     counter = itertools.count(1)
-    tried_exchange = False
+    exchanges_left = EXCHANGE_TRIES
     popped = 0
     while heap:
         cost, _, state = heapq.heappop(heap)
@@ -406,9 +518,9 @@ def _dijkstra(search: _Search) -> list | None:
         popped += 1
         if popped > MAX_STATES:
             break
-        target = search.exchange_target(state) if not tried_exchange else None
+        target = search.exchange_target(state) if exchanges_left else None
         if target is not None and target != state:
-            tried_exchange = True
+            exchanges_left -= 1
             edge = search.exchange(state, target)
             if edge is not None:
                 axes, nbytes, c = edge

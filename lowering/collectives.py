@@ -199,6 +199,8 @@ def _uneven(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str)
     n, c = int(axis.size), axis.coordinate(coord[axis.name])
     if step.kind == "all_gather" and len(step.before.dims[d]) == 1:
         return _gather_chunked(e, x, step, before, after, d, n, group)
+    if step.kind == "reduce_scatter" and len(step.after.dims[d]) == 1:
+        return _reduce_scatter_chunked(e, x, step, before, d, n, c, group)
     pieces = step.after.dims[d]
     i = next(k for k, p in enumerate(pieces) if p.axis == axis)
     if step.kind == "local_shard" and pieces[i].chunked and all(p.axis is not None for p in pieces[:i]):
@@ -231,6 +233,24 @@ def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: 
     order = list(range(d)) + ["n"] + list(range(d, len(before)))
     g = _rearrange(e, g, keys, order, sizes, full, [n * padded_shape[0]] + padded_shape[1:])
     return _sliced(e, g, d, 0, total)
+
+
+def _reduce_scatter_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], d: int, n: int, c: int,
+                            group: str) -> fx.Node:
+    """Uneven reduce_scatter (torch.chunk layout): pad dim ``d`` to n equal chunks, reduce, cut the tail."""
+    total = before[d]
+    chunk = -(-total // n)
+    pad = [0, 0] * (len(before) - 1 - d) + [0, n * chunk - total]
+    padded = e(aten.constant_pad_nd.default, x, pad, 0.0)
+    if d:
+        padded = _contiguous(e, e(aten.movedim.int, padded, d, 0))
+    op = "sum" if step.reduce_op == "avg" else step.reduce_op
+    y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, padded, op, n, group))
+    if d:
+        y = _contiguous(e, e(aten.movedim.int, y, 0, d))
+    start = min(c * chunk, total)
+    y = _sliced(e, y, d, 0, max(0, min(chunk, total - start)))
+    return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
 
 
 def _sliced(e: _Emit, x: fx.Node, d: int, start: int, end: int) -> fx.Node:
