@@ -71,7 +71,7 @@ def simulate_plan(plan: Plan, x: torch.Tensor) -> PlanRun:
             gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
             value = gm.graph.placeholder("x")
             out = gm.graph.output(None)
-            e = _Emit(gm, out)
+            e = _Emit(gm, out, x.device)
             mine = []
             for step in plan.steps:
                 seen = set(gm.graph.nodes)

@@ -36,8 +36,8 @@ class LoweringError(NotImplementedError):
 class _Emit:
     """Appends nodes before ``anchor``; constants become attributes of ``module``."""
 
-    def __init__(self, module: fx.GraphModule, anchor: fx.Node):
-        self.module, self.graph, self.anchor = module, module.graph, anchor
+    def __init__(self, module: fx.GraphModule, anchor: fx.Node, device: torch.device | str = "cpu"):
+        self.module, self.graph, self.anchor, self.device = module, module.graph, anchor, device
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -45,7 +45,7 @@ class _Emit:
 
     def constant(self, value: torch.Tensor, hint: str) -> fx.Node:
         name = next(f"_{hint}_{i}" for i in itertools.count() if not hasattr(self.module, f"_{hint}_{i}"))
-        self.module.register_buffer(name, value)
+        self.module.register_buffer(name, value.to(self.device))
         with self.graph.inserting_before(self.anchor):
             return self.graph.get_attr(name)
 
@@ -266,8 +266,9 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
     for node in list(graph.nodes):
         if node.target is not REDISTRIBUTE:
             continue
-        e = _Emit(out, node)
         x = node.args[0]
+        val = x.meta.get("val")
+        e = _Emit(out, node, val.device if isinstance(val, torch.Tensor) else "cpu")
         for step in node.meta["plan"].steps:
             x = lower_step(e, x, step, coordinate, group_name)
         node.replace_all_uses_with(x)

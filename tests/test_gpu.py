@@ -17,7 +17,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 KERNEL_MARK = {"cpu": "cpp_fused", "cuda": "triton"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fake_world_4():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -80,6 +80,58 @@ def test_megatron_mlp_compiled_code_keeps_the_collective(fake_world_4, make_mlp,
     assert KERNEL_MARK[device] in code and "all_reduce" in code
     # the fake group moves no data, so compare Inductor's program with the same local program run eagerly
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+
+
+PLANS = [  # (mesh sizes, shape, src, dst, the plan's steps)
+    ((4,), (10, 8), "S(0)", "S(1)", "exchange(a)"),
+    ((2, 2), (8, 12), "S(0),S(0)", "S(1),S(1)", "all_to_all(a,b dim 0->1)"),
+    ((8,), (2047, 10), "P(sum)", "S(0)", "reduce_scatter(a dim 0 sum)"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizes, shape, src, dst, steps", PLANS)
+def test_plans_on_device(device, sizes, shape, src, dst, steps):
+    """Every rank's lowered steps on ``device`` (index tables live there too) rebuild the tensor."""
+    import fxshard
+    from fxshard.placements import placements_from_str
+
+    mesh = fxshard.MeshSpec(list(zip("abc", sizes)))
+    a = fxshard.Layout.from_placements(mesh, shape, placements_from_str(src))
+    b = fxshard.Layout.from_placements(mesh, shape, placements_from_str(dst))
+    plan = fxshard.plan_redistribute(a, b)
+    assert ", ".join(str(s) for s in plan.steps) == steps
+    x = torch.randn(shape, device=device)
+    run = fxshard.simulate_plan(plan, x)
+    assert run.result.device.type == device
+    torch.testing.assert_close(run.result, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exchange_compiles_with_inductor(fake_world_4, device):
+    """The exchange's index tables are graph constants on the input's device; Inductor compiles around them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    from fxshard.backend.explain import explain
+    from fxshard.lowering.collectives import lower
+    from fxshard.lowering.groups import MeshGroups
+    from fxshard.lowering.localize import localize
+    from fxshard.ops import constrain_op
+
+    mesh = init_device_mesh(device, (4,), mesh_dim_names=("tp",))
+    x = torch.randn(10, 8, device=device)
+    e = explain(lambda t: constrain_op(t * 2.0, "S(1)") + 1.0, x, mesh=mesh, placements={0: (Shard(0),)})
+    assert [c.kind for c in e.collectives] == ["exchange"]
+    local = lower(localize(e.graph, (1,)), (1,), MeshGroups(mesh))
+    assert all(b.device.type == device for b in local.buffers())
+    block = next(iter(e.input_layouts.values())).shard(x, (1,))
+    with torch.no_grad():
+        out, codes = run_and_get_code(lambda: compile_fx(local, [block])(block))
+    code = "\n".join(codes)
+    assert KERNEL_MARK[device] in code and "all_to_all_single" in code
+    assert out[0].shape == (10, 2) and out[0].device.type == device
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")
