@@ -124,7 +124,18 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
             out.append(Piece(p.size, outer))
         elif rest == axis:  # uneven: torch.chunk the rest of the dim
             if len(local_left) > 1:
-                raise LayoutError(f"uneven shard over {axis} of a strided block is not representable")
+                block = " ".join(str(q) for q in [p] + todo)
+                total = 1
+                for q in [p] + local_left[1:]:
+                    total *= int(q.size)
+                if divides(n, total):
+                    raise LayoutError(
+                        f"sharding the strided block [{block}] of a dim of size {dim_size} over {axis}: each rank's "
+                        f"{total} elements split evenly in {n}, but not on the block's pieces, so fxshard has no "
+                        "layout for it; shard that dim before the strided split, or pick a split factor that "
+                        f"makes the local pieces divisible by {n}")
+                raise LayoutError(f"uneven shard over {axis} of a strided block [{block}] (dim of size {dim_size}) "
+                                  "is not representable: make the dim divisible by the mesh axis")
             out.append(Piece(p.size, axis, chunked=True))
             rest = None
         else:
