@@ -138,13 +138,13 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         required, out = view_layout(in_layouts[0], tuple(val.shape))
         _set(node, (required,), out)
         return
+    def cost(src: Layout, dst: Layout) -> float:
+        return redistribute_cost(src, dst, _dtype(node), cost_model)
+
     if node.target in SLICE_RULES:
-        _set(node, *SLICE_RULES[node.target](node, in_layouts))
+        _set(node, *SLICE_RULES[node.target](node, in_layouts, cost))
         return
     if node.target in CONCAT_RULES:
-        def cost(src: Layout, dst: Layout) -> float:
-            return redistribute_cost(src, dst, _dtype(node), cost_model)
-
         _set(node, *CONCAT_RULES[node.target](node, in_layouts, cost))
         return
     if not ins and isinstance(val, torch.Tensor):  # a factory: the same value on every rank

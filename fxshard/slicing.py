@@ -3,13 +3,14 @@
 A contiguous range of a dim keeps its sharding when it cuts the outermost piece at index
 boundaries and that piece is local (q = rows [h, 2h) of a fused [3 4@tp 8] is [4@tp 8]), or
 when it lies inside one index of a local outermost piece (recurse into the inner pieces).
-Any other range needs the dim gathered. Concatenating tensors of one layout and equal size
+Any other range needs the dim redistributed: gathered, or its shards moved inside equal outer
+blocks where the ranges fall on block edges (``shards_inside``), whichever the planner prices lower. Concatenating tensors of one layout and equal size
 along a dim puts a new local piece outside theirs ([3 4@tp 8] from q, k, v).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -54,13 +55,44 @@ def _dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
-def _sliced(layout: Layout, d: int, ranges: Sequence[tuple[int, int]], drop_dim: bool) -> tuple[Layout, tuple[Layout, ...]]:
-    """(required input, one output layout per range) for taking ``ranges`` of dim ``d``."""
+def shards_inside(pieces: Sequence[Piece], size: int, ranges: Sequence[tuple[int, int]]) -> tuple[Piece, ...] | None:
+    """The dim re-sharded so that every range is a run of whole outer indices (then slicing is local).
+
+    The dim is seen as [size / g, g] with g the gcd of the range edges; the shards move into g.
+    (chunk(2)[0] of [4@tp 2]: [2 4@tp], then rows [0, 4) are [4@tp] on every rank.)
+    """
+    sharded = [p for p in pieces if p.axis is not None]
+    if not sharded or any(p.chunked for p in pieces):
+        return None
+    g = size
+    for s, e in ranges:
+        g = math.gcd(g, math.gcd(s, e))
+    n = math.prod(int(p.size) for p in sharded)
+    if g == size or g % n:
+        return None
+    return (Piece(size // g),) + tuple(Piece(p.size, p.axis) for p in sharded) + (Piece(g // n),)
+
+
+def _sliced(layout: Layout, d: int, ranges: Sequence[tuple[int, int]], drop_dim: bool,
+            cost: Callable[[Layout, Layout], float] | None = None) -> tuple[Layout, tuple[Layout, ...]]:
+    """(required input, one output layout per range) for taking ``ranges`` of dim ``d``.
+
+    A range that cuts through a shard needs the input redistributed: gathered, or (when
+    cheaper) its shards moved inside equal outer blocks so that every range keeps them.
+    """
     cuts = [slice_pieces(layout.dims[d], s, e) for s, e in ranges]
-    required = layout if all(c is not None for c in cuts) else layout.with_dim(d, ())
+    required = layout
+    if not all(c is not None for c in cuts):
+        required = layout.with_dim(d, ())
+        inside = shards_inside(layout.dims[d], int(layout.shape[d]), ranges)
+        if inside is not None and cost is not None:
+            moved = layout.with_dim(d, inside)
+            if cost(layout, moved) < cost(layout, required):
+                required = moved
+        cuts = [slice_pieces(required.dims[d], s, e) for s, e in ranges]
     outs = []
     for (s, e), cut in zip(ranges, cuts):
-        pieces = cut if all(c is not None for c in cuts) else ()
+        pieces = cut if cut is not None else ()
         shape, dims = list(required.shape), list(required.dims)
         if drop_dim:
             del shape[d], dims[d]
@@ -74,7 +106,7 @@ def _arg(node: Any, i: int, name: str, default: Any) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def slice_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+def slice_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layout, ...], Any]:
     x = ins[0]
     d = _dim(_arg(node, 1, "dim", 0), x.ndim)
     size = int(x.shape[d])
@@ -86,11 +118,11 @@ def slice_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], An
         shape[d] = len(range(start, end, step))
         return (required,), Layout(x.mesh, shape, [p if k != d else () for k, p in enumerate(required.dims)],
                                    x.partial)
-    required, (out,) = _sliced(x, d, [(start, max(start, end))], drop_dim=False)
+    required, (out,) = _sliced(x, d, [(start, max(start, end))], drop_dim=False, cost=cost)
     return (required,), out
 
 
-def select_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+def select_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layout, ...], Any]:
     x = ins[0]
     d = _dim(node.args[1], x.ndim)
     i = int(node.args[2]) % int(x.shape[d])
@@ -98,16 +130,16 @@ def select_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], A
     return (required,), out
 
 
-def split_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+def split_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layout, ...], Any]:
     x = ins[0]
     d = _dim(_arg(node, 2, "dim", 0), x.ndim)
     sizes = [int(v.shape[d]) for v in node.meta["val"]]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-    required, outs = _sliced(x, d, [(o, o + s) for o, s in zip(offsets, sizes)], drop_dim=False)
+    required, outs = _sliced(x, d, [(o, o + s) for o, s in zip(offsets, sizes)], drop_dim=False, cost=cost)
     return (required,), outs
 
 
-def unbind_rule(node: Any, ins: Sequence[Layout]) -> tuple[tuple[Layout, ...], Any]:
+def unbind_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layout, ...], Any]:
     x = ins[0]
     d = _dim(_arg(node, 1, "dim", 0), x.ndim)
     required, outs = _sliced(x, d, [(i, i + 1) for i in range(int(x.shape[d]))], drop_dim=True)

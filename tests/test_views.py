@@ -138,3 +138,29 @@ def test_as_strided_that_is_not_a_view_is_refused():
 
     with pytest.raises(UnsupportedOpError, match="not a row-major view"):
         explain(lambda t: torch.as_strided(t, (4, 4), (1, 4)), torch.randn(16), mesh=TP4, placements={0: (S(0),)})
+
+
+# ---- slices that cut through a shard: the least communication, not a gather -------------------
+# (chain, input shape, mesh, placements, the chain's collectives with bytes per rank, its output layout)
+CUTS = [
+    # rows [0, 4) of [4@tp 2]: the shards move inside two outer blocks ([2 4@tp]); one exchange
+    case("chunk(2)[0] through the shards", lambda x: x.chunk(2, dim=1)[0] * 2, (2, 8, 16), TP4, (S(1),),
+         ("exchange(tp) 256 B/rank", "[2] [4@tp] [16]")),
+    case("split(4) of a dim sharded twice", lambda x: x.split(4, dim=0)[1] + 1, (8, 6), DP2_TP2, (S(0), S(0)),
+         ("exchange(dp,tp) 48 B/rank", "[2@dp 2@tp] [6]")),
+    # the range edges do not leave room for the shards inside: gathered
+    case("narrow(0, 2, 4) of [4@tp 2]", lambda x: x.narrow(0, 2, 4) * 2, (8, 6), TP4, (S(0),),
+         ("all_gather(tp) 144 B/rank", "[4] [6]")),
+    case("select through the shards", lambda x: x.select(0, 5) * 2, (8, 6), TP4, (S(0),),
+         ("all_gather(tp) 144 B/rank", "[6]")),
+]
+
+
+@pytest.mark.parametrize("fn, shape, mesh, placements, expected", CUTS)
+def test_slice_through_a_shard_moves_least(fn, shape, mesh, placements, expected):
+    x = torch.randn(shape)
+    e = explain(fn, x, mesh=mesh, placements={0: placements})
+    layout, collectives = chain_result(e)
+    assert (", ".join(f"{c.kind}({','.join(map(str, c.axes))}) {c.bytes_per_rank} B/rank" for c in collectives),
+            str(layout)) == expected
+    torch.testing.assert_close(simulate(fn, x, mesh=mesh, placements={0: placements}), fn(x))
