@@ -161,3 +161,16 @@ def stride_of(pieces: Dim) -> dict[int, Size]:
             out[a] = -1 if chunked else inner
         inner = as_size(inner * s)
     return out
+
+
+def moving_atoms(state: State, target: State) -> list[int]:
+    """Atoms whose place (dim and stride, uneven dim, or partial op) differs between two states."""
+    def places(st: State) -> dict:
+        out: dict = {a: ("p", op) for a, op in st[1]}
+        for d, pieces in enumerate(st[0]):
+            for a, stride in stride_of(pieces).items():
+                out[a] = ("d", d, stride if stride != -1 else pieces)
+        return out
+
+    here, there = places(state), places(target)
+    return sorted(a for a in set(here) | set(there) if here.get(a) != there.get(a))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .atoms import Atoms, stride_of
+from .atoms import Atoms, moving_atoms
 from .layout import Layout
 from .mesh import Coordinate, MeshAxis
 
@@ -26,21 +26,7 @@ from .mesh import Coordinate, MeshAxis
 def exchange_group(src: Layout, dst: Layout) -> tuple[MeshAxis, ...]:
     """The atoms (merged where adjacent) whose place differs between ``src`` and ``dst``."""
     atoms = Atoms.of([src, dst])
-    s, t = atoms.state(src), atoms.state(dst)
-    where_s, where_t = _places(s), _places(t)
-    moving = [a for a in range(len(atoms.axes)) if where_s.get(a) != where_t.get(a)]
-    return atoms.group(moving)
-
-
-def _places(state) -> dict[int, tuple]:
-    out: dict[int, tuple] = {}
-    for d, pieces in enumerate(state[0]):
-        strides = stride_of(pieces)
-        for a, stride in strides.items():
-            out[a] = ("d", d, stride if stride != -1 else pieces)
-    for a, op in state[1]:
-        out[a] = ("p", op)
-    return out
+    return atoms.group(moving_atoms(atoms.state(src), atoms.state(dst)))
 
 
 def received_elements(src: Layout, dst: Layout) -> int:
@@ -62,12 +48,12 @@ def _received_even(src: Layout, dst: Layout) -> int | None:
         return None
     need, both_free = 1, 1
     for d in range(src.ndim):
-        s_spans, t_spans = _axis_spans(src.dims[d]), _axis_spans(dst.dims[d])
+        s_spans, t_spans = axis_spans(src.dims[d]), axis_spans(dst.dims[d])
         bounds = sorted({1, int(src.shape[d])} | {b for lo, hi, _ in s_spans + t_spans for b in (lo, hi)})
         if any(hi % lo for lo, hi in zip(bounds, bounds[1:])):
             return None
         for lo, hi in zip(bounds, bounds[1:]):
-            a, b = _label(s_spans, lo, hi), _label(t_spans, lo, hi)
+            a, b = digit_label(s_spans, lo, hi), digit_label(t_spans, lo, hi)
             if a is not None and b is not None and a != b:
                 return _numel(dst.max_local_shape())
             if b is None:
@@ -77,7 +63,8 @@ def _received_even(src: Layout, dst: Layout) -> int | None:
     return need - both_free
 
 
-def _axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
+def axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
+    """(lo, hi, axis) per sharded piece of an even dim: the index digits [lo, hi) it fixes."""
     out, inner = [], 1
     for p in reversed(pieces):
         if p.axis is not None:
@@ -86,7 +73,7 @@ def _axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
     return out
 
 
-def _label(spans, lo: int, hi: int) -> tuple | None:
+def digit_label(spans, lo: int, hi: int) -> tuple | None:
     """The sub-axis (name, inner, size) fixing digit [lo, hi), or None where the digit is free."""
     for s_lo, s_hi, axis in spans:
         if s_lo <= lo and hi <= s_hi:
@@ -132,7 +119,7 @@ class ExchangeTables:
     unpack_index: torch.Tensor  # dst position -> index into cat(my src block, received)
 
 
-def group_coordinates(mesh_names: tuple, axes: tuple[MeshAxis, ...], coord: dict[str, int]) -> list[dict[str, int]]:
+def group_coordinates(axes: tuple[MeshAxis, ...], coord: dict[str, int]) -> list[dict[str, int]]:
     """Coordinates of the ranks in ``coord``'s group over ``axes``, in group order (row-major, axes major first)."""
     out = []
     for digits in itertools.product(*(range(int(a.size)) for a in axes)):
@@ -157,7 +144,7 @@ def _flat_indices(layout: Layout, coord: dict[str, int]) -> torch.Tensor:
 
 def exchange_tables(src: Layout, dst: Layout, axes: tuple[MeshAxis, ...], coordinate: Coordinate) -> ExchangeTables:
     coord = src.mesh.coordinate_dict(coordinate)
-    peers = group_coordinates(src.mesh.names, axes, coord)
+    peers = group_coordinates(axes, coord)
     me = peers.index(coord)
     total = 1
     for s in src.shape:

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import sympy
 import torch
 
-from .atoms import LOCAL, AtomError, Atoms, State, atoms_in, canonical_dim, local_numel, localized, stride_of
+from .atoms import LOCAL, AtomError, Atoms, State, atoms_in, canonical_dim, local_numel, localized, moving_atoms, stride_of
 from .layout import Layout, LayoutError
 from .mesh import MeshAxis, Size, as_size
 
@@ -363,7 +363,7 @@ class _Search:
         """(group, bytes, cost) of one exchange from ``state`` to ``target``, when possible."""
         if not self.src.mesh.is_static or not all(isinstance(s, int) for s in self.src.shape):
             return None
-        moving = self._moving(state, target)
+        moving = moving_atoms(state, target)
         if not moving:
             return None
         group = self.atoms.group(moving)
@@ -377,19 +377,6 @@ class _Search:
         pack = 2 * (self.local_bytes(state) + self.local_bytes(target))  # index gathers on both ends
         cost = self.model.collective_cost(group, nbytes) + self.model.copy_cost(pack)
         return group, nbytes, cost
-
-    @staticmethod
-    def _moving(state: State, target: State) -> list[int]:
-        """Atoms whose place differs (the exchange's group; see exchange.exchange_group)."""
-        def places(st: State) -> dict:
-            out = {a: ("p", op) for a, op in st[1]}
-            for d, pieces in enumerate(st[0]):
-                for a, stride in stride_of(pieces).items():
-                    out[a] = ("d", d, stride if stride != -1 else pieces)
-            return out
-
-        here, there = places(state), places(target)
-        return sorted(a for a in set(here) | set(there) if here.get(a) != there.get(a))
 
 
 def _received_even(state: State, target: State, sizes: Sequence[Size]) -> int | None:
@@ -598,7 +585,3 @@ def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostMode
         steps.append(Step("exchange", tuple(group), cur, dst, bytes_per_rank=nbytes))
     cost = sum(model.collective_cost(s.axes, s.bytes_per_rank) for s in steps)
     return Plan(src, dst, tuple(steps), cost, dtype)
-
-
-def canonical(dims: Sequence) -> tuple:
-    return tuple(canonical_dim(p) for p in dims)

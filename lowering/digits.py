@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from fxshard.exchange import axis_spans, digit_label
 from fxshard.layout import Layout
 from fxshard.mesh import MeshAxis, MeshSpec
 
@@ -23,22 +24,6 @@ class Digit:
     size: int
     before: Label | None
     after: Label | None
-
-
-def _spans(pieces) -> list[tuple[int, int, MeshAxis]]:
-    out, inner = [], 1
-    for p in reversed(pieces):
-        if p.axis is not None:
-            out.append((inner, inner * int(p.size), p.axis))
-        inner *= int(p.size)
-    return out
-
-
-def _label(spans, lo: int, hi: int) -> Label | None:
-    for s_lo, s_hi, axis in spans:
-        if s_lo <= lo and hi <= s_hi:
-            return (axis.name, int(axis.inner) * (lo // s_lo), hi // lo)
-    return None
 
 
 def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis],
@@ -56,14 +41,14 @@ def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis],
                                                              for p in before.dims[d]):
                 dims.append([Digit(int(local_shape[d]), None, None)])
                 continue
-            sb, sa = _spans(before.dims[d]), _spans(after.dims[d])
+            sb, sa = axis_spans(before.dims[d]), axis_spans(after.dims[d])
             bounds = {1, int(before.shape[d])} | {b for lo, hi, _ in sb + sa for b in (lo, hi)}
             for lo, hi, axis in sb + sa:  # where a group axis is cut elsewhere, cut it here too
                 for c in cuts.get(axis.name, ()):
                     if int(axis.inner) < c < int(axis.inner) * int(axis.size):
                         bounds.add(lo * c // int(axis.inner))
             edges = sorted(bounds, reverse=True)
-            dims.append([Digit(hi // lo, _label(sb, lo, hi), _label(sa, lo, hi)) for hi, lo in zip(edges, edges[1:])])
+            dims.append([Digit(hi // lo, digit_label(sb, lo, hi), digit_label(sa, lo, hi)) for hi, lo in zip(edges, edges[1:])])
         new = {n: set(c) for n, c in cuts.items()}
         for digits in dims:
             for dg in digits:
