@@ -65,10 +65,15 @@ class Atoms:
 
     def split(self, axis: MeshAxis) -> list[int]:
         """Atom ids that make up ``axis``, major first."""
-        ids = [i for i, a in enumerate(self.axes) if a.name == axis.name and not (
-            is_static(a.inner) and is_static(axis.inner) and
-            (int(a.inner) < int(axis.inner) or int(a.inner) * int(a.size) > int(axis.inner) * int(axis.size)))]
-        return ids
+        out = []
+        for i, a in enumerate(self.axes):
+            if a.name != axis.name:
+                continue
+            if not all(is_static(v) for v in (a.inner, a.size, axis.inner, axis.size)):
+                out.append(i)  # a symbolic axis is never cut: its one atom
+            elif int(axis.inner) <= int(a.inner) and int(a.inner) * int(a.size) <= int(axis.inner) * int(axis.size):
+                out.append(i)
+        return out
 
     def state(self, layout: Layout) -> State:
         dims = []

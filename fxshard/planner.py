@@ -219,6 +219,7 @@ class _Search:
 
     # -- moves --------------------------------------------------------------------------------
     def moves(self, state: State) -> Iterator[_Move]:
+        """Moves of atoms not yet where the goal has them, grouped by (from, to) kind."""
         where = _where(state)
         strides = [stride_of(p) for p in state[0]]
         classes: dict[tuple, list[int]] = {}
@@ -228,12 +229,8 @@ class _Search:
                 continue
             key = (here[0] if here else "free", there[0] if there else "free", here and here[0] == "p" and here[1])
             classes.setdefault(key, []).append(a)
-        seen: set = set()
         for (src_kind, dst_kind, _), members in classes.items():
             for ids in _groups(members, self.atoms.axes):
-                if ids in seen and src_kind != "d":
-                    continue
-                seen.add(ids)
                 yield from self._moves_for(state, where, src_kind, dst_kind, ids)
 
     def _in_place(self, state: State, strides: list, a: int, d: int) -> bool:
@@ -447,7 +444,10 @@ def _disjoint_places(before: tuple, after: tuple, ids: frozenset) -> bool:
     for b, a in zip(before, after):
         left = [(s, s * n) for x, s, n in _spans(b) if x in ids]
         taken = [(s, s * n) for x, s, n in _spans(a) if x in ids]
-        if any(lo1 < hi2 and lo2 < hi1 for lo1, hi1 in left for lo2, hi2 in taken):
+        try:
+            if any(lo1 < hi2 and lo2 < hi1 for lo1, hi1 in left for lo2, hi2 in taken):
+                return False
+        except TypeError:  # symbolic sizes it cannot order: no all_to_all
             return False
     return True
 
@@ -564,7 +564,7 @@ def _step_dims(kind: str, dims_from: list[int], dims_to: list[int]) -> tuple[int
 
 def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
     """Layouts the atom states cannot hold together: reduce partials, then one exchange."""
-    from .exchange import exchange_group, received_elements
+    from .exchange import received_elements
 
     steps: list[Step] = []
     cur = src
@@ -579,8 +579,10 @@ def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostMode
         cur = after
     if cur.partial != dst.partial or not src.mesh.is_static:
         raise LayoutError(f"no redistribution plan from {src} to {dst}: their sub-axes do not nest")
-    group = exchange_group(cur, dst)
-    if group:
+    kept = {a.name for a, _ in dst.partial}
+    names = {a.name for a in cur.sharded_axes() + dst.sharded_axes()} - kept
+    group = tuple(src.mesh.axis(n) for n in src.mesh.names if n in names)
+    if group and cur != dst:
         nbytes = received_elements(cur, dst) * dtype_size(dtype)
         steps.append(Step("exchange", tuple(group), cur, dst, bytes_per_rank=nbytes))
     cost = sum(model.collective_cost(s.axes, s.bytes_per_rank) for s in steps)

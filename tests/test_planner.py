@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 import fxshard
-from fxshard import CostModel, Layout, LayoutError, MeshSpec, lower_bound_bytes, plan_redistribute
+from fxshard import CostModel, Layout, LayoutError, MeshSpec, Piece, lower_bound_bytes, plan_redistribute
 from fxshard.exchange import _received_enumerated, received_elements
 from fxshard.placements import placements_to_str
 
@@ -91,6 +91,30 @@ def test_plan_cache_and_errors():
     c, _ = layouts((2, 2), (8, 8), (S(0), S(1)), (R, R))
     with pytest.raises(LayoutError, match="different shapes"):
         plan_redistribute(a, c)
+
+
+def test_symbolic_mesh_plans_with_symbolic_bytes():
+    import sympy
+
+    n = sympy.Symbol("n", positive=True, integer=True)
+    mesh = MeshSpec(dp=2, tp=n)
+    a = Layout.from_placements(mesh, (8 * n, 16 * n), (S(0), S(0)))
+    b = Layout.from_placements(mesh, (8 * n, 16 * n), (S(1), S(1)))
+    plan = plan_redistribute(a, b)
+    assert [str(s) for s in plan.steps] == ["all_to_all(dp,tp dim 0->1)"]
+    assert sympy.simplify(plan.bytes_per_rank - (256 * n - 128)) == 0  # (2n-1)/2n of 128n floats
+
+
+def test_sub_axes_that_do_not_nest_fall_back_to_one_exchange():
+    """tp=12 seen as 2 x 6 by one layout and 3 x 4 by the other: no common atoms, one exchange."""
+    mesh = MeshSpec(tp=12)
+    a = Layout(mesh, (24,), [[Piece(2, mesh.sub_axis("tp", 2, 6)), Piece(12)]])
+    b = Layout(mesh, (24,), [[Piece(3, mesh.sub_axis("tp", 3, 4)), Piece(8)]])
+    plan = plan_redistribute(a, b)
+    assert [str(s) for s in plan.steps] == ["exchange(tp)"]
+    assert plan.bytes_per_rank == lower_bound_bytes(a, b)
+    x = torch.randn(24)
+    torch.testing.assert_close(fxshard.simulate_plan(plan, x).result, x)
 
 
 # ---- 2. topology: a slow axis carries as little as possible ------------------------------------
