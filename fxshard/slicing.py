@@ -73,22 +73,48 @@ def shards_inside(pieces: Sequence[Piece], size: int, ranges: Sequence[tuple[int
     return (Piece(size // g),) + tuple(Piece(p.size, p.axis) for p in sharded) + (Piece(g // n),)
 
 
+def masked_output(layout: Layout, d: int, start: int, end: int, drop_dim: bool) -> Layout | None:
+    """Each rank takes its own part of the range, zeros elsewhere: Partial(sum) over dim ``d``'s axes.
+
+    Only where every rank's block of dim ``d`` is one contiguous run of it (shards outermost).
+    """
+    pieces = layout.dims[d]
+    axes = [p.axis for p in pieces if p.axis is not None]
+    if not axes or any(p.chunked for p in pieces) or (layout.partial and layout.reduce_op != "sum"):
+        return None
+    first_local = next((i for i, p in enumerate(pieces) if p.axis is None), len(pieces))
+    if any(p.axis is not None for p in pieces[first_local:]):
+        return None  # a local piece outside a shard: the rank's rows are strided
+    shape, dims = list(layout.shape), list(layout.dims)
+    if drop_dim:
+        del shape[d], dims[d]
+    else:
+        shape[d], dims[d] = end - start, ()
+    return Layout(layout.mesh, shape, dims, tuple(layout.partial) + tuple((a, "sum") for a in axes))
+
+
 def _sliced(layout: Layout, d: int, ranges: Sequence[tuple[int, int]], drop_dim: bool,
             cost: Callable[[Layout, Layout], float] | None = None) -> tuple[Layout, tuple[Layout, ...]]:
     """(required input, one output layout per range) for taking ``ranges`` of dim ``d``.
 
     A range that cuts through a shard needs the input redistributed: gathered, or (when
-    cheaper) its shards moved inside equal outer blocks so that every range keeps them.
+    cheaper) its shards moved inside equal outer blocks so that every range keeps them. One
+    range may instead be taken where it lies, zeros elsewhere (``masked_output``), priced at
+    the all-reduce that its Partial(sum) will take.
     """
     cuts = [slice_pieces(layout.dims[d], s, e) for s, e in ranges]
     required = layout
     if not all(c is not None for c in cuts):
         required = layout.with_dim(d, ())
+        best = cost(layout, required) if cost is not None else 0.0
         inside = shards_inside(layout.dims[d], int(layout.shape[d]), ranges)
         if inside is not None and cost is not None:
             moved = layout.with_dim(d, inside)
-            if cost(layout, moved) < cost(layout, required):
-                required = moved
+            if cost(layout, moved) < best:
+                required, best = moved, cost(layout, moved)
+        masked = masked_output(layout, d, *ranges[0], drop_dim) if len(ranges) == 1 and cost is not None else None
+        if masked is not None and cost(masked, masked.with_partial(layout.partial)) < best:
+            return layout, (masked,)
         cuts = [slice_pieces(required.dims[d], s, e) for s, e in ranges]
     outs = []
     for (s, e), cut in zip(ranges, cuts):
@@ -126,7 +152,7 @@ def select_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layo
     x = ins[0]
     d = _dim(node.args[1], x.ndim)
     i = int(node.args[2]) % int(x.shape[d])
-    required, (out,) = _sliced(x, d, [(i, i + 1)], drop_dim=True)
+    required, (out,) = _sliced(x, d, [(i, i + 1)], drop_dim=True, cost=cost)
     return (required,), out
 
 
@@ -142,7 +168,7 @@ def split_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layou
 def unbind_rule(node: Any, ins: Sequence[Layout], cost=None) -> tuple[tuple[Layout, ...], Any]:
     x = ins[0]
     d = _dim(_arg(node, 1, "dim", 0), x.ndim)
-    required, outs = _sliced(x, d, [(i, i + 1) for i in range(int(x.shape[d]))], drop_dim=True)
+    required, outs = _sliced(x, d, [(i, i + 1) for i in range(int(x.shape[d]))], drop_dim=True, cost=cost)
     return (required,), outs
 
 

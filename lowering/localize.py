@@ -61,6 +61,35 @@ def _dim_arg(node: fx.Node, i: int, ndim: int) -> int:
     return d % ndim
 
 
+def _is_masked(src: Layout, out: Layout) -> bool:
+    """Stage 2 took the range where it lies: the output is partial over axes the input shards."""
+    return set(out.partial) != set(src.partial)
+
+
+def _localize_masked(node: fx.Node, coordinate: Coordinate, d: int, start: int, end: int, drop_dim: bool) -> None:
+    """This rank's rows of [start, end) where they lie in the range, zeros elsewhere (slice + pad)."""
+    src = node.args[0].meta["layout"]
+    held = src.local_indices(d, coordinate).tolist()
+    g0 = held[0] if held else 0
+    lo, hi = max(start, g0), min(end, g0 + len(held))
+    if hi <= lo:
+        lo = hi = start
+    ndim = src.ndim
+    pad = [0, 0] * (ndim - 1 - d) + [lo - start, end - hi]
+    graph = node.graph
+    with graph.inserting_after(node):
+        padded = graph.call_function(aten.constant_pad_nd.default, (node, pad, 0.0))
+    last = padded
+    if drop_dim:
+        with graph.inserting_after(padded):
+            last = graph.call_function(aten.squeeze.dim, (padded, d))
+    node.replace_all_uses_with(last, delete_user_cb=lambda user: user is not padded)
+    last.meta.update(node.meta)
+    node.meta = {}
+    node.target = aten.slice.Tensor
+    node.args, node.kwargs = (node.args[0], d, lo - g0, hi - g0), {}
+
+
 def _localize_slice(node: fx.Node, coordinate: Coordinate) -> None:
     src, out = node.args[0].meta["layout"], node.meta["layout"]
     d = _dim_arg(node, 1, src.ndim)
@@ -68,6 +97,9 @@ def _localize_slice(node: fx.Node, coordinate: Coordinate) -> None:
     if step != 1:  # stage 2 made the sliced dim local: the global arguments are the local ones
         return
     start = _global_start(node, src, d)
+    if _is_masked(src, out):
+        _localize_masked(node, coordinate, d, start, start + int(out.shape[d]), drop_dim=False)
+        return
     wanted = [start + int(i) for i in out.local_indices(d, coordinate)]
     lo, hi = local_range(src, d, wanted, coordinate)
     node.args = (node.args[0], d, lo, hi) + tuple(node.args[4:])
@@ -86,6 +118,10 @@ def _global_start(node: fx.Node, src: Layout, d: int) -> int:
 def _localize_select(node: fx.Node, coordinate: Coordinate) -> None:
     src = node.args[0].meta["layout"]
     d = _dim_arg(node, 1, src.ndim)
+    if _is_masked(src, node.meta["layout"]):
+        i = int(node.args[2]) % int(src.shape[d])
+        _localize_masked(node, coordinate, d, i, i + 1, drop_dim=True)
+        return
     lo, _ = local_range(src, d, [int(node.args[2]) % int(src.shape[d])], coordinate)
     node.args = (node.args[0], d, lo)
 

@@ -140,7 +140,7 @@ def test_as_strided_that_is_not_a_view_is_refused():
         explain(lambda t: torch.as_strided(t, (4, 4), (1, 4)), torch.randn(16), mesh=TP4, placements={0: (S(0),)})
 
 
-# ---- slices that cut through a shard: the least communication, not a gather -------------------
+# ---- slices that cut through a shard: less communication than a gather --------------------------
 # (chain, input shape, mesh, placements, the chain's collectives with bytes per rank, its output layout)
 CUTS = [
     # rows [0, 4) of [4@tp 2]: the shards move inside two outer blocks ([2 4@tp]); one exchange
@@ -151,8 +151,15 @@ CUTS = [
     # the range edges do not leave room for the shards inside: gathered
     case("narrow(0, 2, 4) of [4@tp 2]", lambda x: x.narrow(0, 2, 4) * 2, (8, 6), TP4, (S(0),),
          ("all_gather(tp) 144 B/rank", "[4] [6]")),
+    # one row, or a short range: taken where it lies, zeros elsewhere (Partial(sum)), reduced when needed
     case("select through the shards", lambda x: x.select(0, 5) * 2, (8, 6), TP4, (S(0),),
-         ("all_gather(tp) 144 B/rank", "[6]")),
+         ("", "[6] P(sum@tp)")),
+    case("select through the shards, then exp", lambda x: x.select(0, 5).exp(), (8, 6), TP4, (S(0),),
+         ("all_reduce(tp) 36 B/rank", "[6]")),
+    case("select on 2x2: the other dim stays sharded", lambda x: x.select(0, 5).exp(), (8, 6), DP2_TP2,
+         (S(0), S(1)), ("all_reduce(dp) 12 B/rank", "[2@tp 3]")),
+    case("narrow 2 of 64 rows", lambda x: x.narrow(0, 1, 2).exp(), (64, 6), TP4, (S(0),),
+         ("all_reduce(tp) 72 B/rank", "[2] [6]")),
 ]
 
 
