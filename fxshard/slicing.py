@@ -113,8 +113,8 @@ def _sliced(layout: Layout, d: int, ranges: Sequence[tuple[int, int]], drop_dim:
             if cost(layout, moved) < best:
                 required, best = moved, cost(layout, moved)
         masked = masked_output(layout, d, *ranges[0], drop_dim) if len(ranges) == 1 and cost is not None else None
-        if masked is not None and cost(masked, masked.with_partial(layout.partial)) < best:
-            return layout, (masked,)
+        if masked is not None and cost(masked, masked.with_partial(layout.partial)) <= best:
+            return layout, (masked,)  # on a tie: nothing moves now, and a consumer may never need the sum
         cuts = [slice_pieces(required.dims[d], s, e) for s, e in ranges]
     outs = []
     for (s, e), cut in zip(ranges, cuts):

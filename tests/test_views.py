@@ -148,9 +148,12 @@ CUTS = [
          ("exchange(tp) 256 B/rank", "[2] [4@tp] [16]")),
     case("split(4) of a dim sharded twice", lambda x: x.split(4, dim=0)[1] + 1, (8, 6), DP2_TP2, (S(0), S(0)),
          ("exchange(dp,tp) 48 B/rank", "[2@dp 2@tp] [6]")),
-    # the range edges do not leave room for the shards inside: gathered
-    case("narrow(0, 2, 4) of [4@tp 2]", lambda x: x.narrow(0, 2, 4) * 2, (8, 6), TP4, (S(0),),
-         ("all_gather(tp) 144 B/rank", "[4] [6]")),
+    # edges on shard boundaries: each rank keeps its rows of the range (zeros elsewhere); nothing moves
+    case("narrow(0, 2, 4) of [4@tp 2]: edges on shard boundaries, nothing moves", lambda x: x.narrow(0, 2, 4) * 2,
+         (8, 6), TP4, (S(0),), ("", "[4] [6] P(sum@tp)")),
+    # most of the dim, edges inside shards: gathering is cheapest
+    case("narrow(0, 1, 6) of [4@tp 2]: gathered", lambda x: x.narrow(0, 1, 6) * 2, (8, 6), TP4, (S(0),),
+         ("all_gather(tp) 144 B/rank", "[6] [6]")),
     # one row, or a short range: taken where it lies, zeros elsewhere (Partial(sum)), reduced when needed
     case("select through the shards", lambda x: x.select(0, 5) * 2, (8, 6), TP4, (S(0),),
          ("", "[6] P(sum@tp)")),
