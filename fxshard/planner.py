@@ -329,7 +329,8 @@ class _Search:
             got = self._local_bytes[state] = local_numel(state, self.src.shape, self.sizes) * self.itemsize
         return got
 
-    def group(self, ids: frozenset) -> tuple[MeshAxis, ...]:
+    def group(self, ids: frozenset) -> tuple[tuple[MeshAxis, ...], Size]:
+        """(the flattened group of ``ids`` as mesh axes, its size), cached."""
         got = self._groups.get(ids)
         if got is None:
             got = self._groups[ids] = (self.atoms.group(ids), self.atoms.group_size(ids))
