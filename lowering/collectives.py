@@ -229,7 +229,8 @@ def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: 
     full[d] = n * chunk
     # g is [n * padded[0], ...]: the peer index leads; it becomes dim d's outermost digit
     keys = ["n"] + list(range(len(before)))
-    sizes = {"n": n, **{k: padded_shape[k] for k in range(len(before))}}
+    sizes = {"n": n, **{k: _Varying(padded_shape[k]) if k != d and _uneven_dim(step.before, k) else padded_shape[k]
+                        for k in range(len(before))}}
     order = list(range(d)) + ["n"] + list(range(d, len(before)))
     g = _rearrange(e, g, keys, order, sizes, full, [n * padded_shape[0]] + padded_shape[1:])
     return _sliced(e, g, d, 0, total)
