@@ -4,13 +4,16 @@ Dijkstra over layouts (written over atoms, see ``atoms.py``). From each layout t
 are collectives on a group of atoms (one mesh axis, a sub-axis, or several flattened into
 one group) that move those atoms toward where the target has them: all_gather, all_reduce,
 reduce_scatter, all_to_all, local_shard and local_partial. Moves are target-directed: an
-atom is inserted into a dim only where the target has it, so the graph stays small. One
+atom is inserted into a dim only where the target has it, so the graph stays small; the one
+exception is a partial sum, which may be reduce-scattered early into any dim ("parked") so
+that later steps move 1/n of the data. One
 more edge, ``exchange``, goes straight to the target's shards from the first few layouts
 with no reduction pending: an all_to_all with per-peer sizes over the atoms that differ, in
 which every rank receives exactly the elements it lacks (the lower bound; see
 ``exchange.py``). Step costs are alpha-beta per group (``CostModel``) plus local copies.
 
-Bytes are those the busiest rank receives over the network.
+Bytes are those the busiest rank receives over the network, per step; a plan's
+``bytes_per_rank`` adds its steps' figures.
 """
 from __future__ import annotations
 
