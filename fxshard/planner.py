@@ -228,7 +228,7 @@ class _Search:
         classes: dict[tuple, list[int]] = {}
         for a in range(len(self.sizes)):
             here, there = where.get(a), self.goal_where.get(a)
-            if here == there and (here is None or here[0] == "p" or self._in_place(state, strides, a, here[1])):
+            if here == there and (here is None or here[0] == "p" or self._in_place(state, strides[here[1]], a, here[1])):
                 continue
             key = (here[0] if here else "free", there[0] if there else "free", here and here[0] == "p" and here[1])
             classes.setdefault(key, []).append(a)
@@ -236,10 +236,11 @@ class _Search:
             for ids in _groups(members, self.atoms.axes):
                 yield from self._moves_for(state, where, src_kind, dst_kind, ids)
 
-    def _in_place(self, state: State, strides: list, a: int, d: int) -> bool:
-        if strides[d][a] == -1:  # uneven: only an identical dim is in place
+    def _in_place(self, state: State, dim_strides: dict, a: int, d: int) -> bool:
+        """Whether atom ``a``, in dim ``d`` at ``dim_strides[a]``, sits where the goal has it."""
+        if dim_strides[a] == -1:  # uneven: only an identical dim is in place
             return state[0][d] == self.goal[0][d]
-        return strides[d][a] == self.goal_strides[d].get(a)
+        return dim_strides[a] == self.goal_strides[d].get(a)
 
     def _moves_for(self, state: State, where: dict, src_kind: str, dst_kind: str, ids: frozenset) -> Iterator[_Move]:
         dims, partial = state
@@ -326,6 +327,28 @@ class _Search:
         return len(ids) == 1 and any(len(p) == 1 and p[0][1] in ids for p in dims)
 
     # -- costs --------------------------------------------------------------------------------
+    def estimate(self, state: State) -> float:
+        """A lower bound on the cost left: one latency if a sharded atom is misplaced or a sum pending.
+
+        Local moves only add shards where the goal has them and make free atoms partial, so
+        they never turn a state that needs a collective into one that does not.
+        """
+        if state == self.goal:
+            return 0.0
+        goal_partial = set(self.goal[1])
+        if any(p not in goal_partial for p in state[1]):
+            return self._min_latency
+        for d, pieces in enumerate(state[0]):
+            strides = stride_of(pieces)
+            for a in strides:
+                if self.goal_where.get(a) != ("d", d) or not self._in_place(state, strides, a, d):
+                    return self._min_latency
+        return 0.0
+
+    @functools.cached_property
+    def _min_latency(self) -> float:
+        return min(self.model.axis_latency(a) for a in self.atoms.axes) if self.atoms.axes else 0.0
+
     def local_bytes(self, state: State) -> Size:
         got = self._local_bytes.get(state)
         if got is None:
@@ -462,7 +485,7 @@ def _spans(pieces: tuple) -> list[tuple[int, Size, Size]]:
     for s, a, _ in reversed(pieces):
         if a != LOCAL:
             out.append((a, inner, s))
-        inner = as_size(inner * s)
+        inner = inner * s
     return out
 
 
@@ -493,15 +516,20 @@ def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel)
 
 
 def _dijkstra(search: _Search) -> list | None:
+    """A* (Dijkstra with an admissible, consistent estimate: one latency while a collective remains)."""
     start, goal = search.start, search.goal
     best: dict[State, float] = {start: 0.0}
     parent: dict[State, tuple] = {}
-    heap: list = [(0.0, 0, start)]
+    heap: list = [(search.estimate(start), 0, 0.0, start)]
     counter = itertools.count(1)
     exchanges_left = EXCHANGE_TRIES
     popped = 0
+
+    def push(state: State, cost: float) -> None:
+        heapq.heappush(heap, (cost + search.estimate(state), next(counter), cost, state))
+
     while heap:
-        cost, _, state = heapq.heappop(heap)
+        _, _, cost, state = heapq.heappop(heap)
         if cost > best.get(state, float("inf")):
             continue
         if state == goal:
@@ -518,14 +546,14 @@ def _dijkstra(search: _Search) -> list | None:
                 if cost + c < best.get(target, float("inf")):
                     best[target] = cost + c
                     parent[target] = (state, _Move("exchange", frozenset(), target, axes=axes), nbytes)
-                    heapq.heappush(heap, (cost + c, next(counter), target))
+                    push(target, cost + c)
         for move in search.moves(state):
             nbytes = search.step_bytes(move, state)
             new_cost = cost + search.step_cost(move, state, nbytes)
             if new_cost < best.get(move.state, float("inf")):
                 best[move.state] = new_cost
                 parent[move.state] = (state, move, nbytes)
-                heapq.heappush(heap, (new_cost, next(counter), move.state))
+                push(move.state, new_cost)
     if goal not in parent:
         return None
     path = []
