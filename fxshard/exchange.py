@@ -18,77 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .atoms import Atoms, moving_atoms
 from .layout import Layout
 from .mesh import Coordinate, MeshAxis
 
 
-def exchange_group(src: Layout, dst: Layout) -> tuple[MeshAxis, ...]:
-    """The atoms (merged where adjacent) whose place differs between ``src`` and ``dst``."""
-    atoms = Atoms.of([src, dst])
-    return atoms.group(moving_atoms(atoms.state(src), atoms.state(dst)))
-
-
 def received_elements(src: Layout, dst: Layout) -> int:
-    """Max over ranks of the elements of the ``dst`` block a rank does not hold in ``src``."""
-    fast = _received_even(src, dst)
-    return fast if fast is not None else _received_enumerated(src, dst)
+    """Max over ranks of the elements of the ``dst`` block a rank does not hold in ``src``.
 
-
-def _received_even(src: Layout, dst: Layout) -> int | None:
-    """Closed form for even layouts whose shard boundaries nest.
-
-    Cut every dim at each boundary of a sharded piece of either layout: each digit of an
-    index is then fixed by one (sub-)axis coordinate or free, in each layout. A rank holds
-    the part of its target block where every digit fixed by both agrees; where two different
-    sub-axes fix one digit, some rank has them disagree and holds nothing of its target.
-    Otherwise every rank holds the product of the digits both leave free.
+    Counted per dim (blocks are products of per-dim index sets), deduplicated over the mesh
+    coordinates each dim depends on. The planner has a closed form for even layouts
+    (``planner._received_even``), tested against this.
     """
-    if not (src.is_even() and dst.is_even()):
-        return None
-    need, both_free = 1, 1
-    for d in range(src.ndim):
-        s_spans, t_spans = axis_spans(src.dims[d]), axis_spans(dst.dims[d])
-        bounds = sorted({1, int(src.shape[d])} | {b for lo, hi, _ in s_spans + t_spans for b in (lo, hi)})
-        if any(hi % lo for lo, hi in zip(bounds, bounds[1:])):
-            return None
-        for lo, hi in zip(bounds, bounds[1:]):
-            a, b = digit_label(s_spans, lo, hi), digit_label(t_spans, lo, hi)
-            if a is not None and b is not None and a != b:
-                return _numel(dst.max_local_shape())
-            if b is None:
-                need *= hi // lo
-                if a is None:
-                    both_free *= hi // lo
-    return need - both_free
-
-
-def axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
-    """(lo, hi, axis) per sharded piece of an even dim: the index digits [lo, hi) it fixes."""
-    out, inner = [], 1
-    for p in reversed(pieces):
-        if p.axis is not None:
-            out.append((inner, inner * int(p.size), p.axis))
-        inner *= int(p.size)
-    return out
-
-
-def digit_label(spans, lo: int, hi: int) -> tuple | None:
-    """The sub-axis (name, inner, size) fixing digit [lo, hi), or None where the digit is free."""
-    for s_lo, s_hi, axis in spans:
-        if s_lo <= lo and hi <= s_hi:
-            return (axis.name, int(axis.inner) * (lo // s_lo), hi // lo)
-    return None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _received_enumerated(src: Layout, dst: Layout) -> int:
     mesh = src.mesh
     cache: dict[tuple, tuple[int, int]] = {}
     names = [sorted({a.name for p in (src.dims[d] + dst.dims[d]) if (a := p.axis) is not None}) for d in range(src.ndim)]

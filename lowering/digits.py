@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from fxshard.exchange import axis_spans, digit_label
 from fxshard.layout import Layout
 from fxshard.mesh import MeshAxis, MeshSpec
 
@@ -24,6 +23,24 @@ class Digit:
     size: int
     before: Label | None
     after: Label | None
+
+
+def axis_spans(pieces) -> list[tuple[int, int, MeshAxis]]:
+    """(lo, hi, axis) per sharded piece of an even dim: the index digits [lo, hi) it fixes."""
+    out, inner = [], 1
+    for p in reversed(pieces):
+        if p.axis is not None:
+            out.append((inner, inner * int(p.size), p.axis))
+        inner *= int(p.size)
+    return out
+
+
+def digit_label(spans, lo: int, hi: int) -> Label | None:
+    """The sub-axis (name, inner, size) fixing digit [lo, hi), or None where the digit is free."""
+    for s_lo, s_hi, axis in spans:
+        if s_lo <= lo and hi <= s_hi:
+            return (axis.name, int(axis.inner) * (lo // s_lo), hi // lo)
+    return None
 
 
 def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis],
