@@ -509,13 +509,13 @@ def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel)
         search = _Search(src, dst, dtype, model)
     except AtomError:
         return _exchange_only(src, dst, dtype, model)
-    path = _dijkstra(search)
-    if path is None:
+    found = _dijkstra(search)
+    if found is None:
         raise LayoutError(f"no redistribution plan from {src} to {dst} on {src.mesh} (shape {list(src.shape)})")
-    return _to_plan(search, path, dtype)
+    return _to_plan(search, *found, dtype)
 
 
-def _dijkstra(search: _Search) -> list | None:
+def _dijkstra(search: _Search) -> tuple[list, float] | None:
     """A* (Dijkstra with an admissible, consistent estimate: one latency while a collective remains)."""
     start, goal = search.start, search.goal
     best: dict[State, float] = {start: 0.0}
@@ -562,25 +562,21 @@ def _dijkstra(search: _Search) -> list | None:
         prev, move, nbytes = parent[state]
         path.append((prev, move, nbytes))
         state = prev
-    return path[::-1]
+    return path[::-1], best[goal]
 
 
-def _to_plan(search: _Search, path: list, dtype: torch.dtype) -> Plan:
+def _to_plan(search: _Search, path: list, cost: float, dtype: torch.dtype) -> Plan:
     atoms, shape = search.atoms, search.src.shape
-    steps, total = [], 0.0
+    steps = []
     for before, move, nbytes in path:
         b, a = atoms.layout(before, shape), atoms.layout(move.state, shape)
         dims_from = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(before[0][d]) & move.ids})
         dims_to = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(move.state[0][d]) & move.ids})
         dim, to_dim = _step_dims(move.kind, dims_from, dims_to)
         steps.append(Step(move.kind, move.axes or atoms.group(move.ids), b, a, dim, to_dim, move.reduce_op, nbytes))
-        if move.kind == "exchange":
-            total += search.exchange(before, move.state)[2]
-        else:
-            total += search.step_cost(move, before, nbytes)
     if steps and steps[-1].after != search.dst:
         raise AssertionError(f"planner ended at {steps[-1].after}, not at {search.dst} (from {search.src})")
-    return Plan(search.src, search.dst, tuple(steps), total, dtype)
+    return Plan(search.src, search.dst, tuple(steps), cost, dtype)
 
 
 def _step_dims(kind: str, dims_from: list[int], dims_to: list[int]) -> tuple[int | None, int | None]:
