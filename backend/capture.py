@@ -53,8 +53,9 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
 def named_inputs(fn: Callable, args: Sequence[Any], captured: Captured) -> list[tuple[str, Any]]:
     """(name, key) for each placeholder: argument index or parameter/buffer name (None for others)."""
     named: dict[int, tuple[str, Any]] = {}
-    if isinstance(fn, torch.nn.Module):
-        for name, t in list(fn.named_parameters()) + list(fn.named_buffers()):
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)  # model or model.loss
+    if isinstance(module, torch.nn.Module):
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             named.setdefault(id(t), (name.replace(".", "_"), name))
     for i, a in enumerate(args):
         named.setdefault(id(a), (f"arg{i}", i))

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
@@ -251,7 +252,9 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         return tuple(flat)
 
     with fake_mode:
-        traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real")(*fakes)
+        traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
+                         decomposition_table=decomposition_table())(*fakes)
+    eliminate_common_subexpressions(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
     input_layouts: dict[str, Layout] = {}
     used: set[str] = set()

@@ -11,7 +11,7 @@ import itertools
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -23,7 +23,7 @@ from .mesh import MeshSpec
 from .ops import CONSTRAIN
 from .placements import layout_from_placements, placements_from_str
 from .planner import CostModel, redistribute_cost
-from .rules import VIEW_OPS, Signature, signature_of
+from .rules import LIKE_OPS, VIEW_OPS, Signature, signature_of
 from .slicing import CONCAT_RULES, SLICE_RULES
 from .views import view_layout
 
@@ -52,8 +52,31 @@ def _dtype(node: fx.Node) -> torch.dtype:
 @dataclass(frozen=True)
 class Strategy:
     inputs: tuple[Layout, ...]
-    output: Layout
+    output: Any  # a Layout, or a tuple of them for a multi-output op
     cost: float
+
+    @property
+    def key(self) -> tuple:
+        """Lower is better: planned cost, then an output left Partial (its reduction is still owed),
+        then the output's local size (less memory and compute per rank)."""
+        outs = self.output if isinstance(self.output, tuple) else (self.output,)
+        first = outs[0]
+        return (round(self.cost, 12), bool(first.partial), _numeric_size(first.max_local_shape()))
+
+
+class _Requested:
+    """Redistributions already asked for, per value: asking again costs nothing (stage 3 makes one)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[fx.Node, set[Layout]] = {}
+
+    def add(self, node: fx.Node, layouts: Sequence[Layout]) -> None:
+        for a, want in zip(tensor_inputs(node), layouts):
+            if isinstance(want, Layout) and a.meta.get("layout") != want:
+                self._seen.setdefault(a, set()).add(want)
+
+    def has(self, a: fx.Node, want: Layout) -> bool:
+        return want in self._seen.get(a, ())
 
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
@@ -63,6 +86,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
     """
     input_layouts = dict(input_layouts or {})
+    requested = _Requested()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = _val(node)
@@ -77,7 +101,8 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             if isinstance(val, torch.Tensor):
                 node.meta["layout"] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
-            _propagate_call(node, mesh, strict, cost_model)
+            _propagate_call(node, mesh, strict, cost_model, requested)
+            requested.add(node, node.meta.get("arg_layouts", ()))
         elif node.op == "output":
             outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and "layout" in a.meta]
             node.meta["arg_layouts"] = tuple(dtensor_expressible(a.meta["layout"], _dtype(a), cost_model) for a in outs)
@@ -117,7 +142,8 @@ def _numeric_size(shape: Sequence[Any]) -> float:
     return n
 
 
-def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None) -> None:
+def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
+                    requested: _Requested) -> None:
     ins = tensor_inputs(node)
     in_layouts = [a.meta["layout"] for a in ins]
     val = _val(node)
@@ -150,9 +176,17 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
     if not ins and isinstance(val, torch.Tensor):  # a factory: the same value on every rank
         _set(node, (), Layout.replicated(mesh, val.shape))
         return
-    sig = signature_of(node) if isinstance(val, torch.Tensor) else None
+    if node.target in LIKE_OPS:
+        _set(node, (in_layouts[0],), in_layouts[0].with_partial(()))
+        return
+    sig = signature_of(node)
     if sig is not None:
-        strategy = _choose(sig, in_layouts, [_dtype(a) for a in ins], tuple(val.shape), mesh, cost_model)
+        def cost_of(i: int, dst: Layout) -> float:
+            if in_layouts[i] == dst or requested.has(ins[i], dst):
+                return 0.0
+            return redistribute_cost(in_layouts[i], dst, _dtype(ins[i]), cost_model)
+
+        strategy = _choose(sig, in_layouts, _out_shapes(val), mesh, cost_of)
         if strategy is not None:
             _set(node, strategy.inputs, strategy.output)
             return
@@ -231,8 +265,15 @@ def _partial_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> list[tu
     return out
 
 
-def _choose(sig: Signature, in_layouts: Sequence[Layout], dtypes: Sequence[torch.dtype], out_shape: tuple,
-            mesh: MeshSpec, cost_model: CostModel | None) -> Strategy | None:
+def _out_shapes(val: Any) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in val)
+
+
+def _choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
+            cost_of: Callable[[int, Layout], float]) -> Strategy | None:
+    """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i."""
     if len(sig.inputs) != len(in_layouts):
         return None
     cands = _factor_candidates(sig, in_layouts)
@@ -241,8 +282,8 @@ def _choose(sig: Signature, in_layouts: Sequence[Layout], dtypes: Sequence[torch
     for choice in itertools.product(*(cands[f] for f in factors)):
         assign = dict(zip(factors, choice))
         for group, partial in _partial_candidates(sig, in_layouts):
-            s = _strategy(sig, assign, group, partial, in_layouts, dtypes, out_shape, mesh, cost_model)
-            if s is not None and (best is None or s.cost < best.cost):
+            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of)
+            if s is not None and (best is None or s.key < best.key):
                 best = s
     return best
 
@@ -257,8 +298,8 @@ def _may_leave_a_rank_empty(pieces: Sequence[Piece]) -> bool:
 
 
 def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
-              in_layouts: Sequence[Layout], dtypes: Sequence[torch.dtype], out_shape: tuple, mesh: MeshSpec,
-              cost_model: CostModel | None) -> Strategy | None:
+              in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
+              cost_of: Callable[[int, Layout], float]) -> Strategy | None:
     try:
         contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
         if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
@@ -272,9 +313,15 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
         required = tuple(
             Layout(mesh, layout.shape, [assign[f] if f is not None else () for f in dims], partial_of(i))
             for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))
-        output = Layout(mesh, out_shape, [assign[f] if f is not None else () for f in sig.output],
-                        tuple(partial) + contracted)
+        if sig.extra_outputs:
+            output: Any = tuple(
+                Layout(mesh, shape, [assign[f] if f is not None else () for f in dims], tuple(partial) + contracted)
+                if shape is not None else None
+                for dims, shape in zip((sig.output,) + sig.extra_outputs, out_shapes))
+        else:
+            output = Layout(mesh, out_shapes, [assign[f] if f is not None else () for f in sig.output],
+                            tuple(partial) + contracted)
     except LayoutError:
         return None
-    cost = sum(redistribute_cost(src, dst, dt, cost_model) for src, dst, dt in zip(in_layouts, required, dtypes))
+    cost = sum(cost_of(i, dst) for i, dst in enumerate(required))
     return Strategy(required, output, cost)

@@ -32,11 +32,12 @@ class Signature:
     partial_ops: tuple[str, ...] = LINEAR_OPS
     whole: frozenset[str] = frozenset()  # factors that must not be sharded (softmax dim)
     addends: tuple[int, ...] = ()  # inputs added outside the contraction (addmm's bias): Partial with it
+    extra_outputs: tuple[tuple[str | None, ...], ...] = ()  # further outputs of a multi-output op
 
     @property
     def contracted(self) -> set[str]:
         ins = {f for dims in self.inputs for f in dims if f is not None}
-        return ins - {f for f in self.output if f is not None}
+        return ins - {f for dims in (self.output,) + self.extra_outputs for f in dims if f is not None}
 
 
 def einsum(spec: str, reduce: str = "sum", partial_groups: Sequence[Sequence[int]] = (),
@@ -92,7 +93,7 @@ def _out_shape(node: Any) -> tuple[int, ...]:
 
 
 # ---- the table ------------------------------------------------------------------------------
-RuleFn = Callable[[Any], Signature]
+RuleFn = Callable[[Any], Signature | None]
 
 
 def _pointwise(partial_groups_of: Callable[[int], Sequence[Sequence[int]]] = lambda n: (),
@@ -169,6 +170,123 @@ def _transpose(node: Any) -> Signature:
     return permutation(ndim, perm)
 
 
+def _var_mean(node: Any) -> Signature:
+    """var_mean(x, dims, correction, keepdim) -> (var, mean): the reduced dims stay whole."""
+    ndim = len(_shape(node.args[0]) or ())
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.kwargs.get("keepdim", False)
+    sig = reduction(ndim, [dims] if isinstance(dims, int) else dims, keepdim, "sum", partial_ops=())
+    whole = frozenset(sig.contracted)
+    return Signature(sig.inputs, sig.output, whole=whole, extra_outputs=(sig.output,))
+
+
+def _embedding(node: Any) -> Signature:
+    """embedding(weight [V, D], indices) = one_hot(indices) @ weight: sharding V contracts it.
+
+    A rank holding rows [lo, hi) of the table looks up the indices that fall there and
+    writes zeros elsewhere (lowering/localize.py), so the output is Partial(sum) over the
+    axes sharding V and the table is never gathered.
+    """
+    idx = _letters(len(_shape(node.args[1]) or ()))
+    return Signature((("vocab", "emb"), tuple(idx)), tuple(idx) + ("emb",), "sum", ((0,),))
+
+
+def _gather(node: Any) -> Signature | None:
+    """gather(x, dim, index): a sharded ``dim`` of x is looked up locally and masked (Partial(sum))."""
+    x, index = _shape(node.args[0]), _shape(node.args[2])
+    if x is None or index is None or len(x) != len(index):
+        return None
+    dim = node.args[1] % max(len(x), 1)
+    if any(a != b for d, (a, b) in enumerate(zip(x, index)) if d != dim):
+        return None
+    names = _letters(len(x))
+    xs = tuple("looked_up" if d == dim else f for d, f in enumerate(names))
+    return Signature((xs, tuple(names)), tuple(names), "sum", ((0,),))
+
+
+def _attention(node: Any) -> Signature | None:
+    """The ATen attention kernels: batch and heads are independent; seq, key seq and head dims stay whole.
+
+    Queries of a non-causal, unmasked call are independent too (context parallelism of q).
+    Extra outputs of shape [batch, heads, seq] (logsumexp) follow the output; any other
+    extra output (RNG seeds, debug masks, sizes) is replicated.
+    """
+    q, k, v = (_shape(a) for a in node.args[:3])
+    if q is None or k is None or v is None or len(q) != 4 or q[1] != k[1] or k[1] != v[1]:
+        return None  # grouped-query calls with fewer k/v heads replicate (no rule)
+    is_causal = _attention_flag(node, "is_causal")
+    tensors = [a for a in list(node.args[3:]) + list(node.kwargs.values()) if _shape(a) is not None]
+    whole = {"t", "d", "e"}
+    if is_causal or tensors:
+        whole.add("s")
+    ins: list[tuple[str | None, ...]] = [("b", "h", "s", "d"), ("b", "h", "t", "d"), ("b", "h", "t", "e")]
+    for mask in tensors:
+        shape = _shape(mask)
+        full = ("b", "h", "s", "t")[-len(shape):]
+        ref = (q[0], q[1], q[2], k[2])[-len(shape):]
+        ins.append(tuple(None if s != r else f for s, f, r in zip(shape, full, ref)))
+    outs = node.meta["val"]
+    out_shapes = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
+    extra: list[tuple[str | None, ...]] = []
+    for i, shape in enumerate(out_shapes[1:]):
+        if shape == (q[0], q[1], q[2]):
+            extra.append(("b", "h", "s"))
+        elif shape == (q[0], q[1], q[2], k[2]):  # the math kernel's attention weights
+            extra.append(("b", "h", "s", "t_out"))
+            whole.add("t_out")
+        else:
+            names = tuple(f"x{i}_{d}" for d in range(len(shape or ())))
+            extra.append(names)
+            whole.update(names)
+    return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole), extra_outputs=tuple(extra))
+
+
+def _attention_flag(node: Any, name: str) -> bool:
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            if name in node.kwargs:
+                return bool(node.kwargs[name])
+            if i < len(node.args):
+                return bool(node.args[i])
+            return bool(arg.default_value)
+    return False
+
+
+def _view_as_complex(node: Any) -> Signature:
+    names = _letters(len(_out_shape(node)))
+    return Signature(((*names, "re_im"),), tuple(names), whole=frozenset({"re_im"}), partial_groups=((0,),))
+
+
+def _view_as_real(node: Any) -> Signature:
+    names = _letters(len(_out_shape(node)) - 1)
+    return Signature((tuple(names),), (*names, "re_im"), whole=frozenset({"re_im"}), partial_groups=((0,),))
+
+
+def _triangle(node: Any) -> Signature:
+    """triu/tril keep elements by their global (row, col): the last two dims stay whole."""
+    names = _letters(len(_out_shape(node)))
+    return Signature((tuple(names),), tuple(names), whole=frozenset(names[-2:]), partial_groups=((0,),),
+                     partial_ops=ALL_OPS)
+
+
+def _to_copy(node: Any) -> Signature:
+    """A dtype/device copy: Partial values stay Partial between floating dtypes."""
+    src = node.args[0].meta["val"].dtype
+    dst = node.meta["val"].dtype
+    groups = [(0,)] if src.is_floating_point and dst.is_floating_point else []
+    return _pointwise(lambda n: groups, ALL_OPS)(node)
+
+
+ATTENTION_OPS = tuple(op for op in (
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+    getattr(aten, "_scaled_dot_product_flash_attention", None),
+    getattr(aten, "_scaled_dot_product_efficient_attention", None),
+    getattr(aten, "_scaled_dot_product_cudnn_attention", None),
+    getattr(aten, "_scaled_dot_product_attention_math", None),
+) if op is not None)
+
+
 RULES: dict[Any, RuleFn] = {
     aten.mm.default: lambda n: einsum("m k, k n -> m n", partial_groups=[(0,), (1,)]),
     aten.bmm.default: lambda n: einsum("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
@@ -194,7 +312,20 @@ RULES: dict[Any, RuleFn] = {
     aten.div.Tensor: _div_like,
     aten.neg.default: _pointwise(lambda n: [(0,)]),
     aten.expand.default: _pointwise(lambda n: [(0,)], ALL_OPS),
+    aten.var_mean.correction: _var_mean,
+    aten.embedding.default: _embedding,
+    aten.gather.default: _gather,
+    aten.view_as_complex.default: _view_as_complex,
+    aten.view_as_real.default: _view_as_real,
+    aten.triu.default: _triangle,
+    aten.tril.default: _triangle,
+    aten._to_copy.default: _to_copy,
+    **{op.default: _attention for op in ATTENTION_OPS},
 }
+
+# factories shaped like their input: the output takes the input's sharding, never its partial
+LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
+            aten.rand_like.default, aten.randn_like.default}
 
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
             aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.flatten.using_ints}

@@ -141,8 +141,71 @@ def _localize_split(node: fx.Node, coordinate: Coordinate) -> None:
     node.args, node.kwargs = (node.args[0], sizes, d), {}
 
 
+def _held_run(src: Layout, d: int, coordinate: Coordinate, what: str) -> tuple[int, int]:
+    """The global rows [lo, hi) of dim ``d`` this rank holds; they must be one contiguous run."""
+    held = src.local_indices(d, coordinate).tolist()
+    if not held:
+        raise LocalizeError(f"{what}: the rank at {coordinate} holds no rows of dim {d} of {src}; shard that dim "
+                            "over fewer ranks (or make its size at least the number of ranks)")
+    lo, hi = held[0], held[0] + len(held)
+    if held != list(range(lo, hi)):
+        raise LocalizeError(f"{what}: the rows of dim {d} held at {coordinate} under {src} are not one contiguous "
+                            "run; a masked lookup needs a plain Shard of that dim")
+    return lo, hi
+
+
+def _masked_indices(graph: fx.Graph, index: fx.Node, lo: int, hi: int) -> tuple[fx.Node, fx.Node]:
+    """(index - lo where lo <= index < hi else 0, the mask of those positions), inserted before use."""
+    ge = graph.call_function(aten.ge.Scalar, (index, lo))
+    lt = graph.call_function(aten.lt.Scalar, (index, hi))
+    valid = graph.call_function(aten.logical_and.default, (ge, lt))
+    shifted = graph.call_function(aten.sub.Tensor, (index, lo))
+    safe = graph.call_function(aten.where.ScalarOther, (valid, shifted, 0))
+    return safe, valid
+
+
+def _localize_embedding(node: fx.Node, coordinate: Coordinate) -> None:
+    """A vocab-sharded table: look up the indices this rank holds, zeros elsewhere (Partial(sum))."""
+    weight, index = node.args[0], node.args[1]
+    table = weight.meta["layout"]
+    if not table.dims[0]:
+        return
+    lo, hi = _held_run(table, 0, coordinate, node.format_node())
+    graph = node.graph
+    with graph.inserting_before(node):
+        safe, valid = _masked_indices(graph, index, lo, hi)
+        mask = graph.call_function(aten.unsqueeze.default, (valid, -1))
+    node.args = (weight, safe) + tuple(node.args[2:])
+    _zero_where_not(node, mask)
+
+
+def _localize_gather(node: fx.Node, coordinate: Coordinate) -> None:
+    """gather along a sharded dim: the same masked lookup as a vocab-sharded embedding."""
+    src, index = node.args[0], node.args[2]
+    layout = src.meta["layout"]
+    d = node.args[1] % layout.ndim
+    if not layout.dims[d]:
+        return
+    lo, hi = _held_run(layout, d, coordinate, node.format_node())
+    graph = node.graph
+    with graph.inserting_before(node):
+        safe, valid = _masked_indices(graph, index, lo, hi)
+    node.args = (src, node.args[1], safe) + tuple(node.args[3:])
+    _zero_where_not(node, valid)
+
+
+def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
+    graph = node.graph
+    with graph.inserting_after(node):
+        zeroed = graph.call_function(aten.where.ScalarOther, (mask, node, 0.0))
+    node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
+    zeroed.meta.update(node.meta)
+
+
 # ops whose index arguments depend on where this rank's block sits
 LOCAL_INDEX_ARGS = {
+    aten.embedding.default: _localize_embedding,
+    aten.gather.default: _localize_gather,
     aten.slice.Tensor: _localize_slice,
     aten.select.int: _localize_select,
     aten.split.Tensor: _localize_split,

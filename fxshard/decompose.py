@@ -1,0 +1,81 @@
+"""Which composite ATen ops stage 1 decomposes, and common-subexpression elimination.
+
+An op is decomposed when its parts shard better than the whole: softmax over a sharded dim
+becomes amax/sum with a small all_reduce each instead of a gather of the tensor;
+cross-entropy becomes log_softmax + gather, so vocab-parallel logits never gather
+[tokens, vocab]; layer/RMS norm become reductions over their last dim. Everything else
+stays whole, so Inductor still sees the ops it knows how to fuse.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._decomp import get_decompositions
+
+aten = torch.ops.aten
+
+DECOMPOSED = [
+    aten._softmax,
+    aten._log_softmax,
+    aten._safe_softmax,
+    aten.nll_loss_forward,
+    aten.native_layer_norm,
+    aten._fused_rms_norm,
+    aten.rms_norm,
+    aten.native_dropout,
+]
+
+
+def decomposition_table() -> dict[Any, Any]:
+    return get_decompositions([op for op in DECOMPOSED if op is not None])
+
+
+def _is_pure(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        if schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+    return True
+
+
+def eliminate_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge nodes that call the same pure op on the same arguments (in place).
+
+    Tracing a module writes the same view once per use (``x.view(...)`` before each of
+    three projections); merged, one value has several users, so a redistribution it needs
+    is planned and paid once.
+    """
+    seen: dict[Any, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if not _is_pure(node):
+            continue
+        try:
+            key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+        else:
+            seen[key] = node
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _hashable(a: Any) -> Any:
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_hashable(x) for x in a)
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _hashable(v)) for k, v in sorted(a.items()))
+    if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, float):
+        return ("float", a)  # 1 and 1.0 are different arguments
+    return a
