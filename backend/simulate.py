@@ -25,7 +25,7 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 
 from .capture import capture, input_layouts_by_position
-from .trace import trace_global
+from .trace import find_device_mesh, trace_global
 from fxshard.placements import as_mesh_spec
 
 
@@ -137,7 +137,7 @@ class SimulatedRun:
                 for k, layout in enumerate(self.output_layouts)]
 
 
-def simulate_ranks(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                    strict: bool = False, cost_model: CostModel | None = None,
                    local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None) -> SimulatedRun:
     """Like ``simulate`` but keeps each rank's local outputs.
@@ -145,19 +145,18 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any,
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
     (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
     """
-    spec = as_mesh_spec(mesh)
-    if any(isinstance(a, DTensor) for a in args):
-        raise TypeError("simulate takes global tensors: pass dt.full_tensor() and its placements in placements=")
     captured = capture(fn, args)
+    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
     layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
     program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
     gm = shard_graph(program.gm, spec, program.input_layouts, strict=strict, cost_model=cost_model)
-    values = [captured.objects[p].detach() for p in program.tensor_positions]
+    objects = [captured.objects[p] for p in program.tensor_positions]
     in_layouts = [program.input_layouts[n] for n in program.input_names]
-    device = values[0].device.type if values else "cpu"
+    device = objects[0].device.type if objects else "cpu"
     coords = spec.coordinates()
     split = local_inputs or (lambda layout, v: {c: layout.shard(v, c) for c in coords})
-    blocks = [split(layout, v) for v, layout in zip(values, in_layouts)]
+    blocks = [_rank_blocks(obj, coords, name) if isinstance(obj, DTensor) else split(layout, obj.detach())
+              for obj, layout, name in zip(objects, in_layouts, program.input_names)]
     with fake_world(spec, device) as device_mesh:
         groups = MeshGroups(device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
@@ -165,12 +164,36 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any,
     return SimulatedRun(coords, per_rank, output_layouts(gm))
 
 
-def simulate(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+def _mesh_of(example_inputs: Sequence[Any]) -> MeshSpec:
+    device_mesh = find_device_mesh(example_inputs)
+    if device_mesh is None:
+        raise ValueError("simulate needs mesh= unless the program's parameters or arguments are DTensors")
+    return as_mesh_spec(device_mesh)
+
+
+def _rank_blocks(x: DTensor, coords: Sequence[tuple[int, ...]], name: str) -> dict:
+    """Every rank's shard of a DTensor made under LocalTensorMode (its local tensor holds them all)."""
+    local = x._local_tensor
+    if not isinstance(local, LocalTensor) and all(p.is_replicate() for p in x.placements):
+        return {c: local.detach() for c in coords}  # replicated: every rank holds this tensor
+    if not isinstance(local, LocalTensor):
+        raise TypeError(
+            f"input {name} is a DTensor whose local tensor is one rank's shard, so simulate cannot know the other "
+            "ranks' shards. Make the DTensors (distribute_tensor, parallelize_module) under "
+            "torch.distributed._local_tensor.LocalTensorMode(world_size), or pass global tensors and placements=.")
+    ranks = x.device_mesh.mesh.flatten().tolist()
+    return {c: local._local_tensors[r].detach() for c, r in zip(coords, ranks)}
+
+
+def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
              strict: bool = False, cost_model: CostModel | None = None) -> Any:
     """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
 
     Arguments are global tensors; ``placements`` says how to shard them (argument index or
-    parameter name -> DTensor placements or Layout), as in ``explain``.
+    parameter name -> DTensor placements or Layout), as in ``explain``. A model parallelized
+    with ``parallelize_module`` (or DTensor arguments) works too when its DTensors were made
+    under ``LocalTensorMode(world_size)``, which holds every rank's shard; ``mesh`` is then
+    the DTensors' own.
     """
     outs = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model).full()
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Replicate
@@ -20,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
 from fxshard.layout import Layout
+from fxshard.local_regions import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, placements_to_str
@@ -27,6 +29,9 @@ from fxshard.placements import as_mesh_spec, placements_to_str
 
 class TraceError(RuntimeError):
     """The program cannot be read as one global-shape program."""
+
+
+DERIVED = "derived from a local shard"
 
 
 @dataclass
@@ -104,11 +109,12 @@ def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = 
 class _GlobalInterpreter(fx.Interpreter):
     """Runs Dynamo's graph on global fake tensors under make_fx, reading DTensor calls as pins."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: MeshSpec, known: TensorMap):
+    def __init__(self, gm: fx.GraphModule, mesh: MeshSpec, known: TensorMap, coordinate: tuple[int, ...]):
         super().__init__(gm)
         self.mesh = mesh
         self.known = known  # tensor -> layout fixed by an input or a pin
-        self.local_views = TensorMap()  # tensor -> layout it is the to_local() of
+        self.local_views = TensorMap()  # tensor -> layout it is the to_local() of (DERIVED: computed from one)
+        self.coordinate = coordinate  # the rank whose shapes Dynamo's example values hold
 
     def _pin(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
         placements = tuple(placements)
@@ -119,12 +125,15 @@ class _GlobalInterpreter(fx.Interpreter):
         self.known[y] = layout
         return y
 
+    def run_node(self, n: fx.Node) -> Any:
+        self._current = n  # the Dynamo node being run: its example value holds eager (local) shapes
+        return super().run_node(n)
+
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if _is_from_local(target):
             return self._from_local(*args, **kwargs)
-        self._check_local_views(target, args, kwargs)
-        return self._run_pointwise_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
-                                         args, kwargs)
+        return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
+                                     args, kwargs)
 
     def call_method(self, target: str, args: Any, kwargs: Any) -> Any:
         x = args[0]
@@ -144,19 +153,19 @@ class _GlobalInterpreter(fx.Interpreter):
                 return x
             self.local_views[x] = layout
             return x
-        self._check_local_views(target, args, kwargs)
-        return self._run_pointwise_aware(lambda: super(_GlobalInterpreter, self).call_method(target, args, kwargs),
-                                         args, kwargs)
+        return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_method(target, args, kwargs),
+                                     args, kwargs)
 
     def _from_local(self, local: Any, device_mesh: Any = None, placements: Any = None, **_: Any) -> torch.Tensor:
         placements = tuple(placements or [Replicate()] * self.mesh.ndim)
         layout = Layout.from_placements(self.mesh, local.shape, placements)
         view = self.local_views.get(local)
-        if view is not None:
-            if view != layout:
-                raise TraceError(f"DTensor.from_local({placements}) of the local shard of a DTensor laid out as "
-                                 f"{view}: the placements must match the ones to_local() came from")
+        if view == layout:
             out = torch.ops.aten.alias.default(local)  # a new object: the global value, no longer a local view
+            self.known[out] = layout
+            return out
+        if view is not None:  # the end of a local region: stage 2 checks the region computed this layout
+            out = self._tagged(lambda: self._pin(local, placements), {REGION_EXIT: self._where()})
             self.known[out] = layout
             return out
         if not layout.is_replicated:
@@ -166,31 +175,66 @@ class _GlobalInterpreter(fx.Interpreter):
                 "or as a replicated plain tensor.")
         return self._pin(local, placements)
 
-    def _check_local_views(self, target: Any, args: Any, kwargs: Any) -> None:
-        views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor) and a in self.local_views]
-        if len(views) > 1:
-            raise TraceError(f"{target} combines the local shards of several DTensors; fxshard compiles global "
-                             "programs: keep DTensors (use_local_output=False) instead of to_local()")
+    def _where(self) -> str:
+        n = getattr(self, "_current", None)
+        stack = (n.meta.get("stack_trace") or "").strip().splitlines() if n is not None else []
+        return (stack[-2].strip() + ": " + stack[-1].strip()) if len(stack) >= 2 else str(n)
 
-    def _run_pointwise_aware(self, run: Any, args: Any, kwargs: Any) -> Any:
+    def _tagged(self, run: Any, meta: dict) -> Any:
+        graph = get_proxy_mode().tracer.graph
+        before = set(graph.nodes)
+        out = run()
+        for node in graph.nodes:
+            if node not in before and node.op == "call_function":
+                node.meta.update(meta)
+        return out
+
+    def _run_local_aware(self, run: Any, args: Any, kwargs: Any) -> Any:
+        """Ops on to_local() shards form a local region: read globally, checked against eager shapes.
+
+        Eager, the code between ``to_local()`` and ``from_local()`` runs on each rank's shard.
+        fxshard reads it as the global program it is a shard of (a view with -1, a per-head
+        attention, a pointwise op); stage 2 then checks that no value in the region needs a
+        redistribution and that every value's local shape is the one eager had, so reading
+        it globally runs exactly the eager local program.
+        """
         views = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                  if isinstance(a, torch.Tensor) and a in self.local_views]
         if not views:
             return run()
         graph = get_proxy_mode().tracer.graph
         before = set(graph.nodes)
-        out = run()
-        for node in graph.nodes:
-            if node in before or node.op != "call_function":
-                continue
-            op = node.target
-            if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags):
-                raise TraceError(f"{op} runs on the local shard of a DTensor (after to_local()); only pointwise ops "
-                                 "can, in a global program. Keep DTensors (use_local_output=False) instead.")
-        if isinstance(out, torch.Tensor):
-            self.local_views[out] = self.local_views[views[0]]
+        try:
+            out = run()
+        except RuntimeError as e:
+            raise TraceError(
+                f"{self._where()}: this code runs on the local shard of a DTensor (after to_local()) and fxshard reads "
+                f"it as the global program it is a shard of, where it fails: {e}. It likely uses a local size (from "
+                "x.shape) where the global program needs another; write that size as -1, or keep DTensors "
+                "(use_local_output=False in the parallel style).") from e
+        new = [n for n in graph.nodes if n not in before and n.op == "call_function"]
+        for node in new:
+            node.meta[LOCAL_REGION] = self._where()
+        outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        eager = [e for e in torch.utils._pytree.tree_leaves(getattr(self, "_current", None) and
+                                                            self._current.meta.get("example_value"))
+                 if isinstance(e, torch.Tensor)]
+        for k, o in enumerate(outs):
+            self.local_views[o] = DERIVED
+            producer = next((n for n in reversed(new) if isinstance(n.meta.get("val"), torch.Tensor)
+                             and tuple(n.meta["val"].shape) == tuple(o.shape)), None)
+            if producer is not None and k < len(eager) and len(eager) == len(outs):
+                shape = _static_shape(eager[k])
+                if shape is not None:
+                    producer.meta[EAGER_SHAPE] = (self.coordinate, shape)
         return out
+
+
+def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(s) for s in t.shape)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
@@ -233,6 +277,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         pretty.append(names[i] if names is not None else _pretty_name(ph.target))
 
     n_inputs = len(example_inputs)
+    coordinate = _tracing_coordinate(device_mesh, mesh)
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
@@ -242,7 +287,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
             known[t] = layout
         for pos, c in constants.items():
             env[pos] = c
-        interp = _GlobalInterpreter(gm, mesh, known)
+        interp = _GlobalInterpreter(gm, mesh, known, coordinate)
         with torch.no_grad():
             out = interp.run(*env)
         flat = out if isinstance(out, (tuple, list)) else (out,)
@@ -270,6 +315,14 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         input_layouts[node.name] = layout
     traced.recompile()
     return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, [n.name for n in traced_ph])
+
+
+def _tracing_coordinate(device_mesh: Any, mesh: MeshSpec) -> tuple[int, ...]:
+    """This process's mesh coordinate (Dynamo's example values are its shards); rank 0's when simulated."""
+    coordinate = device_mesh.get_coordinate() if device_mesh is not None else None
+    if coordinate is None or not dist.is_initialized() or dist.get_backend() == "fake":
+        return (0,) * mesh.ndim
+    return tuple(int(c) for c in coordinate)
 
 
 def _has_explicit_order(spec: Any) -> bool:

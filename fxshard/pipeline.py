@@ -6,6 +6,7 @@ from typing import Mapping
 import torch.fx as fx
 
 from .layout import Layout
+from .local_regions import check_local_regions
 from .mesh import MeshSpec
 from .planner import CostModel
 from .propagate import propagate
@@ -16,6 +17,7 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
                 strict: bool = False, cost_model: CostModel | None = None) -> fx.GraphModule:
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``)."""
     propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model)
+    check_local_regions(gm)
     return insert_redistributes(gm, cost_model=cost_model)
 
 

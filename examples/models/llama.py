@@ -72,8 +72,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[batch, seq, kv_heads, head_dim] -> [batch, seq, kv_heads * n_rep, head_dim]."""
     if n_rep == 1:
         return x
-    b, s, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+    b, s, _, d = x.shape  # -1 for the heads: the same code runs on tensor-parallel local shards
+    return x[:, :, :, None, :].expand(-1, -1, -1, n_rep, -1).reshape(b, s, -1, d)
 
 
 class Attention(nn.Module):
@@ -89,15 +89,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, cfg.n_heads, cfg.head_dim)
-        k = self.wk(x).view(b, s, cfg.n_kv_heads, cfg.head_dim)
-        v = self.wv(x).view(b, s, cfg.n_kv_heads, cfg.head_dim)
+        # -1 for the head counts: the same code runs on tensor-parallel local shards (fewer heads)
+        q = self.wq(x).view(b, s, -1, cfg.head_dim)
+        k = self.wk(x).view(b, s, -1, cfg.head_dim)
+        v = self.wv(x).view(b, s, -1, cfg.head_dim)
         apply = apply_rope_complex if cfg.rope == "complex" else apply_rope_real
         q, k = apply(q, rope), apply(k, rope)
         n_rep = cfg.n_heads // cfg.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, cfg.n_heads * cfg.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -153,3 +154,46 @@ class Llama(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def tensor_parallel_plan(model: Llama, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
+    """The Megatron plan for ``parallelize_module(model, tp_mesh, plan)`` (torchtitan's, in global shapes).
+
+    Column-parallel q/k/v and w1/w3, row-parallel wo and w2 (heads and FFN columns sharded),
+    a vocab-parallel embedding and output. With ``sequence_parallel`` the norms and the
+    residual stream are sharded on the sequence dim between the blocks. Attention outputs
+    stay DTensors (``use_local_output=False``): the model reshapes them in global shapes;
+    the rotary table becomes a replicated DTensor beside them.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    local_stream = not sequence_parallel  # a replicated residual stream stays plain tensors (plain norms)
+    plan: dict = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=local_stream),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        plan.update({
+            p + "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
+                                                use_local_output=False),
+            p + "attention.wq": ColwiseParallel(),
+            p + "attention.wk": ColwiseParallel(),
+            p + "attention.wv": ColwiseParallel(),
+            p + "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=local_stream),
+            p + "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                   use_local_output=False),
+            p + "feed_forward.w1": ColwiseParallel(),
+            p + "feed_forward.w3": ColwiseParallel(),
+            p + "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=local_stream),
+        })
+        if sequence_parallel:
+            plan[p + "attention_norm"] = SequenceParallel()
+            plan[p + "ffn_norm"] = SequenceParallel()
+    return plan
