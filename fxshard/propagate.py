@@ -57,8 +57,8 @@ class Strategy:
 
     @property
     def key(self) -> tuple:
-        """Lower is better: planned cost, then an output left Partial (its reduction is still owed),
-        then the output's local size (less memory and compute per rank)."""
+        """Lower is better: planned cost (inputs, plus what an output left Partial still owes), then
+        a Partial output, then the output's local size (less memory and compute per rank)."""
         outs = self.output if isinstance(self.output, tuple) else (self.output,)
         first = outs[0]
         return (round(self.cost, 12), bool(first.partial), _numeric_size(first.max_local_shape()))
@@ -186,7 +186,7 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
                 return 0.0
             return redistribute_cost(in_layouts[i], dst, _dtype(ins[i]), cost_model)
 
-        strategy = _choose(sig, in_layouts, _out_shapes(val), mesh, cost_of)
+        strategy = _choose(sig, in_layouts, _out_shapes(val), mesh, cost_of, cost)
         if strategy is not None:
             _set(node, strategy.inputs, strategy.output)
             return
@@ -272,8 +272,9 @@ def _out_shapes(val: Any) -> tuple:
 
 
 def _choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
-            cost_of: Callable[[int, Layout], float]) -> Strategy | None:
-    """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i."""
+            cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
+    """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i,
+    ``price(src, dst)`` a redistribution of the output."""
     if len(sig.inputs) != len(in_layouts):
         return None
     cands = _factor_candidates(sig, in_layouts)
@@ -282,7 +283,7 @@ def _choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mes
     for choice in itertools.product(*(cands[f] for f in factors)):
         assign = dict(zip(factors, choice))
         for group, partial in _partial_candidates(sig, in_layouts):
-            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of)
+            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of, price)
             if s is not None and (best is None or s.key < best.key):
                 best = s
     return best
@@ -299,7 +300,7 @@ def _may_leave_a_rank_empty(pieces: Sequence[Piece]) -> bool:
 
 def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
               in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
-              cost_of: Callable[[int, Layout], float]) -> Strategy | None:
+              cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
     try:
         contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
         if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
@@ -324,4 +325,35 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
     except LayoutError:
         return None
     cost = sum(cost_of(i, dst) for i, dst in enumerate(required))
-    return Strategy(required, output, cost)
+    first = output[0] if isinstance(output, tuple) else output
+    debt = partial_debt(first.with_partial(contracted), price) if contracted else 0.0  # inherited: owed already
+    return Strategy(required, output, cost + debt)
+
+
+Price = Callable[[Layout, Layout], float]
+
+
+def partial_debt(out: Layout, price: Price) -> float:
+    """The least a Partial ``out`` will cost to resolve: reduce_scatter onto one dim, or all_reduce.
+
+    Without it a greedy choice takes a free Partial output (gather the cheap indices of an
+    embedding rather than its table) and pays the reduction of a large tensor one op later.
+    """
+    if not out.partial:
+        return 0.0
+    resolved = out.with_partial(())
+    axes = [a for a, _ in out.partial]
+    best = price(out, resolved)
+    n = 1
+    for a in axes:
+        n *= a.size if isinstance(a.size, int) else 0
+    for d, pieces in enumerate(out.dims):
+        size = out.shape[d]
+        if any(p.axis is not None for p in pieces) or not n or not isinstance(size, int) or size % n:
+            continue
+        try:
+            target = resolved.with_dim(d, [Piece(a.size, a) for a in axes] + [Piece(size // n)])
+        except LayoutError:
+            continue
+        best = min(best, price(out, target))
+    return best

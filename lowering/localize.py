@@ -224,6 +224,8 @@ def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
             args = list(node.args)
             args[SHAPE_ARGS[node.target]] = [int(s) for s in layout.local_shape(coordinate)]
             node.args = tuple(args)
+            if node.target is aten.view.default:  # a collective's output may be a permuted (strided) block
+                node.target = aten.reshape.default
         elif node.target is aten.as_strided.default and isinstance(layout, Layout):  # a plain view (stage 2)
             node.target = aten.view.default
             node.args, node.kwargs = (node.args[0], [int(s) for s in layout.local_shape(coordinate)]), {}
