@@ -4,9 +4,10 @@ from typing import Any
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshAxis, MeshSpec
 from .lower_bound import lower_bound_bytes
+from .ops import constrain
 from .planner import CostModel, Plan, Step, plan_redistribute
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "explain",
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "constrain", "explain",
            "lower_bound_bytes", "plan_redistribute", "simulate", "simulate_plan"]
 
 

@@ -221,7 +221,8 @@ def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, stric
     if strict:
         raise UnsupportedOpError(
             f"fxshard has no sharding rule for {name} (input layouts: {seen}). Add a rule to fxshard.rules.RULES, "
-            "or pin the layouts around it with a redistribute/constraint, or run without strict=True to replicate "
+            "or pin a layout next to it with fxshard.constrain(x, placements) (x.redistribute for DTensors), or run "
+            "without strict=True to replicate "
             "its inputs.")
     if name not in _warned_ops:
         _warned_ops.add(name)

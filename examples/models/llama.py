@@ -63,7 +63,7 @@ def apply_rope_real(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 def apply_rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; the Meta (interleaved pairs as complex numbers) form."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     out = torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
     return out.type_as(x)
 
