@@ -213,3 +213,130 @@ def test_local_region_that_reads_differently_globally_is_an_error():
             parallelize_module(model, mesh, {"proj": ColwiseParallel()})
         with pytest.raises(Exception, match="local shard|eager"):
             fxshard.explain(model, torch.randn(4, 16), mesh=mesh)
+
+
+def test_golden_llama_layer_tensor_and_sequence_parallel():
+    """A one-layer Llama under TP+SP at world size 4 (embedding, layer, norm, output): read this when it
+    changes. Between the layers the residual stream is sharded on the sequence ([4@tp 2])."""
+    from expecttest import assert_expected_inline
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64)
+    model = fresh_model(cfg)
+    with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+        with LocalTensorMode(4):
+            parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
+        e = fxshard.explain(model, tokens(1, 8, cfg), mesh=mesh)
+    assert_expected_inline(str(e), """\
+%arg0: i64[1, 8] [1] [8] = input
+%tok_embeddings_weight: f32[64, 32] [4@tp 16] [32] = input
+%layers_0_attention_norm_weight: f32[32] [32] = input
+%layers_0_attention_wq_weight: f32[32, 32] [4@tp 8] [32] = input
+%layers_0_attention_wk_weight: f32[32, 32] [4@tp 8] [32] = input
+%layers_0_attention_wv_weight: f32[32, 32] [4@tp 8] [32] = input
+%layers_0_attention_wo_weight: f32[32, 32] [32] [4@tp 8] = input
+%layers_0_ffn_norm_weight: f32[32] [32] = input
+%layers_0_feed_forward_w1_weight: f32[64, 32] [4@tp 16] [32] = input
+%layers_0_feed_forward_w3_weight: f32[64, 32] [4@tp 16] [32] = input
+%layers_0_feed_forward_w2_weight: f32[32, 64] [32] [4@tp 16] = input
+%norm_weight: f32[32] [32] = input
+%output_weight: f32[64, 32] [4@tp 16] [32] = input
+%arange: f32[4] [4] = aten.arange.start_step(0, 8, 2, dtype=float32, device=device, pin_memory=False)
+%div: f32[4] [4] = aten.div.Tensor(%arange, 8)
+%pow_1: f32[4] [4] = aten.pow.Scalar(500000.0, %div)
+%reciprocal: f32[4] [4] = aten.reciprocal(%pow_1)
+%mul: f32[4] [4] = aten.mul.Tensor(%reciprocal, 1.0)
+%arange_1: f32[8] [8] = aten.arange(8, dtype=float32, device=device, pin_memory=False)
+%view: f32[8, 1] [8] [1] = aten.view(%arange_1, [8, 1])
+%mul_1: f32[8, 4] [8] [4] = aten.mul.Tensor(%view, %mul)
+%embedding: f32[1, 8, 32] [1] [8] [32] P(sum@tp) = aten.embedding(%tok_embeddings_weight, %arg0)
+%redistribute_default: f32[1, 8, 32] [1] [4@tp 2] [32] = redistribute(%embedding) from [1] [8] [32] P(sum@tp): reduce_scatter(tp dim 1 sum)
+%pow_2: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.pow.Tensor_Scalar(%redistribute_default, 2)
+%mean: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.mean.dim(%pow_2, [-1], True)
+%add: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.add.Tensor(%mean, 1e-05)
+%rsqrt: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.rsqrt(%add)
+%mul_2: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%redistribute_default, %rsqrt)
+%mul_3: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%mul_2, %layers_0_attention_norm_weight)
+%redistribute_default_1: f32[1, 8, 32] [1] [8] [32] = redistribute(%mul_3) from [1] [4@tp 2] [32]: all_gather(tp dim 1)
+%t: f32[32, 32] [32] [4@tp 8] = aten.t(%layers_0_attention_wq_weight)
+%view_1: f32[8, 32] [8] [32] = aten.view(%redistribute_default_1, [8, 32])
+%mm: f32[8, 32] [8] [4@tp 8] = aten.mm(%view_1, %t)
+%_unsafe_view: f32[1, 8, 32] [1] [8] [4@tp 8] = aten._unsafe_view(%mm, [1, 8, 32])
+%view_2: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.view(%_unsafe_view, [1, 8, -1, 8])
+%t_1: f32[32, 32] [32] [4@tp 8] = aten.t(%layers_0_attention_wk_weight)
+%mm_1: f32[8, 32] [8] [4@tp 8] = aten.mm(%view_1, %t_1)
+%_unsafe_view_1: f32[1, 8, 32] [1] [8] [4@tp 8] = aten._unsafe_view(%mm_1, [1, 8, 32])
+%view_4: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.view(%_unsafe_view_1, [1, 8, -1, 8])
+%t_2: f32[32, 32] [32] [4@tp 8] = aten.t(%layers_0_attention_wv_weight)
+%mm_2: f32[8, 32] [8] [4@tp 8] = aten.mm(%view_1, %t_2)
+%_unsafe_view_2: f32[1, 8, 32] [1] [8] [4@tp 8] = aten._unsafe_view(%mm_2, [1, 8, 32])
+%view_6: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.view(%_unsafe_view_2, [1, 8, -1, 8])
+%cat: f32[8, 8] [8] [8] = aten.cat([%mul_1, %mul_1], -1)
+%cos: f32[8, 8] [8] [8] = aten.cos(%cat)
+%unsqueeze: f32[1, 8, 8] [1] [8] [8] = aten.unsqueeze(%cos, 0)
+%unsqueeze_1: f32[1, 8, 1, 8] [1] [8] [1] [8] = aten.unsqueeze(%unsqueeze, 2)
+%sin: f32[8, 8] [8] [8] = aten.sin(%cat)
+%unsqueeze_2: f32[1, 8, 8] [1] [8] [8] = aten.unsqueeze(%sin, 0)
+%unsqueeze_3: f32[1, 8, 1, 8] [1] [8] [1] [8] = aten.unsqueeze(%unsqueeze_2, 2)
+%mul_4: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.mul.Tensor(%view_2, %unsqueeze_1)
+%slice_1: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.slice.Tensor(%view_2, 3, 4, 9223372036854775807)
+%neg: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.neg(%slice_1)
+%slice_2: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.slice.Tensor(%view_2, 3, 0, 4)
+%cat_1: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.cat([%neg, %slice_2], -1)
+%mul_5: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.mul.Tensor(%cat_1, %unsqueeze_3)
+%add_1: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.add.Tensor(%mul_4, %mul_5)
+%mul_6: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.mul.Tensor(%view_4, %unsqueeze_1)
+%slice_3: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.slice.Tensor(%view_4, 3, 4, 9223372036854775807)
+%neg_1: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.neg(%slice_3)
+%slice_4: f32[1, 8, 4, 4] [1] [8] [4@tp] [4] = aten.slice.Tensor(%view_4, 3, 0, 4)
+%cat_3: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.cat([%neg_1, %slice_4], -1)
+%mul_7: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.mul.Tensor(%cat_3, %unsqueeze_3)
+%add_2: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.add.Tensor(%mul_6, %mul_7)
+%transpose: f32[1, 4, 8, 8] [1] [4@tp] [8] [8] = aten.transpose.int(%add_1, 1, 2)
+%transpose_1: f32[1, 4, 8, 8] [1] [4@tp] [8] [8] = aten.transpose.int(%add_2, 1, 2)
+%transpose_2: f32[1, 4, 8, 8] [1] [4@tp] [8] [8] = aten.transpose.int(%view_6, 1, 2)
+%_scaled_dot_product_flash_attention_for_cpu = aten._scaled_dot_product_flash_attention_for_cpu(%transpose, %transpose_1, %transpose_2, 0.0, True)
+%getitem: f32[1, 4, 8, 8] [1] [4@tp] [8] [8] = getitem(%_scaled_dot_product_flash_attention_for_cpu, 0)
+%getitem_1: f32[1, 4, 8] [1] [4@tp] [8] = getitem(%_scaled_dot_product_flash_attention_for_cpu, 1)
+%transpose_3: f32[1, 8, 4, 8] [1] [8] [4@tp] [8] = aten.transpose.int(%getitem, 1, 2)
+%view_7: f32[1, 8, 32] [1] [8] [4@tp 8] = aten.view(%transpose_3, [1, 8, -1])
+%t_3: f32[32, 32] [4@tp 8] [32] = aten.t(%layers_0_attention_wo_weight)
+%view_8: f32[8, 32] [8] [4@tp 8] = aten.view(%view_7, [8, 32])
+%mm_3: f32[8, 32] [8] [32] P(sum@tp) = aten.mm(%view_8, %t_3)
+%_unsafe_view_3: f32[1, 8, 32] [1] [8] [32] P(sum@tp) = aten._unsafe_view(%mm_3, [1, 8, 32])
+%redistribute_default_2: f32[1, 8, 32] [1] [4@tp 2] [32] = redistribute(%_unsafe_view_3) from [1] [8] [32] P(sum@tp): reduce_scatter(tp dim 1 sum)
+%add_3: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.add.Tensor(%redistribute_default, %redistribute_default_2)
+%pow_3: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.pow.Tensor_Scalar(%add_3, 2)
+%mean_1: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.mean.dim(%pow_3, [-1], True)
+%add_4: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.add.Tensor(%mean_1, 1e-05)
+%rsqrt_1: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.rsqrt(%add_4)
+%mul_8: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%add_3, %rsqrt_1)
+%mul_9: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%mul_8, %layers_0_ffn_norm_weight)
+%redistribute_default_3: f32[1, 8, 32] [1] [8] [32] = redistribute(%mul_9) from [1] [4@tp 2] [32]: all_gather(tp dim 1)
+%t_4: f32[32, 64] [32] [4@tp 16] = aten.t(%layers_0_feed_forward_w1_weight)
+%view_9: f32[8, 32] [8] [32] = aten.view(%redistribute_default_3, [8, 32])
+%mm_4: f32[8, 64] [8] [4@tp 16] = aten.mm(%view_9, %t_4)
+%_unsafe_view_4: f32[1, 8, 64] [1] [8] [4@tp 16] = aten._unsafe_view(%mm_4, [1, 8, 64])
+%silu: f32[1, 8, 64] [1] [8] [4@tp 16] = aten.silu(%_unsafe_view_4)
+%t_5: f32[32, 64] [32] [4@tp 16] = aten.t(%layers_0_feed_forward_w3_weight)
+%mm_5: f32[8, 64] [8] [4@tp 16] = aten.mm(%view_9, %t_5)
+%_unsafe_view_5: f32[1, 8, 64] [1] [8] [4@tp 16] = aten._unsafe_view(%mm_5, [1, 8, 64])
+%mul_10: f32[1, 8, 64] [1] [8] [4@tp 16] = aten.mul.Tensor(%silu, %_unsafe_view_5)
+%t_6: f32[64, 32] [4@tp 16] [32] = aten.t(%layers_0_feed_forward_w2_weight)
+%view_11: f32[8, 64] [8] [4@tp 16] = aten.view(%mul_10, [8, 64])
+%mm_6: f32[8, 32] [8] [32] P(sum@tp) = aten.mm(%view_11, %t_6)
+%_unsafe_view_6: f32[1, 8, 32] [1] [8] [32] P(sum@tp) = aten._unsafe_view(%mm_6, [1, 8, 32])
+%redistribute_default_4: f32[1, 8, 32] [1] [4@tp 2] [32] = redistribute(%_unsafe_view_6) from [1] [8] [32] P(sum@tp): reduce_scatter(tp dim 1 sum)
+%add_5: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.add.Tensor(%add_3, %redistribute_default_4)
+%pow_4: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.pow.Tensor_Scalar(%add_5, 2)
+%mean_2: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.mean.dim(%pow_4, [-1], True)
+%add_6: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.add.Tensor(%mean_2, 1e-05)
+%rsqrt_2: f32[1, 8, 1] [1] [4@tp 2] [1] = aten.rsqrt(%add_6)
+%mul_11: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%add_5, %rsqrt_2)
+%mul_12: f32[1, 8, 32] [1] [4@tp 2] [32] = aten.mul.Tensor(%mul_11, %norm_weight)
+%redistribute_default_5: f32[1, 8, 32] [1] [8] [32] = redistribute(%mul_12) from [1] [4@tp 2] [32]: all_gather(tp dim 1)
+%t_7: f32[32, 64] [32] [4@tp 16] = aten.t(%output_weight)
+%view_12: f32[8, 32] [8] [32] = aten.view(%redistribute_default_5, [8, 32])
+%mm_7: f32[8, 64] [8] [4@tp 16] = aten.mm(%view_12, %t_7)
+%_unsafe_view_7: f32[1, 8, 64] [1] [8] [4@tp 16] = aten._unsafe_view(%mm_7, [1, 8, 64])
+return [%_unsafe_view_7]
+communication: 3 x reduce_scatter(tp), 3 x all_gather(tp); 4608 bytes received per rank""")
