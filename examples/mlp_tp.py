@@ -10,12 +10,10 @@ communication: one all_reduce, as Megatron-LM would write by hand.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -67,55 +65,11 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict:
     return {"error": error, "collectives": collectives}
 
 
-def _worker(rank: int, world_size: int, port: int, results: "mp.Queue", device: str) -> None:
-    import tempfile
-    import traceback
-
-    # each rank compiles into its own Inductor cache: no two processes write one cache entry at once
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(tempfile.gettempdir(), f"fxshard-inductor-rank{rank}"))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
-    try:
-        results.put((rank, run(rank, world_size, device)))
-    except BaseException:
-        results.put((rank, {"exception": traceback.format_exc()}))  # fail the parent now, not at its timeout
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world_size: int = 2, timeout: float = 240.0, device: str = "cpu") -> dict[int, dict]:
     """Run on ``world_size`` local ranks (gloo on CPU, NCCL on GPUs); raises if a rank fails or hangs."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, device)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    try:
-        for _ in range(world_size):
-            rank, value = results.get(timeout=timeout)
-            if "exception" in value:
-                raise RuntimeError(f"rank {rank} failed:\n{value['exception']}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=0 if p.exitcode is None and len(out) < world_size else 10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-    if failed or len(out) != world_size:
-        raise RuntimeError(f"ranks failed (exit codes {[p.exitcode for p in procs]})")
-    return out
+    from ranks import spawn as spawn_ranks
+
+    return spawn_ranks(run, world_size, timeout, device)
 
 
 def main() -> None:
