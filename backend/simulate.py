@@ -145,11 +145,8 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
     (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
     """
-    captured = capture(fn, args)
-    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
-    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
-    program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
-    gm = shard_graph(program.gm, spec, program.input_layouts, strict=strict, cost_model=cost_model)
+    captured, program, gm = _planned(fn, args, mesh, placements, strict, cost_model)
+    spec = program.mesh
     objects = [captured.objects[p] for p in program.tensor_positions]
     in_layouts = [program.input_layouts[n] for n in program.input_names]
     device = objects[0].device.type if objects else "cpu"
@@ -162,6 +159,28 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
         per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
     return SimulatedRun(coords, per_rank, output_layouts(gm))
+
+
+def _planned(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None, strict: bool,
+             cost_model: CostModel | None) -> tuple:
+    """Stages 1-4: (captured, traced program, planned global graph)."""
+    captured = capture(fn, args)
+    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
+    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
+    program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
+    return captured, program, shard_graph(program.gm, spec, program.input_layouts, strict=strict,
+                                          cost_model=cost_model)
+
+
+def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,
+                   strict: bool = False, cost_model: CostModel | None = None) -> dict[tuple[int, ...], fx.GraphModule]:
+    """Every rank's lowered local program (stage 5) of ``fn(*args)`` on ``device_mesh``, by coordinate.
+
+    Arguments are global tensors (with ``placements``) or DTensors, as in ``simulate``; nothing runs.
+    """
+    _, program, gm = _planned(fn, args, device_mesh, placements, strict, cost_model)
+    groups = MeshGroups(device_mesh)
+    return {c: lower(localize(gm, c), c, groups) for c in program.mesh.coordinates()}
 
 
 def _mesh_of(example_inputs: Sequence[Any]) -> MeshSpec:

@@ -1,0 +1,115 @@
+"""What a program puts on the wire: its collectives, read from a lowered graph or from calls.
+
+One classification serves both sides of a comparison: the functional collectives in a
+lowered local graph (fxshard's stage-5 output, sizes from ``meta["val"]``) and the
+collectives an eager program dispatches (DTensor under ``CommDebugMode``). Bytes are those
+one rank receives, by the planner's formula (``fxshard.planner.collective_bytes``), so a
+ratio between the two counts the same thing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxshard.planner import collective_bytes
+
+c10d = torch.ops._c10d_functional
+
+# op packet -> (kind, index of the group-size argument or None, index of the group-name argument)
+_FUNCTIONAL = {
+    c10d.all_reduce: ("all_reduce", None, 2),
+    c10d.all_reduce_: ("all_reduce", None, 2),
+    c10d.all_gather_into_tensor: ("all_gather", 1, 2),
+    c10d.all_gather_into_tensor_out: ("all_gather", 1, 2),
+    c10d.reduce_scatter_tensor: ("reduce_scatter", 2, 3),
+    c10d.all_to_all_single: ("all_to_all", None, 3),
+    c10d.broadcast: ("broadcast", None, 2),
+    c10d.broadcast_: ("broadcast", None, 2),
+}
+# the in-place c10d ops (torch.distributed.* calls, FSDP2): packet -> (kind, input index, group index)
+_C10D = {
+    torch.ops.c10d._allgather_base_: ("all_gather", 1, 2),
+    torch.ops.c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
+    torch.ops.c10d.alltoall_base_: ("all_to_all", 1, 2),
+    torch.ops.c10d.allreduce_: ("all_reduce", 0, 1),
+    torch.ops.c10d.broadcast_: ("broadcast", 0, 1),
+}
+_NOT_COMMUNICATION = {c10d.wait_tensor, c10d._wrap_tensor_autograd}
+
+
+class UnknownCollectiveError(NotImplementedError):
+    """A communication op this module cannot size: counting it as free would undercount."""
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
+    group_size: int
+    input_bytes: int  # one rank's input
+
+    @property
+    def bytes_received(self) -> int:
+        if self.kind == "broadcast":
+            return self.input_bytes
+        return int(collective_bytes(self.kind, self.group_size, self.input_bytes))
+
+
+def _group_size(name_or_group: Any) -> int:
+    if isinstance(name_or_group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(name_or_group).size()
+    if isinstance(name_or_group, torch.ScriptObject):  # a c10d op's boxed ProcessGroup
+        name_or_group = torch.distributed.ProcessGroup.unbox(name_or_group)
+    return name_or_group.size()
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_communication(packet: Any) -> bool:
+    return getattr(packet, "_qualified_op_name", "").split("::")[0] in ("_c10d_functional", "c10d", "_dtensor") \
+        and packet not in _NOT_COMMUNICATION and "get_process_group" not in str(packet)
+
+
+def collective_call(op: Any, args: Sequence[Any]) -> CollectiveCall | None:
+    """The collective ``op(*args)`` performs (tensors real or fake), or None for a local op."""
+    packet = getattr(op, "_overloadpacket", op)
+    if packet in _FUNCTIONAL:
+        kind, size_at, name_at = _FUNCTIONAL[packet]
+        size = int(args[size_at]) if size_at is not None else _group_size(args[name_at])
+        return CollectiveCall(kind, size, _nbytes(args[0]))
+    if packet in _C10D:
+        kind, input_at, group_at = _C10D[packet]
+        inputs = args[input_at] if isinstance(args[input_at], (list, tuple)) else [args[input_at]]
+        return CollectiveCall(kind, _group_size(args[group_at]), sum(_nbytes(t) for t in inputs))
+    if packet is getattr(torch.ops._dtensor, "shard_dim_alltoall", None):
+        return CollectiveCall("all_to_all", _group_size(args[3]), _nbytes(args[0]))
+    if _is_communication(packet):
+        raise UnknownCollectiveError(f"{op} communicates, but fxshard.lowering.traffic cannot size it")
+    return None
+
+
+def collective_calls(gm: fx.GraphModule) -> list[CollectiveCall]:
+    """The collectives of a lowered local graph, in program order (its shapes in ``meta["val"]``)."""
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+        call = collective_call(node.target, args)
+        if call is not None:
+            calls.append(call)
+    return calls
+
+
+def summarize(calls: Sequence[CollectiveCall]) -> tuple[dict[str, int], int]:
+    """({kind: count}, bytes received) of a list of collectives."""
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    return counts, sum(c.bytes_received for c in calls)
