@@ -11,12 +11,14 @@ from .mesh import MeshSpec
 from .planner import CostModel
 from .propagate import propagate
 from .redistribute import insert_redistributes
+from .refine import propagate_with_pins
 
 
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
                 strict: bool = False, cost_model: CostModel | None = None) -> fx.GraphModule:
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``)."""
-    propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model)
+    propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
+                                                 pinned=pinned), gm, cost_model)
     check_local_regions(gm)
     return insert_redistributes(gm, cost_model=cost_model)
 

@@ -23,11 +23,14 @@ from .mesh import MeshSpec
 from .ops import CONSTRAIN
 from .placements import layout_from_placements, placements_from_str
 from .planner import CostModel, redistribute_cost
-from .rules import LIKE_OPS, VIEW_OPS, Signature, signature_of
+from .refine import is_pinned
+from .rules import LIKE_OPS, NEW_OPS, VIEW_OPS, Signature, signature_of
 from .slicing import CONCAT_RULES, SLICE_RULES
 from .views import view_layout
 
 _warned_ops: set[str] = set()
+
+PIN_PENALTY = 1e6  # the factor on moving a pinned input (refine.py): a last resort, never free
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -80,10 +83,12 @@ class _Requested:
 
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
-              strict: bool = False, cost_model: CostModel | None = None) -> fx.GraphModule:
+              strict: bool = False, cost_model: CostModel | None = None,
+              pinned: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
 
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
+    Moving a ``pinned`` placeholder costs ``PIN_PENALTY`` times its price (see refine.py).
     """
     input_layouts = dict(input_layouts or {})
     requested = _Requested()
@@ -101,7 +106,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             if isinstance(val, torch.Tensor):
                 node.meta["layout"] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
-            _propagate_call(node, mesh, strict, cost_model, requested)
+            _propagate_call(node, mesh, strict, cost_model, requested, pinned)
             requested.add(node, node.meta.get("arg_layouts", ()))
         elif node.op == "output":
             outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and "layout" in a.meta]
@@ -143,7 +148,7 @@ def _numeric_size(shape: Sequence[Any]) -> float:
 
 
 def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
-                    requested: _Requested) -> None:
+                    requested: _Requested, pinned: frozenset[str] = frozenset()) -> None:
     ins = tensor_inputs(node)
     in_layouts = [a.meta["layout"] for a in ins]
     val = _val(node)
@@ -179,12 +184,16 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
     if node.target in LIKE_OPS:
         _set(node, (in_layouts[0],), in_layouts[0].with_partial(()))
         return
+    if node.target in NEW_OPS and isinstance(val, torch.Tensor):
+        _set(node, (in_layouts[0],), Layout.replicated(mesh, val.shape))
+        return
     sig = signature_of(node)
     if sig is not None:
         def cost_of(i: int, dst: Layout) -> float:
             if in_layouts[i] == dst or requested.has(ins[i], dst):
                 return 0.0
-            return redistribute_cost(in_layouts[i], dst, _dtype(ins[i]), cost_model)
+            price = redistribute_cost(in_layouts[i], dst, _dtype(ins[i]), cost_model)
+            return price * PIN_PENALTY if is_pinned(ins[i], pinned) else price
 
         strategy = _choose(sig, in_layouts, _out_shapes(val), mesh, cost_of, cost)
         if strategy is not None:
@@ -216,6 +225,15 @@ def _set(node: fx.Node, arg_layouts: Sequence[Layout], out: Any) -> None:
 
 
 def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, strict: bool) -> None:
+    required = tuple(Layout.replicated(mesh, l.shape) for l in in_layouts)
+    val = _val(node)
+    if isinstance(val, torch.Tensor):
+        out: Any = Layout.replicated(mesh, val.shape)
+    else:
+        out = tuple(Layout.replicated(mesh, v.shape) if isinstance(v, torch.Tensor) else None for v in val)
+    if tuple(in_layouts) == required:  # replicated already: replicating moves nothing, so nothing to say
+        _set(node, required, out)
+        return
     name = str(node.target)
     seen = ", ".join(str(l) for l in in_layouts) or "no tensor inputs"
     if strict:
@@ -228,12 +246,6 @@ def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, stric
         _warned_ops.add(name)
         warnings.warn(f"fxshard: no sharding rule for {name} (input layouts: {seen}); its inputs are replicated",
                       stacklevel=2)
-    required = tuple(Layout.replicated(mesh, l.shape) for l in in_layouts)
-    val = _val(node)
-    if isinstance(val, torch.Tensor):
-        out: Any = Layout.replicated(mesh, val.shape)
-    else:
-        out = tuple(Layout.replicated(mesh, v.shape) if isinstance(v, torch.Tensor) else None for v in val)
     _set(node, required, out)
 
 

@@ -1,0 +1,128 @@
+"""Second opinions on a greedy propagation: pin the inputs it moved, keep whichever plan is cheaper.
+
+Propagation chooses each op's strategy from what it knows at that op, so it happily moves
+the small operand: at the first embedding of a dp x tp model it all-gathers a few KiB of
+token ids rather than a weight, and from then on every activation is replicated on dp with
+its hidden dim sharded there, paying an all-reduce at every matmul. No single op sees that.
+
+The repair is a small search over one decision that matters globally: which values keep the
+layout they have. Each round pins some of the inputs the best plan so far redistributed, or
+every activation, so that moving them becomes very expensive (though still possible),
+propagates again, and keeps the new plan only if its total planned cost is lower. Programs whose plan moves
+no input (Megatron TP, sequence parallel) are propagated once, as before.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .layout import Layout
+from .planner import CostModel, redistribute_cost
+from .rules import VIEW_OPS
+
+aten = torch.ops.aten
+# ops that only relabel one input's elements: a moved view of an input is a moved input
+_RELABEL = VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+                       aten.alias.default, aten.detach.default}
+
+MAX_ROUNDS = 2
+MAX_SINGLES = 6  # inputs tried pinned alone per round, the smallest first
+ACTIVATIONS = "<activations>"  # a pin on every value that is not a view of an input
+
+_KEYS = ("layout", "arg_layouts")
+
+
+def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
+    """The modeled cost of every redistribution a propagated graph asks for (each edge once)."""
+    total, seen = 0.0, set()
+    for node in gm.graph.nodes:
+        required = node.meta.get("arg_layouts")
+        if required is None:
+            continue
+        args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
+                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
+        for a, want in zip(args, required):
+            have = a.meta["layout"]
+            if isinstance(want, Layout) and have != want and (a, want) not in seen:
+                seen.add((a, want))
+                total += redistribute_cost(have, want, a.meta["val"].dtype, cost_model)
+    return total
+
+
+def input_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` is a view of (through relabelling ops), or None."""
+    while node.op == "call_function" and node.target in _RELABEL and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
+def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
+    """Placeholders some consumer wants (or a view of which it wants) in another layout, with their bytes."""
+    moved = {}
+    for node in gm.graph.nodes:
+        required = node.meta.get("arg_layouts")
+        if required is None or node.op == "output":
+            continue
+        args = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
+        for a, want in zip(args, required):
+            root = input_root(a)
+            if root is not None and a.meta["layout"] != want:
+                val = root.meta["val"]
+                moved[root.name] = val.numel() * val.element_size()
+    return moved
+
+
+def _snapshot(gm: fx.GraphModule) -> dict:
+    return {n: {k: n.meta[k] for k in _KEYS if k in n.meta} for n in gm.graph.nodes}
+
+
+def _restore(gm: fx.GraphModule, snapshot: dict) -> None:
+    for n in gm.graph.nodes:
+        for k in _KEYS:
+            n.meta.pop(k, None)
+        n.meta.update(snapshot[n])
+
+
+def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModule,
+                        cost_model: CostModel | None = None) -> frozenset[str]:
+    """``run(pinned)`` propagates ``gm`` in place; leaves the cheapest plan found. Returns its pins.
+
+    From the best plan so far each round tries: every activation pinned (``ACTIVATIONS``: only
+    inputs move, FSDP's plan), each of the smallest inputs it moved pinned alone (the greedy
+    choice moves small operands, token ids say, and pays for it later), all of them pinned.
+    """
+    run(frozenset())
+    best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
+    tried: set[frozenset[str]] = {frozenset()}
+    for _ in range(MAX_ROUNDS):
+        _, _, pinned, moved = best
+        free = {k: v for k, v in moved.items() if k not in pinned}
+        if not free:
+            break
+        singles = sorted(free, key=lambda k: (free[k], k))[:MAX_SINGLES]
+        improved = False
+        for pins in [pinned | {ACTIVATIONS}] + [pinned | {k} for k in singles] + [pinned | set(free)]:
+            if pins in tried:
+                continue
+            tried.add(pins)
+            run(pins)
+            cost = planned_cost(gm, cost_model)
+            if cost < best[0]:
+                best, improved = (cost, _snapshot(gm), pins, moved_inputs(gm)), True
+        if not improved:
+            break
+    _restore(gm, best[1])
+    return best[2]
+
+
+def is_pinned(node: fx.Node, pinned: frozenset[str]) -> bool:
+    """Whether moving ``node`` costs the pin penalty: a view of a pinned input, or an activation
+    (a value that is no view of an input) when ``ACTIVATIONS`` is pinned."""
+    if not pinned:
+        return False
+    root = input_root(node)
+    return root.name in pinned if root is not None else ACTIVATIONS in pinned
