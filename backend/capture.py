@@ -44,7 +44,9 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
         result.update(gm=gm, example_inputs=list(example_inputs), objects=objects)
         return gm.forward
 
-    torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
+    # capturing runs fn once; it must not advance the caller's random streams (dropout)
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
     if not result:
         raise RuntimeError("Dynamo produced no graph for the function (it may contain no tensor ops)")
     return Captured(result["gm"], result["example_inputs"], result["objects"])

@@ -28,8 +28,25 @@ DECOMPOSED = [
 ]
 
 
+def _draw_whole(factory: Any) -> Any:
+    """rand_like(x) -> rand(x.shape): a random tensor is drawn in global shape on every rank.
+
+    Every rank's generator is in the same state (the same seed, as DTensor requires), so each
+    draws the same values: replicated values agree, and the block a sharded consumer slices out
+    is exactly the single-device value. Drawn like x's shard instead, every rank would use the
+    same numbers for different blocks (correlated dropout masks, and not the one-device result).
+    """
+    def draw(x: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
+             generator=None) -> torch.Tensor:
+        return factory(x.shape, dtype=dtype or x.dtype, device=device or x.device, generator=generator)
+    return draw
+
+
 def decomposition_table() -> dict[Any, Any]:
-    return get_decompositions([op for op in DECOMPOSED if op is not None])
+    table = get_decompositions([op for op in DECOMPOSED if op is not None])
+    table[aten.rand_like.default] = _draw_whole(torch.rand)
+    table[aten.randn_like.default] = _draw_whole(torch.randn)
+    return table
 
 
 def _is_pure(node: fx.Node) -> bool:

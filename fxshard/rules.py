@@ -150,6 +150,28 @@ def _softmax(node: Any) -> Signature:
     return Signature((tuple(names),), tuple(names), whole=frozenset({names[dim]}))
 
 
+def _scan(node: Any) -> Signature:
+    """cumsum along ``dim``: every other dim is independent; a sum of shares scans to the sum of scans."""
+    ndim = len(_out_shape(node))
+    names = _letters(ndim)
+    whole = frozenset({names[node.args[1] % ndim]}) if ndim else frozenset()
+    return Signature((tuple(names),), tuple(names), partial_groups=((0,),), whole=whole)
+
+
+def _select_along(node: Any) -> Signature:
+    """topk / sort along ``dim`` -> (values, indices): that dim stays whole (its output size may
+    differ, k of n; a whole factor is never sharded, so one name serves both), the others are
+    independent rows."""
+    ndim = len(_shape(node.args[0]) or ())
+    names = _letters(ndim)
+    if node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    else:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    whole = frozenset({names[dim % ndim]}) if ndim else frozenset()
+    return Signature((tuple(names),), tuple(names), partial_ops=(), whole=whole, extra_outputs=(tuple(names),))
+
+
 def _sum(reduce: str) -> RuleFn:
     def rule(node: Any) -> Signature:
         ndim = len(_shape(node.args[0]) or ())
@@ -320,12 +342,20 @@ RULES: dict[Any, RuleFn] = {
     aten.triu.default: _triangle,
     aten.tril.default: _triangle,
     aten._to_copy.default: _to_copy,
+    aten.cumsum.default: _scan,
+    aten.topk.default: _select_along,
+    aten.sort.default: _select_along,
     **{op.default: _attention for op in ATTENTION_OPS},
 }
 
 # factories shaped like their input: the output takes the input's sharding, never its partial
-LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
-            aten.rand_like.default, aten.randn_like.default}
+# (rand_like/randn_like are not: they are drawn in global shape, fxshard/decompose.py says why)
+LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default}
+
+# factories that read only their input's dtype and device: the input stays where it is, the value
+# (its shape comes from the arguments) is the same on every rank
+NEW_OPS = {aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default,
+           aten.new_empty_strided.default}
 
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
             aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.flatten.using_ints}

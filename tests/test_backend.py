@@ -46,22 +46,22 @@ def test_explain_needs_no_process_group(make_mlp):
 
 def test_strict_names_the_op_and_its_layouts():
     def f(x):
-        return torch.cumsum(x, 0)
+        return torch.flip(x, [0])
 
-    with pytest.raises(UnsupportedOpError, match=r"aten\.cumsum.*\[4@tp 2\]"):
+    with pytest.raises(UnsupportedOpError, match=r"aten\.flip.*\[4@tp 2\]"):
         explain(f, torch.randn(8, 3), mesh=fxshard.MeshSpec(tp=4), placements={0: (Shard(0),)}, strict=True)
 
 
 def test_op_without_rule_is_replicated_with_a_warning_and_stays_correct():
     def f(x):
-        return torch.cumsum(x, 0) * 2
+        return torch.flip(x, [0]) * 2
 
     x = torch.randn(8, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = simulate(f, x, mesh=fxshard.MeshSpec(tp=4), placements={0: (Shard(0),)})
     torch.testing.assert_close(out, f(x))
-    assert any("cumsum" in str(w.message) for w in caught) or "aten.cumsum.default" in \
+    assert any("flip" in str(w.message) for w in caught) or "aten.flip.default" in \
         fxshard.propagate._warned_ops  # warned once per process
 
 
@@ -95,3 +95,24 @@ def test_unknown_backend_option_is_an_error():
 
     with pytest.raises(ValueError, match="unknown fxshard options"):
         fxshard_backend(None, [], options={"stirct": True})
+
+
+def test_traffic_of_the_lowered_program_is_what_explain_planned():
+    """lowering/traffic.py reads the collectives back from every rank's lowered program."""
+    from fxshard.backend.simulate import fake_world, lowered_graphs
+    from fxshard.lowering.traffic import collective_calls, summarize
+
+    def f(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    x, w1, w2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16)
+    mesh, pl = fxshard.MeshSpec(tp=4), {1: (Shard(1),), 2: (Shard(0),), 0: (Shard(0),)}
+    e = explain(f, x, w1, w2, mesh=mesh, placements=pl)
+    with fake_world(mesh) as device_mesh:
+        graphs = lowered_graphs(f, x, w1, w2, device_mesh=device_mesh, placements=pl)
+        per_rank = [summarize(collective_calls(g)) for g in graphs.values()]
+    kinds: dict = {}
+    for c in e.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    assert len(graphs) == 4 and kinds
+    assert all(counts == kinds and nbytes == e.bytes_per_rank for counts, nbytes in per_rank), (per_rank, kinds)
