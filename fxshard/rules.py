@@ -172,6 +172,35 @@ def _select_along(node: Any) -> Signature:
     return Signature((tuple(names),), tuple(names), partial_ops=(), whole=whole, extra_outputs=(tuple(names),))
 
 
+def _index(node: Any) -> Signature | None:
+    """x[i0, :, i2] (aten.index.Tensor): the indexed dims of x stay whole, its other dims and the
+    broadcast dims of the index tensors are independent. The index block goes where torch puts it:
+    in place of the indexed dims when they are adjacent, else in front."""
+    x_shape, indices = _shape(node.args[0]), node.args[1]
+    if x_shape is None:
+        return None
+    ndim = len(x_shape)
+    at = [i for i, ix in enumerate(indices) if ix is not None]
+    shapes = [_shape(indices[i]) for i in at]
+    if not at or any(sh is None for sh in shapes):
+        return None
+    b_ndim = max(len(sh) for sh in shapes)
+    b = [f"i{j}" for j in range(b_ndim)]
+    b_size = [max((sh[j - (b_ndim - len(sh))] for sh in shapes if j >= b_ndim - len(sh)), default=1)
+              for j in range(b_ndim)]
+    x_names = _letters(ndim)
+    index_inputs = tuple(tuple(None if (s == 1 and b_size[b_ndim - len(sh) + k] != 1) else b[b_ndim - len(sh) + k]
+                               for k, s in enumerate(sh)) for sh in shapes)
+    rest = [x_names[d] for d in range(ndim) if d not in at]
+    adjacent = at == list(range(at[0], at[-1] + 1))
+    if adjacent:
+        out = [x_names[d] for d in range(at[0])] + b + [x_names[d] for d in range(at[-1] + 1, ndim)]
+    else:
+        out = b + rest
+    return Signature((tuple(x_names),) + index_inputs, tuple(out), partial_ops=(),
+                     whole=frozenset(x_names[d] for d in at))
+
+
 def _sum(reduce: str) -> RuleFn:
     def rule(node: Any) -> Signature:
         ndim = len(_shape(node.args[0]) or ())
@@ -344,6 +373,7 @@ RULES: dict[Any, RuleFn] = {
     aten._to_copy.default: _to_copy,
     aten.cumsum.default: _scan,
     aten.topk.default: _select_along,
+    aten.index.Tensor: _index,
     aten.sort.default: _select_along,
     **{op.default: _attention for op in ATTENTION_OPS},
 }

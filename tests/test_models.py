@@ -432,3 +432,24 @@ def test_random_ops_draw_the_single_device_values(f, placements):
     torch.testing.assert_close(out, ref)
     blocks = (ref == 0).reshape(8, 4, 8).unbind(1) if 1 in placements else (ref == 0).reshape(4, 2, 32).unbind(0)
     assert not all(torch.equal(blocks[0], b) for b in blocks[1:])  # the ranks' masks differ
+
+
+INDEX_CASES = {  # name: (function, x's shape, (indexed dim, index shape) each, placements, collectives)
+    "rows of a column-sharded matrix": (lambda x, i: x[i], (8, 12), [(0, (6,))], {0: (Shard(1),)}, 0),
+    "columns, batch sharded": (lambda x, i: x[:, i], (8, 12), [(1, (4, 5))], {0: (Shard(0),)}, 0),
+    "columns, index sharded": (lambda x, i: x[:, i], (8, 12), [(1, (8, 5))], {1: (Shard(0),)}, 0),
+    "two apart: index block in front": (lambda x, i, j: x[i, :, j], (8, 4, 12), [(0, (8, 1)), (2, (1, 5))],
+                                        {0: (Shard(1),)}, 0),
+    "the indexed dim sharded: gathered": (lambda x, i: x[i], (8, 12), [(0, (6,))], {0: (Shard(0),)}, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEX_CASES))
+def test_advanced_indexing_is_local_where_the_indexed_dims_are(name):
+    f, shape, index_specs, placements, n_collectives = INDEX_CASES[name]
+    x = torch.randn(shape)
+    indices = [torch.randint(0, shape[d], s) for d, s in index_specs]
+    mesh = fxshard.MeshSpec(tp=4)
+    torch.testing.assert_close(fxshard.simulate(f, x, *indices, mesh=mesh, placements=placements), f(x, *indices))
+    e = fxshard.explain(f, x, *indices, mesh=mesh, placements=placements, strict=True)
+    assert len(e.collectives) == n_collectives, [str(c) for c in e.collectives]
