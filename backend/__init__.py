@@ -4,7 +4,12 @@
 entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
 without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
 ``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
-as ``(stage_name, GraphModule)``, for inspection).
+as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
+as text: ``<graph>_<n>_<stage>.txt``).
+
+Logging the PyTorch way: ``TORCH_LOGS="fxshard"`` prints a summary per compiled graph
+(communication and memory per rank), ``TORCH_LOGS="+fxshard"`` every stage's graph too; under
+``TORCH_TRACE`` each stage is a structured artifact (``fxshard_<stage>``) for tlparse.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch.fx as fx
 
 __all__ = ["fxshard_backend"]
 
-_OPTIONS = {"strict", "inductor", "cost_model", "on_graph"}
+_OPTIONS = {"strict", "inductor", "cost_model", "on_graph", "debug_dir"}
 
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
@@ -28,7 +33,9 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     unknown = set(options) - _OPTIONS
     if unknown:
         raise ValueError(f"unknown fxshard options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-    on_graph = options.get("on_graph") or (lambda stage, g: None)
+    from .report import StageReporter
+
+    on_graph = StageReporter(options.get("on_graph"), options.get("debug_dir"))
     if find_device_mesh(example_inputs, gm) is None:
         # nothing is distributed: fxshard has nothing to do, Inductor compiles the program as is
         from torch._inductor.compile_fx import compile_fx
@@ -43,4 +50,5 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                               [program.input_layouts[n] for n in program.input_names],
                               inductor=options.get("inductor", True))
     on_graph("lower", sharded.local_graph)
+    on_graph.summarize(planned)
     return sharded

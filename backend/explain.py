@@ -4,17 +4,20 @@ Runs stages 1-3 only; needs a mesh shape, not a process group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
 from fxshard.layout import Layout
-from fxshard.mesh import MeshAxis, Size
+from fxshard.memory import MemoryReport, memory_report
+from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.pipeline import output_layouts, shard_graph
 from fxshard.placements import as_mesh_spec
 from fxshard.planner import CostModel
 from fxshard.printing import format_graph
+from fxshard.redistribute import redistribution_reason
+from fxshard.views import HINT, take_assumptions
 
 from .capture import capture, input_layouts_by_position
 from .trace import TracedProgram, trace_global
@@ -25,7 +28,12 @@ class Collective:
     kind: str
     axes: tuple[MeshAxis, ...]
     bytes_per_rank: Size
-    node: fx.Node
+    node: fx.Node  # the redistribution it belongs to
+
+    @property
+    def reason(self) -> str:
+        """Which consumer needed which layout of which producer."""
+        return redistribution_reason(self.node)
 
     def __str__(self) -> str:
         return f"{self.kind}({','.join(str(a) for a in self.axes)}) {self.bytes_per_rank} B/rank at %{self.node.name}"
@@ -38,10 +46,39 @@ class Explanation:
     input_layouts: dict[str, Layout]
     output_layouts: tuple[Layout, ...]
     collectives: list[Collective]
+    assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hint
 
     @property
     def bytes_per_rank(self) -> Size:
         return sum((c.bytes_per_rank for c in self.collectives), 0)
+
+    def bytes_by_axes(self) -> dict[str, Size]:
+        """Bytes received per rank, by the mesh axes (or flattened group) each collective runs on."""
+        out: dict[str, Size] = {}
+        for c in self.collectives:
+            key = ",".join(str(a) for a in c.axes)
+            out[key] = as_size(out.get(key, 0) + c.bytes_per_rank)
+        return out
+
+    @property
+    def memory(self) -> MemoryReport:
+        return memory_report(self.graph)
+
+    def report(self) -> str:
+        """Every collective with why it is there, totals per mesh axis, memory per rank."""
+        lines = [f"{c}: {c.reason}" for c in self.collectives] or ["no communication"]
+        lines += [f"total on {axes}: {b} B/rank" for axes, b in self.bytes_by_axes().items()]
+        lines.append(str(self.memory))
+        if self.assumptions:
+            lines.append("assuming " + "; ".join(self.assumptions) + f" (symbolic sizes cut as at {HINT})")
+        return "\n".join(lines)
+
+    def to_html(self, path: Any, title: str = "fxshard explanation") -> Any:
+        """Write one self-contained HTML page: graph (redistributions highlighted), communication
+        with reasons, totals per axis, memory. Returns the path."""
+        from .html_report import write_html
+
+        return write_html(self, path, title)
 
     def summary(self) -> str:
         if not self.collectives:
@@ -84,5 +121,7 @@ def explain(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] |
     """
     program = trace_function(fn, args, mesh, placements)
     traced = format_graph(program.gm)
+    take_assumptions()
     gm = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
-    return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm))
+    return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm),
+                       take_assumptions())

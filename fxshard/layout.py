@@ -226,6 +226,12 @@ class Layout:
     def __repr__(self) -> str:
         return f"Layout({self})"
 
+    def visualize(self) -> str:
+        """A text grid of which rank holds each element (fxshard/visualize.py)."""
+        from .visualize import visualize
+
+        return visualize(self)
+
     def _validate(self) -> None:
         axes = self.used_axes()
         for a in axes:

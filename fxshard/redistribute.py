@@ -1,7 +1,8 @@
 """Stage 3: insert a planned ``fxshard.redistribute`` wherever a consumer needs another layout.
 
 Layout pins (``fxshard.constrain``) have done their job once propagation honoured them and
-are removed here. The plan of every inserted node is in ``node.meta["plan"]``.
+are removed here. The plan of every inserted node is in ``node.meta["plan"]``, the consumers that need it in
+``node.meta["needed_by"]`` (as text; ``redistribution_reason`` says it in words).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
             key = (a, want)
             if key not in made:
                 made[key] = _redistribute_node(graph, a, have, want, cost_model)
+            made[key].meta["needed_by"].append(_consumer(node))
             return made[key]
 
         if node.op == "output":
@@ -54,5 +56,20 @@ def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, co
     plan = plan_redistribute(src, dst, dtype=val.dtype, cost_model=cost_model)
     with graph.inserting_after(x):
         node = graph.call_function(REDISTRIBUTE, (x, str(src), str(dst), list(val.shape)))
-    node.meta.update(val=val, layout=dst, src_layout=src, plan=plan)
+    node.meta.update(val=val, layout=dst, src_layout=src, plan=plan, needed_by=[])
     return node
+
+
+def redistribution_reason(node: fx.Node) -> str:
+    """Why stage 3 inserted this redistribution: which consumers need which layout of what."""
+    users = ", ".join(node.meta.get("needed_by", ())) or "the output"
+    return f"{users} needs %{node.args[0].name} as {node.meta['layout']}, it is {node.meta['src_layout']}"
+
+
+def _consumer(node: fx.Node) -> str:
+    if node.op == "output":
+        return "the output"
+    if node.target is CONSTRAIN:
+        return f"the layout pinned at %{node.name} (a DTensor parallel style or fxshard.constrain)"
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"%{node.name} ({name})"

@@ -12,8 +12,35 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import sympy
+
 from .layout import Layout, Piece, _merge_adjacent
-from .mesh import is_static
+from .mesh import Size, as_size, is_static
+
+HINT = 8  # the value a symbolic mesh size takes where a view's cut needs a number (as in planner._numeric)
+_assumed: set[str] = set()
+
+
+def take_assumptions() -> list[str]:
+    """The divisibility facts symbolic cuts assumed since the last call (and forget them)."""
+    out = sorted(_assumed)
+    _assumed.clear()
+    return out
+
+
+def _divides(a: Size, b: Size) -> bool:
+    """Whether ``a`` divides ``b``; for symbolic sizes, as proved by sympy, else as the hint says
+    (then recorded: the result holds for mesh sizes that make this division exact)."""
+    if is_static(a) and is_static(b):
+        return int(b) % int(a) == 0
+    q = sympy.simplify(sympy.sympify(b) / sympy.sympify(a))
+    if q.is_integer:
+        return True
+    at_hint = q.subs({s: HINT for s in q.free_symbols})
+    if at_hint.is_integer and at_hint > 0:
+        _assumed.add(f"{a} divides {b}")
+        return True
+    return False
 
 
 def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -65,7 +92,20 @@ def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Pie
                 break
             p = queue.pop(0)
             if not (is_static(p.size) and is_static(need)):
-                return None
+                if _divides(p.size, need):  # the whole piece fits in this dim
+                    cur.append(p)
+                    need = as_size(sympy.simplify(sympy.sympify(need) / p.size))
+                    continue
+                if not _divides(need, p.size):
+                    return None
+                if p.axis is None:  # cut inside p: its first ``need`` here, the rest to the next dims
+                    cur.append(Piece(need))
+                    queue.insert(0, Piece(as_size(sympy.simplify(sympy.sympify(p.size) / need))))
+                else:
+                    outer, inner = p.axis.split(need)
+                    cur.append(Piece(need, outer))
+                    queue.insert(0, Piece(inner.size, inner))
+                break
             g = math.gcd(int(p.size), int(need))
             if g == 1:
                 return None

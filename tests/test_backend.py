@@ -116,3 +116,39 @@ def test_traffic_of_the_lowered_program_is_what_explain_planned():
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     assert len(graphs) == 4 and kinds
     assert all(counts == kinds and nbytes == e.bytes_per_rank for counts, nbytes in per_rank), (per_rank, kinds)
+
+
+def test_stage_graphs_reach_debug_dir_and_torch_logs(tmp_path, capfd):
+    """backend option debug_dir writes every stage; TORCH_LOGS="+fxshard" (set_logs here) logs them
+    and a per-graph summary of communication and memory."""
+    import logging
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fxshard.backend.simulate import fake_world
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    torch._dynamo.reset()
+    torch._logging.set_logs(modules={"fxshard": logging.DEBUG})
+    try:
+        with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+            model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            compiled = torch.compile(model, backend="fxshard", options={"inductor": False, "debug_dir": str(tmp_path)})
+            with torch.no_grad():
+                compiled(torch.randn(4, 8))
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert [f.split("_", 2)[2] for f in files] == ["trace.txt", "plan.txt", "lower.txt"], files
+    assert "redistribute" in (tmp_path / files[1]).read_text() and "all_reduce" in (tmp_path / files[2]).read_text()
+    err = capfd.readouterr().err
+    assert "communication 1 x all_reduce(tp)" in err and "memory per rank" in err, err[-2000:]
+    assert "stage plan" in err and "stage lower" in err

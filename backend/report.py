@@ -1,0 +1,71 @@
+"""What the backend tells about each compiled graph: logs, structured traces, files.
+
+``TORCH_LOGS="fxshard"`` shows the INFO summary, ``"+fxshard"`` the DEBUG stage graphs (any
+logger under ``fxshard`` follows TORCH_LOGS, as a qualified module name).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import pathlib
+from typing import Callable
+
+import torch.fx as fx
+
+from fxshard.memory import memory_report
+from fxshard.printing import format_graph
+
+log = logging.getLogger("fxshard")
+_graph_ids = itertools.count()
+
+
+class StageReporter:
+    """Called as ``reporter(stage, gm)`` for each stage; passes it on to the user's ``on_graph``."""
+
+    def __init__(self, on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+                 debug_dir: str | pathlib.Path | None = None):
+        self.on_graph, self.graph_id = on_graph, next(_graph_ids)
+        self.debug_dir = pathlib.Path(debug_dir) if debug_dir is not None else None
+        self.stage_index = itertools.count()
+
+    def __call__(self, stage: str, gm: fx.GraphModule) -> None:
+        if self.on_graph is not None:
+            self.on_graph(stage, gm)
+        wants_text = self.debug_dir is not None or log.isEnabledFor(logging.DEBUG) or _tracing()
+        if not wants_text:
+            return
+        text = format_graph(gm)
+        log.debug("fxshard graph %d, stage %s:\n%s", self.graph_id, stage, text)
+        _trace(f"fxshard_{stage}", text)
+        if self.debug_dir is not None:
+            self.debug_dir.mkdir(parents=True, exist_ok=True)
+            path = self.debug_dir / f"graph{self.graph_id}_{next(self.stage_index)}_{stage}.txt"
+            path.write_text(text + "\n")
+
+    def summarize(self, planned: fx.GraphModule) -> None:
+        """One INFO line per compiled graph: its collectives and memory per rank."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        counts: dict[str, int] = {}
+        total = 0
+        for node in planned.graph.nodes:
+            plan = node.meta.get("plan")
+            for step in plan.collectives if plan is not None else ():
+                key = f"{step.kind}({','.join(str(a) for a in step.axes)})"
+                counts[key] = counts.get(key, 0) + 1
+                total = total + step.bytes_per_rank
+        comm = ", ".join(f"{n} x {k}" for k, n in counts.items()) or "none"
+        log.info("fxshard graph %d: communication %s; %s B received per rank; %s", self.graph_id, comm, total,
+                 memory_report(planned))
+
+
+def _tracing() -> bool:
+    from torch._logging._internal import trace_log
+
+    return trace_log.handlers != [] and trace_log.isEnabledFor(logging.DEBUG)
+
+
+def _trace(name: str, text: str) -> None:
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"}, payload_fn=lambda: text)
