@@ -5,6 +5,7 @@ from typing import Mapping
 
 import torch.fx as fx
 
+from .factories import shard_factories
 from .layout import Layout
 from .local_regions import check_local_regions
 from .mesh import MeshSpec
@@ -19,6 +20,7 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``)."""
     propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
                                                  pinned=pinned), gm, cost_model)
+    shard_factories(gm)
     check_local_regions(gm)
     return insert_redistributes(gm, cost_model=cost_model)
 

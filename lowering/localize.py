@@ -16,6 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxshard.layout import Layout
 from fxshard.mesh import Coordinate
+from fxshard.factories import ARANGES
 from fxshard.ops import REDISTRIBUTE
 
 aten = torch.ops.aten
@@ -27,6 +28,11 @@ SHAPE_ARGS: dict[Any, int] = {
     aten.reshape.default: 1,
     aten.expand.default: 1,
     REDISTRIBUTE: 3,
+    # constant factories given a sharded layout (fxshard/factories.py): the constant at the local shape
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.full.default: 0,
+    aten.empty.memory_format: 0,
 }
 
 
@@ -202,6 +208,16 @@ def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
     zeroed.meta.update(node.meta)
 
 
+def _localize_arange(node: fx.Node, layout: Layout, coordinate: Coordinate) -> None:
+    """arange(start, end, step) sharded in contiguous blocks: this rank's run of it."""
+    args = list(node.args)
+    start, step = (0, 1) if node.target is aten.arange.default else (args[0], args[2] if len(args) > 2 else 1)
+    idx = layout.local_indices(0, coordinate)
+    lo = int(idx[0]) if idx.numel() else 0
+    node.target = aten.arange.start_step
+    node.args = (start + lo * step, start + (lo + idx.numel()) * step, step)
+
+
 # ops whose index arguments depend on where this rank's block sits
 LOCAL_INDEX_ARGS = {
     aten.embedding.default: _localize_embedding,
@@ -229,6 +245,8 @@ def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
         elif node.target is aten.as_strided.default and isinstance(layout, Layout):  # a plain view (stage 2)
             node.target = aten.view.default
             node.args, node.kwargs = (node.args[0], [int(s) for s in layout.local_shape(coordinate)]), {}
+        elif node.target in ARANGES and isinstance(layout, Layout) and not layout.is_replicated:
+            _localize_arange(node, layout, coordinate)
         elif node.target in LOCAL_INDEX_ARGS and layout is not None:
             LOCAL_INDEX_ARGS[node.target](node, coordinate)
     local.recompile()

@@ -453,3 +453,38 @@ def test_advanced_indexing_is_local_where_the_indexed_dims_are(name):
     torch.testing.assert_close(fxshard.simulate(f, x, *indices, mesh=mesh, placements=placements), f(x, *indices))
     e = fxshard.explain(f, x, *indices, mesh=mesh, placements=placements, strict=True)
     assert len(e.collectives) == n_collectives, [str(c) for c in e.collectives]
+
+
+def _factories_case_constant(x):
+    return x * torch.full((8, 12), 3.0) + torch.zeros(8, 12)
+
+
+def _factories_case_arange(x):
+    return x + torch.arange(10, dtype=torch.float32) + torch.arange(2, 22, 2)
+
+
+@pytest.mark.parametrize("f, shape, placements", [
+    (_factories_case_constant, (8, 12), {0: (Shard(1),)}),
+    (_factories_case_constant, (8, 12), {0: (Shard(0),)}),
+    (_factories_case_arange, (3, 10), {0: (Shard(1),)}),  # uneven: 3, 3, 3, 1 per rank
+])
+def test_factories_are_built_at_their_local_size(f, shape, placements):
+    """A factory whose consumers all want it sharded is built as this rank's block: the local program
+    has no slice of a whole factory, and every rank's block is right."""
+    from fxshard.backend.simulate import fake_world, lowered_graphs
+
+    x = torch.randn(shape)
+    mesh = fxshard.MeshSpec(tp=4)
+    torch.testing.assert_close(fxshard.simulate(f, x, mesh=mesh, placements=placements), f(x))
+    e = fxshard.explain(f, x, mesh=mesh, placements=placements)
+    factories = [n for n in e.graph.graph.nodes if n.op == "call_function" and n.target in (
+        torch.ops.aten.full.default, torch.ops.aten.zeros.default, torch.ops.aten.arange.default,
+        torch.ops.aten.arange.start_step)]
+    x_layout = e.input_layouts["arg0"]
+    assert factories and all(n.meta["layout"] == x_layout if n.meta["val"].dim() == 2
+                             else not n.meta["layout"].is_replicated for n in factories)
+    assert not [n for n in e.graph.graph.nodes if n.target is fxshard.ops.REDISTRIBUTE]
+    with fake_world(mesh) as device_mesh:
+        local = lowered_graphs(f, x, device_mesh=device_mesh, placements=placements)[(3,)]
+    sizes = [n.meta["val"].numel() for n in local.graph.nodes if n.op == "call_function"]
+    assert max(sizes) < x.numel()  # nothing whole is built on rank 3

@@ -1,0 +1,68 @@
+"""Factories made at their local size where every consumer wants them sharded.
+
+Propagation gives a factory (``zeros``, ``ones``, ``full``, ``empty``, ``arange``: no tensor
+inputs) the replicated layout, and a consumer that needs it sharded slices its block out: no
+communication, but every rank builds the whole tensor first. When all consumers want the same
+layout, the factory takes that layout instead and stage 4 builds just the block: a constant's
+block is the constant at the local shape, an ``arange``'s block is an ``arange`` over the rank's
+contiguous index range (other arange layouts, and float ranges, stay replicated).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .layout import Layout
+from .local_regions import LOCAL_REGION
+
+aten = torch.ops.aten
+
+CONSTANT_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
+ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+
+def _wanted(node: fx.Node) -> set[Layout]:
+    """The layouts the consumers of ``node`` require of it."""
+    wanted = set()
+    for user in node.users:
+        required = user.meta.get("arg_layouts")
+        if required is None:
+            return {None}  # a consumer without a layout (not propagated): leave the factory alone
+        args = [a for a in pytree.tree_leaves((user.args, user.kwargs) if user.op != "output" else user.args)
+                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
+        wanted.update(want for a, want in zip(args, required) if a is node)
+    return wanted
+
+
+def contiguous_blocks(layout: Layout) -> bool:
+    """Whether every rank holds one contiguous run of a 1-D layout's indices."""
+    if layout.ndim != 1 or not layout.mesh.is_static or not isinstance(layout.shape[0], int):
+        return False
+    for coord in layout.mesh.coordinates():
+        idx = layout.local_indices(0, coord)
+        if idx.numel() > 1 and not bool((idx[1:] - idx[:-1] == 1).all()):
+            return False
+    return True
+
+
+def shard_factories(gm: fx.GraphModule) -> int:
+    """Give replicated factories their consumers' common sharded layout (in place); how many changed."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in CONSTANT_FACTORIES | ARANGES:
+            continue
+        have = node.meta.get("layout")
+        if LOCAL_REGION in node.meta or not isinstance(have, Layout) or not have.is_replicated or not node.users:
+            continue
+        wanted = _wanted(node)
+        if len(wanted) != 1:
+            continue
+        (want,) = wanted
+        if not isinstance(want, Layout) or want == have or want.partial or want.shape != have.shape:
+            continue
+        if node.target in ARANGES and not (contiguous_blocks(want) and all(type(a) is int for a in node.args)):
+            continue  # float ranges: a local arange might round its length differently
+        node.meta["layout"] = want
+        changed += 1
+    return changed
