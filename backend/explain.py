@@ -17,7 +17,8 @@ from fxshard.placements import as_mesh_spec
 from fxshard.planner import CostModel
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
-from fxshard.views import HINT, take_assumptions
+from fxshard.hints import describe, size_hints
+from fxshard.views import take_assumptions
 
 from .capture import capture, input_layouts_by_position
 from .trace import TracedProgram, trace_global
@@ -46,7 +47,8 @@ class Explanation:
     input_layouts: dict[str, Layout]
     output_layouts: tuple[Layout, ...]
     collectives: list[Collective]
-    assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hint
+    assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hints
+    hints: str = ""  # the symbol values decisions used (fxshard/hints.py)
 
     @property
     def bytes_per_rank(self) -> Size:
@@ -70,7 +72,7 @@ class Explanation:
         lines += [f"total on {axes}: {b} B/rank" for axes, b in self.bytes_by_axes().items()]
         lines.append(str(self.memory))
         if self.assumptions:
-            lines.append("assuming " + "; ".join(self.assumptions) + f" (symbolic sizes cut as at {HINT})")
+            lines.append("assuming " + "; ".join(self.assumptions) + f" (taken from the hints: {self.hints})")
         return "\n".join(lines)
 
     def to_html(self, path: Any, title: str = "fxshard explanation") -> Any:
@@ -113,15 +115,18 @@ def trace_function(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any
 
 
 def explain(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
-            strict: bool = False, cost_model: CostModel | None = None) -> Explanation:
+            strict: bool = False, cost_model: CostModel | None = None,
+            hints: Mapping[str, int] | None = None) -> Explanation:
     """Shard ``fn(*args)`` over ``mesh`` (a MeshSpec, DeviceMesh or {axis: size}) and explain the result.
 
     ``placements`` maps an argument index or a parameter/buffer name to DTensor placements or a
-    Layout; DTensor arguments bring their own; everything else is replicated.
+    Layout; DTensor arguments bring their own; everything else is replicated. ``hints`` gives
+    symbolic mesh sizes a number where a decision needs one (default 8; fxshard/hints.py).
     """
     program = trace_function(fn, args, mesh, placements)
     traced = format_graph(program.gm)
-    take_assumptions()
-    gm = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
-    return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm),
-                       take_assumptions())
+    with size_hints(hints):
+        take_assumptions()
+        gm = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
+        return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm),
+                           take_assumptions(), describe())

@@ -152,11 +152,12 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 def _numeric(x: Size) -> float:
-    """A float for ranking costs; symbolic sizes are evaluated with every symbol set to 8."""
+    """A float for ranking costs; symbolic sizes are evaluated at their hints (fxshard/hints.py)."""
     if isinstance(x, (int, float)):
         return float(x)
-    expr = sympy.sympify(x)
-    return float(expr.subs({s: 8 for s in expr.free_symbols}))
+    from .hints import at_hints
+
+    return float(at_hints(x))
 
 
 def collective_bytes(kind: str, n: Size, local_bytes: Size) -> Size:

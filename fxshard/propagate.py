@@ -23,6 +23,7 @@ from .mesh import MeshSpec
 from .ops import CONSTRAIN
 from .placements import layout_from_placements, placements_from_str
 from .planner import CostModel, redistribute_cost
+from .hints import at_hints
 from .refine import is_pinned
 from .rules import LIKE_OPS, NEW_OPS, VIEW_OPS, Signature, signature_of
 from .slicing import CONCAT_RULES, SLICE_RULES
@@ -143,7 +144,7 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
 def _numeric_size(shape: Sequence[Any]) -> float:
     n = 1.0
     for s in shape:
-        n *= float(s) if isinstance(s, int) else 8.0
+        n *= float(s) if isinstance(s, int) else float(at_hints(s))
     return n
 
 

@@ -15,9 +15,9 @@ from typing import Sequence
 import sympy
 
 from .layout import Layout, Piece, _merge_adjacent
+from .hints import at_hints
 from .mesh import Size, as_size, is_static
 
-HINT = 8  # the value a symbolic mesh size takes where a view's cut needs a number (as in planner._numeric)
 _assumed: set[str] = set()
 
 
@@ -36,7 +36,7 @@ def _divides(a: Size, b: Size) -> bool:
     q = sympy.simplify(sympy.sympify(b) / sympy.sympify(a))
     if q.is_integer:
         return True
-    at_hint = q.subs({s: HINT for s in q.free_symbols})
+    at_hint = at_hints(q)
     if at_hint.is_integer and at_hint > 0:
         _assumed.add(f"{a} divides {b}")
         return True
@@ -96,15 +96,12 @@ def split_pieces(pieces: Sequence[Piece], sizes: Sequence[int]) -> list[list[Pie
                     cur.append(p)
                     need = as_size(sympy.simplify(sympy.sympify(need) / p.size))
                     continue
-                if not _divides(need, p.size):
+                # cut inside a local p: its first ``need`` here, the rest to the next dims (a cut
+                # inside a symbolic mesh axis would need sub-axes sympy cannot keep apart: gathered)
+                if p.axis is not None or not _divides(need, p.size):
                     return None
-                if p.axis is None:  # cut inside p: its first ``need`` here, the rest to the next dims
-                    cur.append(Piece(need))
-                    queue.insert(0, Piece(as_size(sympy.simplify(sympy.sympify(p.size) / need))))
-                else:
-                    outer, inner = p.axis.split(need)
-                    cur.append(Piece(need, outer))
-                    queue.insert(0, Piece(inner.size, inner))
+                cur.append(Piece(need))
+                queue.insert(0, Piece(as_size(sympy.simplify(sympy.sympify(p.size) / need))))
                 break
             g = math.gcd(int(p.size), int(need))
             if g == 1:

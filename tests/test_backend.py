@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 
 import pytest
@@ -152,3 +153,28 @@ def test_stage_graphs_reach_debug_dir_and_torch_logs(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "communication 1 x all_reduce(tp)" in err and "memory per rank" in err, err[-2000:]
     assert "stage plan" in err and "stage lower" in err
+
+
+TRACE_SCRIPT = """
+import torch, fxshard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from fxshard.backend.simulate import fake_world
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+with fake_world(fxshard.MeshSpec(tp=2)) as mesh:
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with torch.no_grad():
+        torch.compile(model, backend="fxshard", options={"inductor": False})(torch.randn(4, 8))
+"""
+
+
+def test_torch_trace_gets_every_stage_as_an_artifact(tmp_path):
+    """TORCH_TRACE (what tlparse reads) receives fxshard_trace, fxshard_plan and fxshard_lower."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TORCH_TRACE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, check=True, timeout=180, capture_output=True)
+    logs = "".join(p.read_text() for p in tmp_path.iterdir())
+    for stage in ("trace", "plan", "lower"):
+        assert f'"name": "fxshard_{stage}"' in logs, stage

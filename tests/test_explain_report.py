@@ -71,6 +71,9 @@ def test_communication_and_memory_as_functions_of_the_number_of_ranks():
                "peak": symbolic.memory.peak_activations}
     assert all(sympy.sympify(v).free_symbols == {tp} for v in figures.values()), figures
     assert f"tp divides {CFG.n_heads}" in symbolic.assumptions and "assuming" in symbolic.report()
+    sharded = sum(p.numel() for n, p in model.named_parameters() if n in megatron(model))
+    replicated = sum(p.numel() for n, p in model.named_parameters() if n not in megatron(model))
+    assert sympy.simplify(figures["inputs"] - (4 * sharded / tp + 4 * replicated + 8 * x.numel())) == 0
     for n in (2, 4, 8):
         concrete = fxshard.explain(model, x, mesh=fxshard.MeshSpec(tp=n), placements=megatron(model))
         assert concrete.assumptions == []
@@ -150,3 +153,29 @@ def html_escape(text: str) -> str:
     import html
 
     return html.escape(text)
+
+
+def test_golden_mlp_report(fake_mesh_4, make_mlp):
+    """Megatron MLP on 4 ranks: the one all-reduce and why, the totals, the memory. Read when it changes."""
+    from expecttest import assert_expected_inline
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = parallelize_module(make_mlp(), fake_mesh_4, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    e = fxshard.explain(model, torch.randn(2, 8), mesh=fake_mesh_4)
+    assert_expected_inline(e.report(), """\
+all_reduce(tp) 96 B/rank at %redistribute_default_1: the layout pinned at %constrain_2 (a DTensor parallel style or fxshard.constrain) needs %addmm_1 as [2] [8], it is [2] [8] P(sum@tp)
+total on tp: 96 B/rank
+memory per rank: inputs 368 B (5 tensors), peak activations 128 B""")
+
+
+def test_hints_decide_what_a_symbolic_size_cannot():
+    """tp symbolic: whether tp divides the 8 heads is unknowable; at the default hint (8) it does and
+    heads stay sharded, at a hint of 32 it does not and q, k, v are gathered for attention."""
+    model = Llama(CFG).eval()
+    x = torch.randint(0, CFG.vocab_size, (2, 16))
+    mesh = fxshard.MeshSpec({"tp": sympy.Symbol("tp", integer=True, positive=True)})
+    default = fxshard.explain(model, x, mesh=mesh, placements=megatron(model))
+    large = fxshard.explain(model, x, mesh=mesh, placements=megatron(model), hints={"tp": 32})
+    assert {c.kind for c in default.collectives} == {"all_reduce"} and "tp divides 8" in default.assumptions
+    assert "all_gather" in {c.kind for c in large.collectives} and "tp divides 8" not in large.assumptions
+    assert "tp=32" in large.report() or not large.assumptions
