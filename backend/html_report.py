@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from fxshard.layout import Layout
 from fxshard.ops import REDISTRIBUTE
 from fxshard.printing import format_graph
 
@@ -38,7 +39,9 @@ def _graph_rows(gm: fx.GraphModule) -> list[str]:
     rows = []
     for node, line in zip(nodes, lines):
         cls = "redistribute" if node.target is REDISTRIBUTE else "input" if node.op == "placeholder" else ""
-        rows.append(_row([f"<pre>{html.escape(line)}</pre>"], cls))
+        layout = node.meta.get("layout")
+        local = "[" + ", ".join(str(s) for s in layout.max_local_shape()) + "]" if isinstance(layout, Layout) else ""
+        rows.append(_row([f"<pre>{html.escape(line)}</pre>", f"<pre>{html.escape(local)}</pre>"], cls))
     return rows
 
 
@@ -63,7 +66,8 @@ def render(e: "Explanation", title: str = "fxshard explanation") -> str:
         "".join(totals) or _row(["none", "0"]), "</table>",
         "<h2>Memory per rank</h2><table><tr><th>value</th><th>bytes</th></tr>", "".join(mem), "</table>",
         "<h2>Sharded graph</h2><p>one row per node: shape, layout, op; redistributions highlighted</p>",
-        "<table>", "".join(_graph_rows(e.graph)), "</table></body></html>",
+        "<table><tr><th>node: global shape, layout = op</th><th>local shape (largest block)</th></tr>",
+        "".join(_graph_rows(e.graph)), "</table></body></html>",
     ]
     return "\n".join(parts)
 

@@ -13,21 +13,10 @@ from torch.distributed.tensor import Shard
 import fxshard
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from models.llama import Llama, LlamaConfig  # noqa: E402
+from models.llama import Llama, LlamaConfig, megatron_placements  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=128)
-COLUMN = ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "output")
-ROW = ("wo", "w2")
-
-
-def megatron(model: Llama) -> dict:
-    out = {}
-    for name, _ in model.named_parameters():
-        if any(k in name for k in COLUMN):
-            out[name] = (Shard(0),)
-        elif any(k in name for k in ROW):
-            out[name] = (Shard(1),)
-    return out
+megatron = megatron_placements
 
 
 def test_every_redistribution_says_who_needed_what():

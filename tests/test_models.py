@@ -21,11 +21,11 @@ from fxshard.backend.simulate import fake_world
 from fxshard.propagate import UnsupportedOpError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from models.llama import Llama, LlamaConfig, tensor_parallel_plan  # noqa: E402
+from models.llama import (  # noqa: E402
+    COLUMN_PARALLEL, ROW_PARALLEL, Llama, LlamaConfig, megatron_placements, tensor_parallel_plan)
 
 CFG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=256)
-COLUMN = ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "output")
-ROW = ("wo", "w2")
+COLUMN, ROW = COLUMN_PARALLEL, ROW_PARALLEL
 
 
 def fresh_model(cfg: LlamaConfig = CFG) -> Llama:
@@ -74,26 +74,16 @@ def test_llama_tensor_and_sequence_parallel(world):
     assert counts(e) == {"all_gather": 2 * CFG.n_layers + 1, "reduce_scatter": 2 * CFG.n_layers + 1}
 
 
-def placements_tp(model: Llama) -> dict:
-    out = {}
-    for name, _ in model.named_parameters():
-        if any(k in name for k in COLUMN):
-            out[name] = (Shard(0),)
-        elif any(k in name for k in ROW):
-            out[name] = (Shard(1),)
-    return out
-
-
 @pytest.mark.parametrize("world", [4, 8])
 def test_vocab_parallel_loss_moves_no_tokens_by_vocab_tensor(world):
     """Embedding and output vocab-sharded: masked lookups and a sharded log-softmax, never the logits."""
     model = fresh_model()
     x, y = tokens(2, 16), tokens(2, 16)
     mesh = fxshard.MeshSpec(tp=world)
-    out = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements_tp(model))
+    out = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=megatron_placements(model))
     with torch.no_grad():
         torch.testing.assert_close(out, model.loss(x, y), rtol=1e-4, atol=1e-5)
-    e = fxshard.explain(model.loss, x, y, mesh=mesh, placements=placements_tp(model))
+    e = fxshard.explain(model.loss, x, y, mesh=mesh, placements=megatron_placements(model))
     logits_sized = [c for c in e.collectives if c.node.meta["val"].numel() >= x.numel() * CFG.vocab_size]
     assert not logits_sized, [str(c) for c in logits_sized]
 

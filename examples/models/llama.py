@@ -156,6 +156,24 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "output")
+ROW_PARALLEL = ("wo", "w2")
+
+
+def megatron_placements(model: Llama) -> dict:
+    """Megatron as parameter placements on a 1-D mesh (for ``explain``/``simulate``'s ``placements=``):
+    column-parallel weights Shard(0), row-parallel Shard(1), norms replicated."""
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    for name, _ in model.named_parameters():
+        if any(k in name for k in COLUMN_PARALLEL):
+            out[name] = (Shard(0),)
+        elif any(k in name for k in ROW_PARALLEL):
+            out[name] = (Shard(1),)
+    return out
+
+
 def tensor_parallel_plan(model: Llama, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
     """The Megatron plan for ``parallelize_module(model, tp_mesh, plan)`` (torchtitan's, in global shapes).
 
