@@ -4,8 +4,9 @@
     python examples/llama_tp.py --tp-only    # tensor parallel without sequence parallelism
 
 The model (examples/models/llama.py) is written in global shapes; ``parallelize_module`` with
-torchtitan's plan says how its weights and activations are sharded. fxshard plans the
-communication and Inductor compiles each rank's program. Prints the collectives per layer
+torchtitan's plan says how its weights and activations are sharded. A single-device run writes
+the checkpoint; each rank builds the model on the meta device and reads only its shards of it
+(``fxshard.load_sharded``). fxshard plans the communication and Inductor compiles each rank's program. Prints the collectives per layer
 (TP+SP: 2 all_gather + 2 reduce_scatter), tokens/s, and the error against one device.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -32,17 +34,38 @@ def collectives_of(gm: torch.fx.GraphModule) -> list[str]:
             and not n.target.__name__.startswith("wait_tensor")]
 
 
+def write_checkpoint(path: str, config: LlamaConfig = CONFIG) -> None:
+    """The single-device model's weights (seed 0), as one torch.save state dict."""
+    torch.manual_seed(0)
+    torch.save(Llama(config).state_dict(), path)
+
+
 def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool = True,
-        config: LlamaConfig = CONFIG, batch: int = 2, seq: int = 64, steps: int = 5) -> dict:
-    """Compile and run the sharded Llama on this rank; returns what it measured."""
+        config: LlamaConfig = CONFIG, batch: int = 2, seq: int = 64, steps: int = 5,
+        checkpoint: str | None = None) -> dict:
+    """Compile and run the sharded Llama on this rank; returns what it measured.
+
+    With ``checkpoint`` the sharded model is built on the meta device and each rank reads only its
+    shard of every weight from it (``fxshard.load_sharded``); the single-device reference loads it whole.
+    """
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)  # same weights and tokens on every rank
     model = Llama(config).eval().to(device)
     tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    if checkpoint is not None:
+        model.load_state_dict(torch.load(checkpoint, weights_only=True))
     with torch.no_grad():
         expected = model(tokens)
 
-    parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
+    if checkpoint is not None:
+        import fxshard
+
+        with torch.device("meta"):
+            model = Llama(config).eval()
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
+        fxshard.load_sharded(model, checkpoint, mesh)  # the placements parallelize_module gave
+    else:
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
     graphs: dict = {}
     compiled = torch.compile(model, backend="fxshard",
                              options={"on_graph": lambda stage, gm: graphs.__setitem__(stage, gm)})
@@ -88,7 +111,11 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "4")), sequence_parallel=sequence_parallel)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = os.path.join(tmp, "llama.pt")
+        write_checkpoint(checkpoint)  # the single-device run's weights; each rank reads only its shards
+        results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "4")), sequence_parallel=sequence_parallel,
+                        checkpoint=checkpoint)
     worst = max(r["error"] for r in results.values())
     print(f"all ranks ok; worst error {worst:.2e}")
     sys.exit(0 if worst <= 1e-4 else 1)

@@ -3,12 +3,13 @@ from typing import Any
 
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshAxis, MeshSpec
+from .load import ShardPlan, load_sharded, register_transform
 from .lower_bound import lower_bound_bytes
 from .ops import constrain
 from .planner import CostModel, Plan, Step, plan_redistribute
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "constrain", "explain",
-           "lower_bound_bytes", "plan_redistribute", "simulate", "simulate_plan"]
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "constrain", "explain",
+           "load_sharded", "lower_bound_bytes", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
 
 
 def __getattr__(name: str) -> Any:

@@ -168,13 +168,16 @@ with fake_world(fxshard.MeshSpec(tp=2)) as mesh:
 """
 
 
-def test_torch_trace_gets_every_stage_as_an_artifact(tmp_path):
-    """TORCH_TRACE (what tlparse reads) receives fxshard_trace, fxshard_plan and fxshard_lower."""
+def test_torch_logs_and_torch_trace_from_the_environment(tmp_path):
+    """TORCH_LOGS="+fxshard" prints the summary and every stage; TORCH_TRACE (what tlparse reads)
+    receives fxshard_trace, fxshard_plan and fxshard_lower as artifacts."""
     import os
     import subprocess
 
-    env = {**os.environ, "TORCH_TRACE": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, check=True, timeout=180, capture_output=True)
+    env = {**os.environ, "TORCH_TRACE": str(tmp_path), "TORCH_LOGS": "+fxshard"}
+    run = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, check=True, timeout=180,
+                         capture_output=True, text=True)
+    assert "communication 1 x all_reduce(tp)" in run.stderr and "stage lower" in run.stderr, run.stderr[-2000:]
     logs = "".join(p.read_text() for p in tmp_path.iterdir())
     for stage in ("trace", "plan", "lower"):
         assert f'"name": "fxshard_{stage}"' in logs, stage

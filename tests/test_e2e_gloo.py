@@ -47,10 +47,16 @@ def llama_tp():
     (False, ["all_reduce"] * 3),  # after attention, after the FFN, and the vocab-parallel embedding
     (True, ["reduce_scatter_tensor", "all_gather_into_tensor"] * 3),
 ], ids=["tp", "tp+sp"])
-def test_llama_on_two_gloo_ranks(llama_tp, sequence_parallel, expected):
+def test_llama_on_two_gloo_ranks(llama_tp, sequence_parallel, expected, tmp_path):
+    """TP+SP loads its weights with fxshard.load_sharded from the single-device run's checkpoint
+    (each rank reads its shards; the model was built on the meta device)."""
     module, config = llama_tp
+    checkpoint = None
+    if sequence_parallel:
+        checkpoint = str(tmp_path / "llama.pt")
+        module.write_checkpoint(checkpoint, config)
     results = module.spawn(world_size=2, timeout=300.0, sequence_parallel=sequence_parallel, config=config,
-                           batch=2, seq=16, steps=1)
+                           batch=2, seq=16, steps=1, checkpoint=checkpoint)
     for rank, r in sorted(results.items()):
         assert r["error"] <= 1e-4, f"rank {rank}: max abs error {r['error']:.2e} vs the single-device Llama"
         assert sorted(r["collectives"]) == sorted(expected), f"rank {rank}: {r['collectives']}"

@@ -1,0 +1,435 @@
+"""Load-time sharding: each rank reads only its own shard of every tensor of a checkpoint.
+
+A parameter's layout says which indices of each dim a rank holds (``Layout.local_indices``);
+those indices are a few contiguous runs per dim (one for ``Shard``, several for a strided
+fused QKV ``[3 · tp · h/tp]``). The reader slices exactly those runs out of the checkpoint:
+positioned reads of a safetensors file straight into the block's memory, or a
+``torch.load(mmap=True)`` state dict whose pages are touched only where indexed. Nothing is communicated and no rank materializes a full tensor.
+
+A ``ShardPlan`` maps parameter-name patterns to placements and named transforms; it never
+mentions the number of ranks, so one plan (saved as JSON) loads on any mesh.
+"""
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from .layout import Layout, LayoutError
+from .mesh import Coordinate
+from .placements import as_mesh_spec, layout_from_placements, placements_from_str, placements_to_str
+
+
+class LoadError(ValueError):
+    """A checkpoint that does not fit the module or the plan; names the parameter."""
+
+
+# ---- transforms: applied to a rank's block after reading, registered by name -----------------------
+TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def register_transform(name: str, fn: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """Register ``fn(local_block) -> local_block`` under ``name`` (usable as a decorator)."""
+    def add(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        TRANSFORMS[name] = f
+        return f
+    return add(fn) if fn is not None else add
+
+
+for _dtype in ("float32", "float16", "bfloat16"):
+    register_transform(_dtype, lambda t, d=getattr(torch, _dtype): t.to(d))
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """A parameter stored as a part of a fused checkpoint tensor: ``name``'s indices
+    [offset, offset + size) along ``dim`` (size: the parameter's own). Grouped-query q, k, v in one
+    ``wqkv`` (q with more heads than k and v) or gate|up load as separate parameters, each part
+    sharded on its own, so every rank reads only its heads of each part."""
+
+    name: str
+    dim: int = 0
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    placements: tuple[Placement, ...]
+    transforms: tuple[str, ...] = ()
+    source: Source | None = None
+
+@dataclass
+class PlanEntry:
+    pattern: str  # fnmatch pattern on parameter names
+    placements: tuple[Placement, ...] | None = None  # None: the module's own (DTensor) placements
+    transforms: tuple[str, ...] = ()
+    source: Source | None = None  # read from a part of another checkpoint tensor (a fused one)
+
+
+@dataclass
+class ShardPlan:
+    """Parameter-name patterns -> placements and transforms; the first matching entry wins."""
+
+    entries: list[PlanEntry] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Any] | "ShardPlan" | None) -> "ShardPlan":
+        """From ``{pattern: placements | {"placements": ..., "transforms": [...]}}``."""
+        if mapping is None:
+            return cls()
+        if isinstance(mapping, ShardPlan):
+            return mapping
+        entries = []
+        for pattern, spec in mapping.items():
+            if isinstance(spec, Mapping):
+                placements = spec.get("placements")
+                source = spec.get("source")
+                if isinstance(source, Mapping):
+                    source = Source(**source)
+                entries.append(PlanEntry(pattern, _placements(placements) if placements is not None else None,
+                                         tuple(spec.get("transforms", ())), source))
+            else:
+                entries.append(PlanEntry(pattern, _placements(spec)))
+        return cls(entries)
+
+    def lookup(self, name: str) -> PlanEntry | None:
+        return next((e for e in self.entries if fnmatch.fnmatchcase(name, e.pattern)), None)
+
+    def to_json(self) -> str:
+        def entry(e: PlanEntry) -> dict:
+            out: dict = {"placements": placements_to_str(e.placements) if e.placements is not None else None,
+                         "transforms": list(e.transforms)}
+            if e.source is not None:
+                out["source"] = {"name": e.source.name, "dim": e.source.dim, "offset": e.source.offset}
+            return out
+        return json.dumps({e.pattern: entry(e) for e in self.entries}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardPlan":
+        return cls.of(json.loads(text))
+
+
+def _placements(spec: Any) -> tuple[Placement, ...]:
+    if isinstance(spec, str):
+        return placements_from_str(spec)
+    if isinstance(spec, Placement):
+        return (spec,)
+    return tuple(spec)
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+class Checkpoint:
+    """Tensors by name, each readable in pieces: safetensors file(s) or a torch.save state dict."""
+
+    def __init__(self, source: str | pathlib.Path | Mapping[str, torch.Tensor]):
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, Any] = {}
+        self.bytes_read = 0
+        if isinstance(source, Mapping):
+            self._tensors = dict(source)
+            return
+        path = pathlib.Path(source)
+        self._tensors = {}
+        if path.is_dir():
+            index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
+            if index is not None:
+                for name, file in json.loads(index.read_text())["weight_map"].items():
+                    self._where[name] = path / file
+            else:
+                for file in sorted(path.glob("*.safetensors")):
+                    self._add_safetensors(file)
+            if not self._where:
+                raise LoadError(f"{path} holds no safetensors files (and no *.safetensors.index.json)")
+        elif path.suffix == ".safetensors":
+            self._add_safetensors(path)
+        else:
+            state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            if not isinstance(state, Mapping):
+                raise LoadError(f"{path} is not a state dict (a torch.save of {type(state).__name__})")
+            self._tensors = dict(state)
+
+    def _add_safetensors(self, file: pathlib.Path) -> None:
+        for name in self._open(file).names():
+            self._where[name] = file
+
+    def _open(self, file: pathlib.Path) -> "_SafetensorsFile":
+        if file not in self._files:
+            self._files[file] = _SafetensorsFile(file)
+        return self._files[file]
+
+    def keys(self) -> list[str]:
+        return sorted(set(self._tensors) | set(self._where))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._tensors:
+            return tuple(self._tensors[name].shape)
+        return self._open(self._where[name]).shape(name)
+
+    def read(self, name: str, runs: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+        """The block of ``name`` made of the index runs ``[(start, stop), ...]`` of each dim, in order."""
+        if name in self._tensors:
+            block = _read_runs(self._tensors[name], list(runs))
+            self.bytes_read += block.numel() * block.element_size()
+        else:
+            file = self._open(self._where[name])
+            before = file.bytes_read
+            block = file.read(name, list(runs))
+            self.bytes_read += file.bytes_read - before  # what actually came from the file
+        return block
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _SafetensorsFile:
+    """A .safetensors file read with plain positioned reads into the block's own memory.
+
+    The format is an 8-byte header length, a JSON header (dtype, shape, byte offsets per tensor)
+    and the raw row-major data. Reading through a memory map would leave every touched page of the
+    file resident in the process as well as the copy; reading into the block costs only the block.
+    """
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        self.data_start = 8 + n
+        self.bytes_read = 0  # tensor data read so far (the header not counted)
+        header.pop("__metadata__", None)
+        self.header = header
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str, runs: list[Sequence[tuple[int, int]]]) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise LoadError(f"{name}: safetensors dtype {info['dtype']} is not supported")
+        shape = tuple(info["shape"])
+        local = [sum(b - a for a, b in r) for r in runs]
+        out = torch.empty(local, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        itemsize = out.element_size()
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * shape[d + 1]
+        k = len(shape) - 1  # the last dim that is not read whole: below it every read is contiguous
+        while k > 0 and list(runs[k]) == [(0, shape[k])]:
+            k -= 1
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        base_offset = self.data_start + info["data_offsets"][0]
+        pos = 0
+        outer = [[i for a, b in runs[d] for i in range(a, b)] for d in range(k)]
+        with open(self.path, "rb", buffering=0) as f:
+            for index in itertools.product(*outer):
+                base = sum(i * stride[d] for d, i in enumerate(index))
+                for a, b in (runs[k] if shape else [(0, 1)]):
+                    start = (base + a * (stride[k] if shape else 1)) * itemsize
+                    n = (b - a) * (stride[k] if shape else 1) * itemsize
+                    f.seek(base_offset + start)
+                    if f.readinto(buffer[pos:pos + n]) != n:
+                        raise LoadError(f"{name}: {self.path} ends early")
+                    pos += n
+                    self.bytes_read += n
+        return out
+
+
+def _read_runs(source: Any, runs: list[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    multi = next((d for d, r in enumerate(runs) if len(r) != 1), None)
+    if multi is None:
+        index = tuple(slice(a, b) for (a, b), in runs)
+        return source[index].clone() if isinstance(source, torch.Tensor) else source[index]
+    parts = [_read_runs(source, runs[:multi] + [[run]] + runs[multi + 1:]) for run in runs[multi]]
+    return torch.cat(parts, dim=multi)
+
+
+def index_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Increasing contiguous runs of ``indices`` as [start, stop) pairs, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in indices.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs or [(0, 0)]
+
+
+# ---- per-rank blocks --------------------------------------------------------------------------------
+def local_block(checkpoint: Checkpoint, name: str, layout: Layout, coordinate: Coordinate,
+                offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """This rank's block of tensor ``name`` under ``layout``, read run by run (the layout's indices
+    along dim ``offset[0]`` shifted by ``offset[1]``: a part of a fused tensor)."""
+    runs = [index_runs(layout.local_indices(d, coordinate)) if layout.dim_is_sharded(d) else [(0, int(layout.shape[d]))]
+            for d in range(layout.ndim)]
+    dim, shift = offset
+    if shift:
+        runs[dim] = [(a + shift, b + shift) for a, b in runs[dim]]
+    return checkpoint.read(name, runs)
+
+
+def read_shards(checkpoint: Checkpoint | str | pathlib.Path | Mapping[str, torch.Tensor],
+                specs: Mapping[str, TensorSpec | tuple], mesh: Any, coordinate: Coordinate,
+                expected_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+    """{name: this rank's block} for every name in ``specs`` ({name: TensorSpec or (placements, transforms)}).
+
+    Everything is checked before anything is returned: missing keys, shapes, placements that do
+    not fit the mesh, transform names, parts that do not fit their fused tensor.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    specs = {n: v if isinstance(v, TensorSpec) else TensorSpec(tuple(v[0]), tuple(v[1])) for n, v in specs.items()}
+    spec = as_mesh_spec(mesh)
+    available = set(ckpt.keys())
+    missing = sorted({t.source.name if t.source else n for n, t in specs.items()} - available)
+    if missing:
+        raise LoadError(f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    layouts: dict[str, Layout] = {}
+    for name, t in specs.items():
+        shape = _checked_shape(ckpt, name, t, expected_shapes)
+        unknown = [x for x in t.transforms if x not in TRANSFORMS]
+        if unknown:
+            raise LoadError(f"{name}: transform {unknown[0]!r} is not registered "
+                            f"(fxshard.load.register_transform); known: {sorted(TRANSFORMS)}")
+        try:
+            layouts[name] = layout_from_placements(spec, shape, t.placements)
+        except (LayoutError, IndexError, ValueError) as e:
+            raise LoadError(f"{name}: placements {placements_to_str(t.placements)} do not fit shape {list(shape)} on "
+                            f"{spec}: {e}") from e
+    out = {}
+    for name, t in specs.items():
+        offset = (t.source.dim, t.source.offset) if t.source else (0, 0)
+        block = local_block(ckpt, t.source.name if t.source else name, layouts[name], coordinate, offset)
+        for x in t.transforms:
+            block = TRANSFORMS[x](block)
+        out[name] = block
+    return out
+
+
+def _checked_shape(ckpt: Checkpoint, name: str, t: TensorSpec,
+                   expected_shapes: Mapping[str, Sequence[int]] | None) -> tuple[int, ...]:
+    expected = tuple(expected_shapes[name]) if expected_shapes is not None else None
+    if t.source is None:
+        shape = ckpt.shape(name)
+        if expected is not None and expected != shape:
+            raise LoadError(f"{name}: the checkpoint holds shape {list(shape)}, the module expects {list(expected)}")
+        return shape
+    fused, d = ckpt.shape(t.source.name), t.source.dim
+    if expected is None:
+        raise LoadError(f"{name}: a part of {t.source.name} needs the parameter's shape (expected_shapes)")
+    fits = len(fused) == len(expected) and all(a == b for i, (a, b) in enumerate(zip(fused, expected)) if i != d)
+    if not fits or not 0 <= t.source.offset <= fused[d] - expected[d]:
+        raise LoadError(f"{name}: shape {list(expected)} at offset {t.source.offset} of dim {d} does not fit in "
+                        f"{t.source.name} {list(fused)}")
+    return expected
+
+
+def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, plan: Any = None,
+                 strict: bool = True) -> torch.nn.Module:
+    """Fill ``module``'s parameters and buffers with DTensors holding only this rank's shard.
+
+    ``checkpoint``: a safetensors file, a directory of safetensors (with the Hugging Face index
+    json or without), a ``torch.save`` state dict path (read with ``mmap=True``), a dict, or a
+    torch.distributed.checkpoint directory (read by DCP itself, which reshards).
+    ``plan``: ``{pattern: placements | {"placements": ..., "transforms": [...]}}`` or a
+    ``ShardPlan``; a name no entry matches keeps the module's own DTensor placements, else is
+    replicated. ``module`` may live on the meta device. With ``strict``, checkpoint tensors the
+    module does not have are an error. Nothing is assigned unless every tensor loaded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plan = ShardPlan.of(plan)
+    targets = dict(module.named_parameters()) | dict(module.named_buffers())
+    specs: dict[str, TensorSpec] = {}
+    for name, value in targets.items():
+        entry = plan.lookup(name)
+        own = tuple(value.placements) if isinstance(value, DTensor) else (Replicate(),) * device_mesh.ndim
+        placements = entry.placements if entry is not None and entry.placements is not None else own
+        specs[name] = TensorSpec(placements, entry.transforms if entry else (), entry.source if entry else None)
+    if isinstance(checkpoint, (str, pathlib.Path)) and (pathlib.Path(checkpoint) / ".metadata").is_file():
+        return _load_dcp(module, pathlib.Path(checkpoint), device_mesh, specs, targets, strict)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    if strict:
+        extra = sorted(set(ckpt.keys()) - set(targets) - {t.source.name for t in specs.values() if t.source})
+        if extra:
+            raise LoadError(f"the checkpoint has tensors the module does not: {extra[:8]} (strict=False ignores them)")
+    coordinate = tuple(device_mesh.get_coordinate())
+    blocks = read_shards(ckpt, specs, device_mesh, coordinate,
+                         expected_shapes={n: tuple(v.shape) for n, v in targets.items()})
+    for name, block in blocks.items():
+        shape = tuple(targets[name].shape)
+        value = DTensor.from_local(block.to(device_mesh.device_type), device_mesh, specs[name].placements,
+                                   run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
+        _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
+    return module
+
+
+def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
+              specs: Mapping[str, TensorSpec], targets: Mapping[str, Any],
+              strict: bool) -> torch.nn.Module:
+    """A torch.distributed.checkpoint directory: DCP itself reads (and reshards) into empty DTensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = sorted(set(targets) - set(metadata))
+    if missing:
+        raise LoadError(f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    extra = sorted(set(metadata) - set(targets))
+    if strict and extra:
+        raise LoadError(f"the checkpoint has tensors the module does not: {extra[:8]} (strict=False ignores them)")
+    spec = as_mesh_spec(device_mesh)
+    coordinate = tuple(device_mesh.get_coordinate())
+    state = {}
+    for name, t in specs.items():
+        placements = t.placements
+        if t.source is not None:
+            raise LoadError(f"{name}: parts of fused tensors (source=) load from safetensors and torch.save "
+                            "checkpoints, not DCP")
+        shape = tuple(metadata[name].size)
+        if shape != tuple(targets[name].shape):
+            raise LoadError(f"{name}: the checkpoint holds shape {list(shape)}, the module expects "
+                            f"{list(targets[name].shape)}")
+        if t.transforms:
+            raise LoadError(f"{name}: transforms apply to safetensors and torch.save checkpoints; DCP loads into "
+                            "the DTensor as it is")
+        layout = layout_from_placements(spec, shape, placements)
+        local = torch.empty([int(s) for s in layout.local_shape(coordinate)], dtype=metadata[name].properties.dtype)
+        state[name] = DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                                         stride=_contiguous(shape))
+    dcp.load(state, checkpoint_id=str(path))
+    for name, value in state.items():
+        _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
+    return module
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _assign(module: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
+    *path, leaf = name.split(".")
+    owner = module.get_submodule(".".join(path)) if path else module
+    if parameter:
+        requires_grad = owner._parameters[leaf].requires_grad
+        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=requires_grad)
+    else:
+        owner._buffers[leaf] = value
+
