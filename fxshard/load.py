@@ -11,6 +11,7 @@ mentions the number of ranks, so one plan (saved as JSON) loads on any mesh.
 """
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import itertools
 import json
@@ -231,7 +232,8 @@ class _SafetensorsFile:
         k = len(shape) - 1  # the last dim that is not read whole: below it every read is contiguous
         while k > 0 and list(runs[k]) == [(0, shape[k])]:
             k -= 1
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        # the block's own memory as a writable buffer (no numpy needed): reads land in place
+        buffer = memoryview((ctypes.c_char * (out.numel() * itemsize)).from_address(out.data_ptr())).cast("B")
         base_offset = self.data_start + info["data_offsets"][0]
         pos = 0
         outer = [[i for a, b in runs[d] for i in range(a, b)] for d in range(k)]

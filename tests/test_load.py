@@ -245,3 +245,19 @@ def test_a_part_that_does_not_fit_its_fused_tensor_is_an_error(tmp_path):
     with fake_world(fxshard.MeshSpec(tp=2)) as mesh:
         with pytest.raises(LoadError, match="wv: shape \\[8, 16\\] at offset 40 of dim 0 does not fit in wqkv"):
             load_sharded(model, path, mesh, plan=GQA_PLAN)
+
+
+def test_reader_follows_the_safetensors_format_itself(tmp_path):
+    """The reader needs neither the safetensors package nor numpy: header length, JSON header, raw data."""
+    import json
+    import struct
+
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "w": {"dtype": "F32", "shape": [4, 6], "data_offsets": [0, 96]}}).encode()
+    path = tmp_path / "hand.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(t.untyped_storage()))
+    ckpt = Checkpoint(path)
+    assert ckpt.keys() == ["w"] and ckpt.shape("w") == (4, 6)
+    torch.testing.assert_close(ckpt.read("w", [[(1, 3)], [(2, 5)]]), t[1:3, 2:5])
+    assert ckpt.bytes_read == 2 * 3 * 4
