@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .layout import Layout
 from .local_regions import LOCAL_REGION
+from .refine import requirements
 
 aten = torch.ops.aten
 
@@ -22,16 +22,13 @@ CONSTANT_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, 
 ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
-def _wanted(node: fx.Node) -> set[Layout]:
+def _wanted(node: fx.Node) -> set[Layout | None]:
     """The layouts the consumers of ``node`` require of it."""
-    wanted = set()
+    wanted: set[Layout | None] = set()
     for user in node.users:
-        required = user.meta.get("arg_layouts")
-        if required is None:
+        if user.meta.get("arg_layouts") is None:
             return {None}  # a consumer without a layout (not propagated): leave the factory alone
-        args = [a for a in pytree.tree_leaves((user.args, user.kwargs) if user.op != "output" else user.args)
-                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
-        wanted.update(want for a, want in zip(args, required) if a is node)
+        wanted.update(want for a, want in requirements(user) if a is node)
     return wanted
 
 

@@ -35,16 +35,21 @@ ACTIVATIONS = "<activations>"  # a pin on every value that is not a view of an i
 _KEYS = ("layout", "arg_layouts")
 
 
+def requirements(node: fx.Node) -> list[tuple[fx.Node, Layout]]:
+    """(tensor argument, the layout ``node`` requires of it) pairs of a propagated node."""
+    required = node.meta.get("arg_layouts")
+    if required is None:
+        return []
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
+            if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
+    return list(zip(args, required))
+
+
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
     """The modeled cost of every redistribution a propagated graph asks for (each edge once)."""
     total, seen = 0.0, set()
     for node in gm.graph.nodes:
-        required = node.meta.get("arg_layouts")
-        if required is None:
-            continue
-        args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
-                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
-        for a, want in zip(args, required):
+        for a, want in requirements(node):
             have = a.meta["layout"]
             if isinstance(want, Layout) and have != want and (a, want) not in seen:
                 seen.add((a, want))
@@ -63,12 +68,9 @@ def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
     """Placeholders some consumer wants (or a view of which it wants) in another layout, with their bytes."""
     moved = {}
     for node in gm.graph.nodes:
-        required = node.meta.get("arg_layouts")
-        if required is None or node.op == "output":
+        if node.op == "output":
             continue
-        args = [a for a in pytree.tree_leaves((node.args, node.kwargs))
-                if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
-        for a, want in zip(args, required):
+        for a, want in requirements(node):
             root = input_root(a)
             if root is not None and a.meta["layout"] != want:
                 val = root.meta["val"]
