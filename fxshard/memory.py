@@ -15,11 +15,10 @@ import torch.fx as fx
 
 from .layout import Layout
 from .mesh import Size, as_size
-from .rules import VIEW_OPS
+from .rules import RELABEL_OPS
 
 aten = torch.ops.aten
-_ALIASES = VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
-                       aten.alias.default, aten.detach.default, aten.select.int, aten.slice.Tensor}
+_ALIASES = RELABEL_OPS | {aten.select.int, aten.slice.Tensor}  # views of one storage
 
 
 @dataclass

@@ -21,12 +21,8 @@ from torch.utils import _pytree as pytree
 
 from .layout import Layout
 from .planner import CostModel, redistribute_cost
-from .rules import VIEW_OPS
+from .rules import RELABEL_OPS
 
-aten = torch.ops.aten
-# ops that only relabel one input's elements: a moved view of an input is a moved input
-_RELABEL = VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
-                       aten.alias.default, aten.detach.default}
 
 MAX_ROUNDS = 2
 MAX_SINGLES = 6  # inputs tried pinned alone per round, the smallest first
@@ -59,7 +55,7 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> flo
 
 def input_root(node: fx.Node) -> fx.Node | None:
     """The placeholder ``node`` is a view of (through relabelling ops), or None."""
-    while node.op == "call_function" and node.target in _RELABEL and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and node.target in RELABEL_OPS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node if node.op == "placeholder" else None
 

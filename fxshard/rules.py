@@ -391,6 +391,11 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
             aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.flatten.using_ints}
 
 
+# ops whose output only relabels one input's elements (same storage): a view of x is x moved or kept
+RELABEL_OPS = VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+                          aten.alias.default, aten.detach.default}
+
+
 def signature_of(node: Any) -> Signature | None:
     """The declared signature of ``node``'s op; None when there is no rule."""
     rule = RULES.get(node.target)
