@@ -7,6 +7,10 @@ without a sharding rule), ``inductor`` (False runs the lowered graph without Ind
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
 as text: ``<graph>_<n>_<stage>.txt``).
 
+When autograd records and an input requires grad, the backend compiles the joint
+forward+backward program (backend/joint.py, training.py): gradients come back as DTensors
+with their parameters' placements.
+
 Logging the PyTorch way: ``TORCH_LOGS="fxshard"`` prints a summary per compiled graph
 (communication and memory per rank), ``TORCH_LOGS="+fxshard"`` every stage's graph too; under
 ``TORCH_TRACE`` each stage is a structured artifact (``fxshard_<stage>``) for tlparse.
@@ -41,6 +45,21 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs) if options.get("inductor", True) else gm.forward
+    if _trains(example_inputs):
+        from .joint import plan_training
+        from .training import TrainingCallable
+
+        plan = plan_training(gm, example_inputs, strict=options.get("strict", False),
+                             cost_model=options.get("cost_model"))
+        on_graph("plan", plan.joint)
+        on_graph("plan_forward", plan.forward)
+        on_graph("plan_backward", plan.backward)
+        training = TrainingCallable(plan, plan.program.device_mesh, inductor=options.get("inductor", True))
+        on_graph("lower", training.forward_graph)
+        on_graph("lower_backward", training.backward_graph)
+        on_graph.summarize(plan.forward)
+        on_graph.summarize(plan.backward)
+        return training
     program = trace_global(gm, example_inputs)
     on_graph("trace", program.gm)
     planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=options.get("strict", False),
@@ -52,3 +71,11 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     on_graph("lower", sharded.local_graph)
     on_graph.summarize(planned)
     return sharded
+
+
+def _trains(example_inputs: list[Any]) -> bool:
+    """Autograd is recording and some input requires grad: compile the joint program (training)."""
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad and x.dtype.is_floating_point for x in example_inputs)

@@ -24,7 +24,8 @@ from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 
-from .capture import capture, input_layouts_by_position
+from .capture import capture, input_layouts_by_position, named_inputs
+from .joint import plan_training
 from .trace import find_device_mesh, trace_global
 from fxshard.placements import as_mesh_spec
 
@@ -130,22 +131,42 @@ class SimulatedRun:
     coordinates: list[tuple[int, ...]]  # rank r is at coordinates[r]
     outputs: list[list[torch.Tensor]]  # outputs[r][k]: rank r's local block of output k
     output_layouts: tuple
+    grads: list[list[torch.Tensor]] | None = None  # grads[r][k]: rank r's block of gradient k (training)
+    grad_layouts: tuple = ()
+    grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""
-        return [layout.unshard({c: self.outputs[r][k] for r, c in enumerate(self.coordinates)})
-                for k, layout in enumerate(self.output_layouts)]
+        return _unshard(self.coordinates, self.outputs, self.output_layouts)
+
+    def full_grads(self) -> dict[Any, torch.Tensor]:
+        """Each gradient as its global tensor, by argument index or parameter name."""
+        if self.grads is None:
+            raise ValueError("this run has no gradients; simulate with grad=True")
+        return dict(zip(self.grad_keys, _unshard(self.coordinates, self.grads, self.grad_layouts)))
+
+
+def _unshard(coords: Sequence[tuple[int, ...]], per_rank: Sequence[Sequence[torch.Tensor]],
+             layouts: Sequence[Any]) -> list[torch.Tensor]:
+    return [layout.unshard({c: per_rank[r][k] for r, c in enumerate(coords)}) for k, layout in enumerate(layouts)]
 
 
 def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                    strict: bool = False, cost_model: CostModel | None = None,
-                   local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None) -> SimulatedRun:
+                   local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None, grad: bool = False,
+                   grad_outputs: Sequence[torch.Tensor] | None = None) -> SimulatedRun:
     """Like ``simulate`` but keeps each rank's local outputs.
 
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
     (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
+    With ``grad`` the joint forward+backward program runs (backend/joint.py): gradients of
+    the inputs that require grad, seeded with ``grad_outputs`` (default ones), come back too.
     """
-    captured, program, gm = _planned(fn, args, mesh, placements, strict, cost_model)
+    if grad:
+        captured, training = _planned_training(fn, args, mesh, placements, strict, cost_model)
+        program, gm = training.program, training.forward
+    else:
+        captured, program, gm = _planned(fn, args, mesh, placements, strict, cost_model)
     spec = program.mesh
     objects = [captured.objects[p] for p in program.tensor_positions]
     in_layouts = [program.input_layouts[n] for n in program.input_names]
@@ -158,7 +179,17 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         groups = MeshGroups(device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
         per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
-    return SimulatedRun(coords, per_rank, output_layouts(gm))
+        if not grad:
+            return SimulatedRun(coords, per_rank, output_layouts(gm))
+        n = training.num_outputs
+        run = SimulatedRun(coords, [outs[:n] for outs in per_rank], training.output_layouts)
+        seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
+        tangents = [{c: layout.shard(t, c) for c in coords} for t, layout in zip(seeds, training.output_layouts)]
+        backward = [lower(localize(training.backward, c), c, groups) for c in coords]
+        grads = run_lockstep(backward, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
+    names = named_inputs(fn, args, captured)
+    keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
+    return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys)
 
 
 def _planned(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None, strict: bool,
@@ -172,14 +203,31 @@ def _planned(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any]
                                           cost_model=cost_model)
 
 
+def _planned_training(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None, strict: bool,
+                      cost_model: CostModel | None) -> tuple:
+    """Stages 1-3 of the joint program, split: (captured, TrainingPlan)."""
+    captured = capture(fn, args)
+    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
+    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
+    if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in captured.objects):
+        raise ValueError("grad=True but no input of the function requires grad")
+    return captured, plan_training(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts,
+                                   names=names, strict=strict, cost_model=cost_model)
+
+
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,
-                   strict: bool = False, cost_model: CostModel | None = None) -> dict[tuple[int, ...], fx.GraphModule]:
+                   strict: bool = False, cost_model: CostModel | None = None, grad: bool = False) -> dict:
     """Every rank's lowered local program (stage 5) of ``fn(*args)`` on ``device_mesh``, by coordinate.
 
     Arguments are global tensors (with ``placements``) or DTensors, as in ``simulate``; nothing runs.
+    With ``grad`` each value is the pair (forward, backward) of the training program.
     """
-    _, program, gm = _planned(fn, args, device_mesh, placements, strict, cost_model)
     groups = MeshGroups(device_mesh)
+    if grad:
+        _, training = _planned_training(fn, args, device_mesh, placements, strict, cost_model)
+        return {c: (lower(localize(training.forward, c), c, groups), lower(localize(training.backward, c), c, groups))
+                for c in training.program.mesh.coordinates()}
+    _, program, gm = _planned(fn, args, device_mesh, placements, strict, cost_model)
     return {c: lower(localize(gm, c), c, groups) for c in program.mesh.coordinates()}
 
 
@@ -205,7 +253,7 @@ def _rank_blocks(x: DTensor, coords: Sequence[tuple[int, ...]], name: str) -> di
 
 
 def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
-             strict: bool = False, cost_model: CostModel | None = None) -> Any:
+             strict: bool = False, cost_model: CostModel | None = None, grad: bool = False) -> Any:
     """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
 
     Arguments are global tensors; ``placements`` says how to shard them (argument index or
@@ -213,6 +261,13 @@ def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any
     with ``parallelize_module`` (or DTensor arguments) works too when its DTensors were made
     under ``LocalTensorMode(world_size)``, which holds every rank's shard; ``mesh`` is then
     the DTensors' own.
+
+    With ``grad=True`` the training program runs (forward, then backward seeded with ones) and
+    the result is ``(outputs, grads)``: ``grads`` maps each input that requires grad (argument
+    index or parameter name) to its full gradient.
     """
-    outs = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model).full()
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    run = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
+                         grad=grad)
+    outs = run.full()
+    out = outs[0] if len(outs) == 1 else tuple(outs)
+    return (out, run.full_grads()) if grad else out

@@ -44,6 +44,21 @@ class TracedProgram:
     input_layouts: dict[str, Layout]
     tensor_positions: list[int]  # position in the caller's inputs of each placeholder of gm
     input_names: list[str] = field(default_factory=list)
+    joint: "JointSignature | None" = None  # set when gm is a joint forward+backward graph
+
+
+@dataclass(frozen=True)
+class JointSignature:
+    """How a joint graph's inputs and outputs split into forward and backward.
+
+    Placeholders are the primals (``input_names``) then one tangent per forward output;
+    outputs are the ``num_forward_outputs`` forward outputs, then one gradient per primal
+    that requires grad (``grad_inputs`` indexes the primals), zeros where it has none.
+    """
+
+    num_forward_outputs: int
+    grad_inputs: tuple[int, ...]
+    tangent_names: tuple[str, ...]
 
 
 class TensorMap:
@@ -238,8 +253,14 @@ def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
-                 extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None) -> TracedProgram:
-    """Stage 1. ``extra_layouts`` gives layouts of plain-tensor inputs by position (explain/simulate)."""
+                 extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None,
+                 tangents: Sequence[torch.Tensor] | None = None) -> TracedProgram:
+    """Stage 1. ``extra_layouts`` gives layouts of plain-tensor inputs by position (explain/simulate).
+
+    With ``tangents`` (one example per output of the forward program: its shape and dtype)
+    the graph is the joint forward+backward program (``TracedProgram.joint`` says how it splits):
+    autograd runs over the functionalized forward inside the trace, as AOTAutograd's joint does.
+    """
     extra_layouts = dict(extra_layouts or {})
     device_mesh = find_device_mesh(example_inputs, gm)
     if mesh is None:
@@ -258,7 +279,10 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     layouts: list[Layout] = []
     pretty: list[str] = []
     constants: dict[int, Any] = {}
+    needs_grad: list[bool] = []
     for i, (ph, x) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(x, torch.Tensor):
+            needs_grad.append(tangents is not None and x.requires_grad and x.dtype.is_floating_point)
         if isinstance(x, DTensor):
             local = x._local_tensor
             with fake_mode:
@@ -288,7 +312,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         for pos, c in constants.items():
             env[pos] = c
         interp = _GlobalInterpreter(gm, mesh, known, coordinate)
-        with torch.no_grad():
+        with torch.set_grad_enabled(tangents is not None):
             out = interp.run(*env)
         flat = out if isinstance(out, (tuple, list)) else (out,)
         for o in flat:
@@ -296,9 +320,23 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
                 raise TraceError(f"the compiled program returns a {type(o).__name__}; fxshard supports tensor outputs")
         return tuple(flat)
 
-    with fake_mode:
-        traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
-                         decomposition_table=decomposition_table())(*fakes)
+    joint = None
+    if tangents is None:
+        with fake_mode:
+            traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
+                             decomposition_table=decomposition_table())(*fakes)
+    else:
+        grad_inputs = tuple(k for k, g in enumerate(needs_grad) if g)
+        with fake_mode:
+            for k in grad_inputs:
+                fakes[k].requires_grad_(True)
+            tangent_fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tangents]
+            traced = make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
+                             decomposition_table=decomposition_table(training=True))(*fakes, *tangent_fakes)
+        tangent_names = tuple(f"tangent_{k}" for k in range(len(tangent_fakes)))
+        pretty += list(tangent_names)
+        layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
+        joint = JointSignature(len(tangent_fakes), grad_inputs, tangent_names)
     eliminate_common_subexpressions(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
     input_layouts: dict[str, Layout] = {}
@@ -314,7 +352,31 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         node.target = unique
         input_layouts[node.name] = layout
     traced.recompile()
-    return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, [n.name for n in traced_ph])
+    primal_names = [n.name for n in traced_ph][:len(positions)]
+    return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, primal_names, joint)
+
+
+def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:
+    """(primals, tangents) -> (forward outputs, gradients of the primals in ``grad_inputs``).
+
+    Autograd runs outside functionalization (functorch transforms refuse requires_grad
+    inside them): the forward is functionalized, its backward formulas are mutation-free.
+    """
+    def joint(*args: torch.Tensor) -> tuple:
+        primals, tangents = args[:num_primals], args[num_primals:]
+        with torch.enable_grad():
+            outs = torch.func.functionalize(forward, remove="mutations")(*primals)
+        if len(outs) != len(tangents):
+            raise TraceError(f"the program has {len(outs)} outputs but {len(tangents)} tangents were given")
+        pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
+        wrt = [primals[k] for k in grad_inputs]
+        grads: Sequence[Any] = [None] * len(wrt)
+        if pairs and wrt:
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, wrt)]
+        return tuple(o.detach() for o in outs) + tuple(grads)
+
+    return joint
 
 
 def _tracing_coordinate(device_mesh: Any, mesh: MeshSpec) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from .lower_bound import lower_bound_bytes
 from .ops import constrain
 from .planner import CostModel, Plan, Step, plan_redistribute
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "constrain", "explain",
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile", "constrain", "explain",
            "load_sharded", "lower_bound_bytes", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
 
 
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from .backend.simulate import simulate
 
         return simulate
+    if name == "compile":
+        from .backend.parallel import compile
+
+        return compile
     if name == "simulate_plan":
         from .backend.simulate_plan import simulate_plan
 

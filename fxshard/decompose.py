@@ -42,8 +42,55 @@ def _draw_whole(factory: Any) -> Any:
     return draw
 
 
-def decomposition_table() -> dict[Any, Any]:
-    table = get_decompositions([op for op in DECOMPOSED if op is not None])
+# backward formulas of a joint graph: each becomes pointwise ops, reductions and scatters that
+# have rules (the attention backward kernels keep a rule of their own and stay whole)
+BACKWARD_DECOMPOSED = [
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    aten.native_layer_norm_backward,
+    aten._fused_rms_norm_backward,
+    aten.embedding_dense_backward,
+    aten.slice_backward,
+    aten.select_backward,
+    aten.silu_backward,
+    aten.gelu_backward,
+    aten.threshold_backward,
+    aten.tanh_backward,
+    aten.sigmoid_backward,
+    aten.native_dropout_backward,
+]
+
+
+def _nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, weight: Any,
+                       reduction: int, ignore_index: int, total_weight: torch.Tensor) -> torch.Tensor:
+    """-grad * weight[c] where class c is the target, as a comparison of a class arange with the targets.
+
+    PyTorch's own decomposition scatters into zeros along the class dim, which needs that dim
+    whole; compared against an arange, the class dim shards like any pointwise op (vocab-parallel
+    cross-entropy's backward never builds [tokens, vocab] on one rank).
+    """
+    channel_dim = 0 if self.dim() < 2 else 1
+    classes = torch.arange(self.shape[channel_dim], device=self.device)
+    if self.dim() >= 2:
+        classes = classes.view([-1] + [1] * (self.dim() - 2))
+    t = target.unsqueeze(channel_dim)
+    hit = (classes == t) & (t != ignore_index)
+    g = grad_output
+    if reduction == 0 and self.dim() >= 2:  # none: one gradient per target
+        g = g.unsqueeze(channel_dim)
+    elif reduction == 1:  # mean
+        g = g / total_weight
+    scale = -g
+    if weight is not None:
+        scale = scale * (weight.view([-1] + [1] * (self.dim() - 2)) if self.dim() >= 2 else weight)
+    return torch.where(hit, scale, torch.zeros((), dtype=self.dtype, device=self.device)).to(self.dtype)
+
+
+def decomposition_table(training: bool = False) -> dict[Any, Any]:
+    ops = DECOMPOSED + (BACKWARD_DECOMPOSED if training else [])
+    table = get_decompositions([op for op in ops if op is not None])
+    if training:
+        table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten.rand_like.default] = _draw_whole(torch.rand)
     table[aten.randn_like.default] = _draw_whole(torch.randn)
     return table

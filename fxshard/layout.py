@@ -80,7 +80,8 @@ class Layout:
             raise LayoutError(f"layout has {len(dims)} dims but the shape {list(shape_t)} has {len(shape_t)}")
         canon = tuple(_canonical_dim(size, tuple(p), d) for d, (size, p) in enumerate(zip(shape_t, dims)))
         part = partial.items() if isinstance(partial, Mapping) else partial
-        part_t = tuple(sorted(((a, op) for a, op in part if a.size != 1), key=lambda ao: (ao[0].name, str(ao[0]))))
+        part_t = tuple(sorted(_merge_partial([(a, op) for a, op in part if a.size != 1]),
+                              key=lambda ao: (ao[0].name, str(ao[0]))))
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "dims", canon)
@@ -248,6 +249,22 @@ class Layout:
                 raise LayoutError(f"unknown partial reduce op {op!r}; expected one of {REDUCE_OPS}")
         if len({op for _, op in self.partial}) > 1:
             raise LayoutError(f"a tensor cannot be partial with two reduce ops at once: {self.partial}")
+
+
+def _merge_partial(partial: list[tuple[MeshAxis, str]]) -> list[tuple[MeshAxis, str]]:
+    """Adjacent sub-axes partial with the same op are one partial axis: P(sum@tp/2, tp%2) is P(sum@tp)."""
+    merged = True
+    while merged:
+        merged = False
+        for i, (a, op) in enumerate(partial):
+            for j, (b, op_b) in enumerate(partial):
+                if i != j and op == op_b and a.merge(b) is not None:
+                    rest = [x for k, x in enumerate(partial) if k not in (i, j)]
+                    partial, merged = rest + [(a.merge(b), op)], True
+                    break
+            if merged:
+                break
+    return partial
 
 
 def _open_mesh(index: list[torch.Tensor]) -> tuple:

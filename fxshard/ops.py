@@ -23,6 +23,14 @@ def _(x: torch.Tensor, placements: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def _constrain_backward(ctx: object, grad: torch.Tensor) -> tuple:
+    # a pin says where a value lives, not where its gradient does: the plan of the backward chooses
+    return grad, None
+
+
+constrain_op.register_autograd(_constrain_backward)
+
+
 @torch.library.custom_op("fxshard::redistribute", mutates_args=())
 def redistribute_op(x: torch.Tensor, src: str, dst: str, out_shape: Sequence[int]) -> torch.Tensor:
     raise RuntimeError(

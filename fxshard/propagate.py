@@ -24,7 +24,7 @@ from .ops import CONSTRAIN
 from .placements import layout_from_placements, placements_from_str
 from .planner import CostModel, redistribute_cost
 from .hints import at_hints
-from .refine import is_pinned
+from .refine import REDUCE_SHARED, is_pinned
 from .rules import LIKE_OPS, NEW_OPS, VIEW_OPS, Signature, signature_of
 from .slicing import CONCAT_RULES, SLICE_RULES
 from .views import view_layout
@@ -85,11 +85,14 @@ class _Requested:
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
               strict: bool = False, cost_model: CostModel | None = None,
-              pinned: frozenset[str] = frozenset()) -> fx.GraphModule:
+              pinned: frozenset[str] = frozenset(),
+              output_layouts: Sequence[Layout | None] | None = None) -> fx.GraphModule:
     """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
 
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
     Moving a ``pinned`` placeholder costs ``PIN_PENALTY`` times its price (see refine.py).
+    ``output_layouts`` requires layouts of the outputs (None: the cheapest DTensor-expressible
+    one), as a joint graph requires each gradient in its parameter's layout.
     """
     input_layouts = dict(input_layouts or {})
     requested = _Requested()
@@ -111,7 +114,10 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             requested.add(node, node.meta.get("arg_layouts", ()))
         elif node.op == "output":
             outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and "layout" in a.meta]
-            node.meta["arg_layouts"] = tuple(dtensor_expressible(a.meta["layout"], _dtype(a), cost_model) for a in outs)
+            wanted = list(output_layouts or ()) + [None] * len(outs)
+            node.meta["arg_layouts"] = tuple(
+                want if want is not None else dtensor_expressible(a.meta["layout"], _dtype(a), cost_model)
+                for a, want in zip(outs, wanted))
     return gm
 
 
@@ -166,8 +172,9 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         return
     if node.target is torch.ops.aten.as_strided.default:
         _check_plain_view(node, in_layouts[0])
+    offered = reduce_shared(ins, in_layouts) if REDUCE_SHARED in pinned else in_layouts
     if node.target in VIEW_OPS or node.target is torch.ops.aten.as_strided.default:
-        required, out = view_layout(in_layouts[0], tuple(val.shape))
+        required, out = view_layout(offered[0], tuple(val.shape))
         _set(node, (required,), out)
         return
     def cost(src: Layout, dst: Layout) -> float:
@@ -196,11 +203,18 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
             price = redistribute_cost(in_layouts[i], dst, _dtype(ins[i]), cost_model)
             return price * PIN_PENALTY if is_pinned(ins[i], pinned) else price
 
-        strategy = _choose(sig, in_layouts, _out_shapes(val), mesh, cost_of, cost)
+        strategy = _choose(sig, offered, _out_shapes(val), mesh, cost_of, cost)
         if strategy is not None:
             _set(node, strategy.inputs, strategy.output)
             return
     _fallback(node, in_layouts, mesh, strict)
+
+
+def reduce_shared(ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> list[Layout]:
+    """The layouts a consumer may take its inputs in under ``REDUCE_SHARED``: a Partial value with
+    several consumers is offered reduced only, so all of them share one reduction of it (kept
+    Partial, each consumer's views of it would be reduced separately)."""
+    return [l.with_partial(()) if l.partial and len(a.users) > 1 else l for a, l in zip(ins, layouts)]
 
 
 def _check_plain_view(node: fx.Node, src: Layout) -> None:

@@ -27,6 +27,7 @@ from .rules import RELABEL_OPS
 MAX_ROUNDS = 2
 MAX_SINGLES = 6  # inputs tried pinned alone per round, the smallest first
 ACTIVATIONS = "<activations>"  # a pin on every value that is not a view of an input
+REDUCE_SHARED = "<reduce shared partials>"  # a Partial value with several consumers is reduced once, where made
 
 _KEYS = ("layout", "arg_layouts")
 
@@ -89,13 +90,22 @@ def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModul
                         cost_model: CostModel | None = None) -> frozenset[str]:
     """``run(pinned)`` propagates ``gm`` in place; leaves the cheapest plan found. Returns its pins.
 
-    From the best plan so far each round tries: every activation pinned (``ACTIVATIONS``: only
+    First, where a Partial value has several consumers, the plan that reduces each such value
+    once where it is made (``REDUCE_SHARED``: Megatron's backward all-reduces each block's input
+    gradient once; kept Partial, every view of it a consumer needs is reduced on its own).
+    From the best plan so far each round then tries: every activation pinned (``ACTIVATIONS``: only
     inputs move, FSDP's plan), each of the smallest inputs it moved pinned alone (the greedy
     choice moves small operands, token ids say, and pays for it later), all of them pinned.
     """
     run(frozenset())
     best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
     tried: set[frozenset[str]] = {frozenset()}
+    if _has_shared_partial(gm):
+        tried.add(frozenset({REDUCE_SHARED}))
+        run(frozenset({REDUCE_SHARED}))
+        cost = planned_cost(gm, cost_model)
+        if cost < best[0]:
+            best = (cost, _snapshot(gm), frozenset({REDUCE_SHARED}), moved_inputs(gm))
     for _ in range(MAX_ROUNDS):
         _, _, pinned, moved = best
         free = {k: v for k, v in moved.items() if k not in pinned}
@@ -115,6 +125,12 @@ def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModul
             break
     _restore(gm, best[1])
     return best[2]
+
+
+def _has_shared_partial(gm: fx.GraphModule) -> bool:
+    """Whether some Partial value has several consumers (the greedy plan may reduce views of it twice)."""
+    return any(isinstance(n.meta.get("layout"), Layout) and n.meta["layout"].partial and len(n.users) > 1
+               for n in gm.graph.nodes)
 
 
 def is_pinned(node: fx.Node, pinned: frozenset[str]) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves as pytree_leaves
 
 aten = torch.ops.aten
 
@@ -329,12 +330,114 @@ def _to_copy(node: Any) -> Signature:
     return _pointwise(lambda n: groups, ALL_OPS)(node)
 
 
+def _scatter(node: Any) -> Signature | None:
+    """scatter(x, dim, index, value|src): rows along ``dim`` are written by position, so ``dim``
+    stays whole; the other dims are independent where index (and src) span all of x."""
+    x, index = _shape(node.args[0]), _shape(node.args[2])
+    if x is None or index is None or len(x) != len(index):
+        return None
+    dim = node.args[1] % max(len(x), 1)
+    if any(a != b for d, (a, b) in enumerate(zip(x, index)) if d != dim):
+        return None
+    names = _letters(len(x))
+    along = tuple("index" if d == dim else f for d, f in enumerate(names))
+    inputs = [tuple(names), along] + [along for a in node.args[3:4] if _shape(a) is not None]
+    return Signature(tuple(inputs), tuple(names), partial_ops=(), whole=frozenset({names[dim], "index"}))
+
+
+def _slice_scatter(node: Any) -> Signature | None:
+    """slice_scatter / select_scatter(x, src, dim, ...): a block of ``dim`` is overwritten, so that dim
+    stays whole; the others are independent. Linear in (x, src) together."""
+    x, src = _shape(node.args[0]), _shape(node.args[1])
+    if x is None or src is None:
+        return None
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % max(len(x), 1)
+    names = _letters(len(x))
+    if node.target is aten.select_scatter.default:
+        src_names = tuple(f for d, f in enumerate(names) if d != dim)
+    else:
+        src_names = tuple("block" if d == dim else f for d, f in enumerate(names))
+    return Signature((tuple(names), src_names), tuple(names), partial_groups=((0, 1),), partial_ops=ALL_OPS,
+                     whole=frozenset({names[dim], "block"}))
+
+
+def _index_put_accumulate(node: Any) -> Signature | None:
+    """x.index_put_((i,), v, accumulate=True) on dim 0 (embedding's backward): every indexed row sums
+    into x, so the index dims contract (sharded: Partial(sum), with x as an addend); x's row dim stays
+    whole, its other dims and v's trailing dims are independent."""
+    masked = node.target is aten._unsafe_masked_index_put_accumulate.default
+    x = _shape(node.args[0])
+    indices = node.args[2] if masked else node.args[1]
+    values = node.args[3] if masked else node.args[2]
+    if not masked and not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
+        return None
+    if x is None or len(indices) != 1 or _shape(indices[0]) is None or _shape(values) is None:
+        return None
+    idx = _shape(indices[0])
+    if tuple(_shape(values)) != tuple(idx) + tuple(x[1:]):
+        return None
+    rows = tuple(f"i{j}" for j in range(len(idx)))
+    rest = tuple(_letters(len(x) - 1, 1))
+    x_names = ("rows",) + rest
+    mask: list[tuple[str | None, ...]] = []
+    if masked:
+        mask_shape = _shape(node.args[1])
+        if mask_shape is None or tuple(mask_shape)[:len(idx)] != tuple(idx):
+            return None
+        mask = [rows + tuple(r if s != 1 or x[1 + k] == 1 else None
+                             for k, (r, s) in enumerate(zip(rest, mask_shape[len(idx):])))]
+    ins = [x_names] + mask + [rows, rows + rest]
+    value_pos = len(ins) - 1
+    return Signature(tuple(ins), x_names, "sum", ((0, value_pos),), addends=(0,), whole=frozenset({"rows"}))
+
+
+def _attention_backward(node: Any) -> Signature | None:
+    """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
+
+    Tensor arguments whose leading dims are (batch, heads) share them (size-1 broadcast dims of
+    a mask are None); other tensors (RNG state, sequence offsets) are replicated.
+    """
+    q = _shape(node.args[1])
+    if q is None or len(q) != 4:
+        return None
+    batch, heads = q[0], q[1]
+    counter = iter(range(1000))
+
+    def names(shape: tuple[int, ...]) -> tuple[str | None, ...]:
+        out: list[str | None] = []
+        for d, size in enumerate(shape):
+            if d < 2 and len(shape) >= 3 and size == (batch, heads)[d]:
+                out.append(("b", "h")[d])
+            elif d < 2 and len(shape) >= 3 and size == 1:
+                out.append(None)
+            else:
+                out.append(f"w{next(counter)}")
+        return tuple(out)
+
+    tensors = [a for a in pytree_leaves((node.args, node.kwargs)) if _shape(a) is not None]
+    ins = tuple(names(_shape(a)) for a in tensors)
+    outs = []  # grad_query, grad_key, grad_value (, grad_bias): each shaped like that input
+    for i, o in enumerate(node.meta["val"]):
+        if not isinstance(o, torch.Tensor) or i + 1 >= len(tensors) or _shape(tensors[i + 1]) != tuple(o.shape):
+            return None
+        outs.append(ins[i + 1])
+    whole = frozenset(f for dims in list(ins) + outs for f in dims if f is not None and f not in ("b", "h"))
+    return Signature(ins, outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]))
+
+
 ATTENTION_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
     getattr(aten, "_scaled_dot_product_flash_attention", None),
     getattr(aten, "_scaled_dot_product_efficient_attention", None),
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),
     getattr(aten, "_scaled_dot_product_attention_math", None),
+) if op is not None)
+
+ATTENTION_BACKWARD_OPS = tuple(op for op in (
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+    getattr(aten, "_scaled_dot_product_flash_attention_backward", None),
+    getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
+    getattr(aten, "_scaled_dot_product_cudnn_attention_backward", None),
 ) if op is not None)
 
 
@@ -375,7 +478,14 @@ RULES: dict[Any, RuleFn] = {
     aten.topk.default: _select_along,
     aten.index.Tensor: _index,
     aten.sort.default: _select_along,
+    aten.scatter.value: _scatter,
+    aten.scatter.src: _scatter,
+    aten.slice_scatter.default: _slice_scatter,
+    aten.select_scatter.default: _slice_scatter,
+    aten.index_put.default: _index_put_accumulate,
+    aten._unsafe_masked_index_put_accumulate.default: _index_put_accumulate,
     **{op.default: _attention for op in ATTENTION_OPS},
+    **{op.default: _attention_backward for op in ATTENTION_BACKWARD_OPS},
 }
 
 # factories shaped like their input: the output takes the input's sharding, never its partial

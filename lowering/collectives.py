@@ -270,8 +270,13 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
         x = node.args[0]
         val = x.meta.get("val")
         e = _Emit(out, node, val.device if isinstance(val, torch.Tensor) else "cpu")
+        is_bool = isinstance(val, torch.Tensor) and val.dtype == torch.bool
+        if is_bool and node.meta["plan"].collectives:  # masks travel as bytes (gloo and Inductor lack bool collectives)
+            x = e(aten._to_copy.default, x, dtype=torch.uint8)
         for step in node.meta["plan"].steps:
             x = lower_step(e, x, step, coordinate, group_name)
+        if is_bool and node.meta["plan"].collectives:
+            x = e(aten._to_copy.default, x, dtype=torch.bool)
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     graph.lint()

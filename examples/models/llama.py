@@ -174,6 +174,31 @@ def megatron_placements(model: Llama) -> dict:
     return out
 
 
+def fsdp_placements(model: Llama) -> dict:
+    """FSDP (ZeRO-3) as parameter placements on a 1-D data-parallel mesh: every parameter Shard(0).
+
+    Nothing else is said: the plan all-gathers each weight where it is used and reduce-scatters
+    its gradient into Shard(0), because that is the cheapest way to run the global program."""
+    from torch.distributed.tensor import Shard
+
+    return {name: (Shard(0),) for name, _ in model.named_parameters()}
+
+
+def fsdp_tp_placements(model: Llama) -> dict:
+    """FSDP x TP on a (dp, tp) mesh: Megatron on tp, each weight's other dim sharded on dp."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = {}
+    for name, _ in model.named_parameters():
+        if any(k in name for k in COLUMN_PARALLEL):
+            out[name] = (Shard(1), Shard(0))
+        elif any(k in name for k in ROW_PARALLEL):
+            out[name] = (Shard(0), Shard(1))
+        else:
+            out[name] = (Shard(0), Replicate())
+    return out
+
+
 def tensor_parallel_plan(model: Llama, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
     """The Megatron plan for ``parallelize_module(model, tp_mesh, plan)`` (torchtitan's, in global shapes).
 

@@ -1,0 +1,171 @@
+"""Training: plan the joint forward+backward graph, then split it into a forward and a backward.
+
+Propagating over the joint graph lets the backward choose its own strategies (a column-parallel
+matmul's input gradient is Partial and is all-reduced; an FSDP weight's gradient is Partial on
+the data axis and is reduce-scattered into the parameter's layout), while the forward and the
+backward agree on every value they share: the saved activations cross the split in the layout
+the plan gave them.
+
+Splitting: the forward computes what the outputs need and returns the outputs plus the values
+the backward reads ("saved"). A redistribution that grows a value (an all_gather of an FSDP
+weight or a sequence-parallel activation), and views of its result, are recomputed in the
+backward instead of saved: no rank keeps a gathered copy of a value the plan shards between
+the two passes. Views of parameters are recomputed too (free). All other values the backward
+reads are saved as the forward left them.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxshard.layout import Layout
+from fxshard.mesh import MeshSpec
+from fxshard.ops import REDISTRIBUTE
+from fxshard.pipeline import output_layouts, shard_graph
+from fxshard.planner import CostModel
+from fxshard.rules import RELABEL_OPS
+
+from .trace import JointSignature, TracedProgram, trace_global
+
+aten = torch.ops.aten
+
+# ops recomputed in the backward when their input is: relabellings and casts of a gathered value
+_CHEAP_FOLLOWERS = RELABEL_OPS | {aten._to_copy.default, aten.clone.default}
+
+
+@dataclass
+class TrainingPlan:
+    """The planned global forward and backward graphs of one training program."""
+
+    forward: fx.GraphModule  # primals -> (*outputs, *saved)
+    backward: fx.GraphModule  # (*saved, *tangents) -> gradients of grad_inputs
+    joint: fx.GraphModule  # the planned joint graph both were cut from
+    program: TracedProgram  # the joint trace (names, positions, input layouts)
+    num_outputs: int
+    grad_inputs: tuple[int, ...]  # which primals get a gradient, in the backward's output order
+    output_layouts: tuple[Layout, ...]  # of the forward outputs (= the tangents' layouts)
+    grad_layouts: tuple[Layout, ...]  # of the gradients (= their primals' layouts)
+
+    @property
+    def num_saved(self) -> int:
+        return len(_outputs(self.forward)) - self.num_outputs
+
+
+def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
+                  extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None,
+                  strict: bool = False, cost_model: CostModel | None = None) -> TrainingPlan:
+    """Stages 1-3 for training: trace the joint graph in global shapes, plan it, split it."""
+    forward_only = trace_global(gm, example_inputs, mesh=mesh, extra_layouts=extra_layouts, names=names)
+    planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,
+                                  cost_model=cost_model)
+    # outputs leave reduced: the tangent of a Partial output would be Replicate, not Partial
+    out_layouts = tuple(l.with_partial(()) for l in output_layouts(planned_forward))
+    values = [n.meta["val"] for n in _outputs(planned_forward)]
+    program = trace_global(gm, example_inputs, mesh=mesh, extra_layouts=extra_layouts, names=names,
+                           tangents=values)
+    signature = program.joint
+    assert signature is not None
+    for name, layout in zip(signature.tangent_names, out_layouts):
+        program.input_layouts[name] = layout
+    grad_layouts = tuple(program.input_layouts[program.input_names[k]] for k in signature.grad_inputs)
+    joint = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
+                        output_layouts=list(out_layouts) + list(grad_layouts))
+    forward, backward = partition(joint, signature)
+    return TrainingPlan(forward, backward, joint, program, signature.num_forward_outputs, signature.grad_inputs,
+                        out_layouts, grad_layouts)
+
+
+def _outputs(gm: fx.GraphModule) -> list[fx.Node]:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+
+def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _local_numel(layout: Layout) -> int:
+    return math.prod(int(s) for s in layout.max_local_shape())
+
+
+def grows(node: fx.Node) -> bool:
+    """A planned redistribution whose result is larger per rank than its input (it gathers)."""
+    if node.target is not REDISTRIBUTE:
+        return False
+    return _local_numel(node.meta["layout"]) > _local_numel(node.meta["src_layout"])
+
+
+def recomputed(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes the backward recomputes rather than saves: gathers and views of them."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node not in forward or node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if grows(node) or (node.target in _CHEAP_FOLLOWERS and source in out) or \
+                (node.target in RELABEL_OPS and isinstance(source, fx.Node) and source.op == "placeholder"):
+            out.add(node)
+    return out
+
+
+def partition(joint: fx.GraphModule, signature: JointSignature) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Cut a planned joint graph into forward (primals -> outputs + saved) and backward
+    (saved + tangents -> gradients)."""
+    nodes = list(joint.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    num_tangents = len(signature.tangent_names)
+    primals, tangents = placeholders[:len(placeholders) - num_tangents], placeholders[len(placeholders) - num_tangents:]
+    outs = _outputs(joint)
+    forward_outs, grads = outs[:signature.num_forward_outputs], outs[signature.num_forward_outputs:]
+    forward = _ancestors(forward_outs) | set(primals)
+    # every output of a multi-output forward op is the forward's (the backward reads logsumexp, say)
+    forward |= {n for n in nodes if n.target is operator.getitem and n.args[0] in forward}
+    recompute = recomputed(joint, forward)
+
+    saved: list[fx.Node] = []
+    in_backward: set[fx.Node] = set()
+    stack = list(grads)
+    while stack:
+        n = stack.pop()
+        if n in in_backward or n in saved:
+            continue
+        if n in forward and n not in recompute:
+            saved.append(n)
+            continue
+        in_backward.add(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    saved.sort(key=order.__getitem__)
+
+    fwd_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n in forward:
+            env[n] = fwd_graph.node_copy(n, env.__getitem__)
+    fwd_graph.output(tuple(env[n] for n in list(forward_outs) + saved))
+
+    bwd_graph = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for n in saved:
+        p = bwd_graph.placeholder(f"saved_{n.name}")
+        p.meta.update({k: v for k, v in n.meta.items() if k in ("val", "layout", "tensor_meta")})
+        benv[n] = p
+    for t in tangents:
+        benv[t] = bwd_graph.node_copy(t)
+    for n in nodes:
+        if n in in_backward and n.op != "placeholder":
+            benv[n] = bwd_graph.node_copy(n, benv.__getitem__)
+    bwd_graph.output(tuple(benv[g] for g in grads))
+    return fx.GraphModule(joint, fwd_graph), fx.GraphModule(joint, bwd_graph)

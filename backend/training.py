@@ -1,0 +1,112 @@
+"""Stage 6 for training: the lowered forward and backward of this rank behind one autograd node.
+
+The caller's DTensors enter through ``to_local()`` and the outputs leave through
+``DTensor.from_local``, both differentiable, so autograd sees an ordinary DTensor program:
+``loss.backward()`` runs the compiled backward, and each parameter's gradient arrives as a
+DTensor with the parameter's placements (the plan computed it in that layout), ready for
+``torch.optim``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from fxshard.lowering.collectives import lower
+from fxshard.lowering.groups import MeshGroups
+from fxshard.lowering.localize import localize
+
+from .compile import _contiguous_stride
+from .joint import TrainingPlan
+
+
+class TrainingCallable:
+    """Runs this rank's forward under autograd; the backward runs when the loss's does."""
+
+    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True):
+        coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
+        groups = MeshGroups(device_mesh)
+        self.plan = plan
+        self.device_mesh = device_mesh
+        self.coordinate = coordinate
+        self.forward_graph = lower(localize(plan.forward, coordinate), coordinate, groups)
+        self.backward_graph = lower(localize(plan.backward, coordinate), coordinate, groups)
+        program = plan.program
+        self.positions = list(program.tensor_positions)
+        self.input_layouts = [program.input_layouts[n] for n in program.input_names]
+        self.output_placements = [l.to_placements() for l in plan.output_layouts]
+        self.inductor = inductor
+        self._forward: Callable | None = None
+        self._backward: Callable | None = None
+
+    @property
+    def local_graph(self) -> fx.GraphModule:
+        return self.forward_graph
+
+    def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        out = []
+        for pos, layout in zip(self.positions, self.input_layouts):
+            x = args[pos]
+            if isinstance(x, DTensor):
+                out.append(x.to_local())  # differentiable: the gradient comes back with x's placements
+            else:
+                out.append(x if layout.is_replicated else layout.shard(x, self.coordinate))
+        return out
+
+    def __call__(self, *args: Any) -> tuple:
+        outs = _TrainingStep.apply(self, *self._local_inputs(args))
+        return tuple(
+            DTensor.from_local(o, self.device_mesh, placements, run_check=False, shape=torch.Size(layout.shape),
+                               stride=_contiguous_stride(layout.shape))
+            for o, layout, placements in zip(outs, self.plan.output_layouts, self.output_placements))
+
+    def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = [x.detach().contiguous() for x in inputs]
+        if self._forward is None:
+            self._forward = _compiled(self.forward_graph, inputs, self.inductor)
+        return list(_as_tuple(self._forward(*inputs)))
+
+    def run_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = [x.detach().contiguous() for x in inputs]
+        if self._backward is None:
+            self._backward = _compiled(self.backward_graph, inputs, self.inductor)
+        return list(_as_tuple(self._backward(*inputs)))
+
+
+class _TrainingStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, runner: TrainingCallable, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        results = runner.run_forward(inputs)
+        n = runner.plan.num_outputs
+        outs, saved = results[:n], results[n:]
+        ctx.runner = runner
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        runner: TrainingCallable = ctx.runner
+        tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                    for g, (shape, dtype, device) in zip(grad_outputs, ctx.out_meta)]
+        grads = runner.run_backward(list(ctx.saved_tensors) + tangents)
+        result: list[torch.Tensor | None] = [None] * len(runner.positions)
+        for k, g in zip(runner.plan.grad_inputs, grads):
+            result[k] = g
+        return (None, *result)
+
+
+def _compiled(gm: fx.GraphModule, inputs: list[torch.Tensor], inductor: bool) -> Callable:
+    if not inductor:
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch.no_grad():
+        return compile_fx(gm, inputs)
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)

@@ -1,0 +1,164 @@
+"""Training: the joint forward+backward program, sharded (backend/joint.py, training.py, parallel.py).
+
+Loss and every gradient are checked against the single-device run on fresh random data; the
+collectives of each plan are counted on the lowered forward and backward programs.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import fxshard
+from fxshard.backend.simulate import fake_world, lowered_graphs
+from fxshard.lowering.traffic import collective_calls
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import (  # noqa: E402
+    Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements, tensor_parallel_plan)
+
+CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=128)
+# bytes, not latency, decide FSDP plans at these toy sizes (tests/test_models.py says why)
+BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)
+
+
+def reference(model: Llama, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model.loss(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def data(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randint(0, CFG.vocab_size, (batch, seq)), torch.randint(0, CFG.vocab_size, (batch, seq)))
+
+
+def assert_matches(loss: torch.Tensor, grads: dict, ref_loss: torch.Tensor, ref_grads: dict) -> None:
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6)
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in collective_calls(gm):
+        out[c.kind] = out.get(c.kind, 0) + 1
+    return out
+
+
+def plan_counts(model: Llama, x, y, mesh: fxshard.MeshSpec, placements: dict, cost_model=None):
+    """(forward collectives, backward collectives, forward calls) of rank 0's lowered training program."""
+    with fake_world(mesh) as device_mesh:
+        graphs = lowered_graphs(model.loss, x, y, device_mesh=device_mesh, placements=placements, grad=True,
+                                cost_model=cost_model)
+        fwd, bwd = graphs[(0,) * mesh.ndim]
+        return collectives(fwd), collectives(bwd), collective_calls(fwd)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
+    torch.manual_seed(tp)
+    model = Llama(CFG)
+    x, y = data(2, 16)
+    ref_loss, ref_grads = reference(model, x, y)
+    mesh = fxshard.MeshSpec(tp=tp)
+    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=megatron_placements(model), grad=True)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+    fwd, bwd, _ = plan_counts(model, x, y, mesh, megatron_placements(model))
+    layers = CFG.n_layers
+    # forward: 2 per layer, the vocab-parallel embedding, 3 small ones in the vocab-parallel loss (max, sum, pick)
+    assert fwd == {"all_reduce": 2 * layers + 1 + 3}
+    # backward: 2 per layer (each block's input gradient), 1 into the output projection's input
+    assert bwd == {"all_reduce": 2 * layers + 1}
+
+
+@pytest.mark.parametrize("dp", [4, 8])
+def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
+    torch.manual_seed(dp)
+    model = Llama(CFG)
+    x, y = data(4 * dp, 32)
+    placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
+    mesh = fxshard.MeshSpec(dp=dp)
+    ref_loss, ref_grads = reference(model, x, y)
+    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True,
+                                   cost_model=BANDWIDTH_BOUND)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+    fwd, bwd, fwd_calls = plan_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
+    n_params = len(list(model.parameters()))
+    assert fwd["all_gather"] == n_params
+    assert all(c.input_bytes <= 8 for c in fwd_calls if c.kind == "all_reduce")  # the loss's scalars only
+    assert bwd["reduce_scatter"] == n_params and "all_reduce" not in bwd
+    # weights are gathered again for the backward (none kept between the passes); the embedding's gradient
+    # needs only the token ids, not its table
+    assert bwd["all_gather"] == n_params - 1
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
+def test_fsdp_x_tensor_parallel(shape):
+    torch.manual_seed(sum(shape))
+    model = Llama(CFG)
+    dp, tp = shape
+    x, y = data(4 * dp, 32)
+    batch = (Shard(0), Replicate())
+    placements = {**fsdp_tp_placements(model), 0: batch, 1: batch}
+    mesh = fxshard.MeshSpec(dp=dp, tp=tp)
+    ref_loss, ref_grads = reference(model, x, y)
+    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True,
+                                   cost_model=BANDWIDTH_BOUND)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+    fwd, bwd, _ = plan_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
+    n_params = len(list(model.parameters()))
+    assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
+
+
+@pytest.mark.parametrize("tp", [4])
+def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    x, y = data(2, 16)
+    ref_loss, ref_grads = reference(model, x, y)
+    sharded = copy.deepcopy(model)
+    with fake_world(fxshard.MeshSpec(tp=tp)) as mesh:
+        with LocalTensorMode(tp):
+            # replicated logits: DTensor's eager cross-entropy (which Dynamo runs while tracing) needs
+            # loss_parallel() for vocab-sharded ones, and DTensor targets beside DTensor logits
+            parallelize_module(sharded, mesh, tensor_parallel_plan(sharded, sequence_parallel=True,
+                                                                   loss_parallel=False))
+            targets = distribute_tensor(y, mesh, [Replicate()])
+        loss, grads = fxshard.simulate(sharded.loss, x, targets, grad=True)
+        with fake_world(fxshard.MeshSpec(tp=tp)) as device_mesh:
+            fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True)[(0,)]
+            fwd_counts, bwd_calls = collectives(fwd), collective_calls(bwd)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+    # per layer 2 all_gather + 2 reduce_scatter forward, as parallelize_module's plan says
+    assert fwd_counts["reduce_scatter"] == 2 * CFG.n_layers + 1  # + the embedding's output
+    # the backward all-reduces only the norm weights' gradients (their tokens are sharded)
+    assert {c.input_bytes for c in bwd_calls if c.kind == "all_reduce"} == {CFG.dim * 4}
+
+
+def test_grad_outputs_seed_the_backward():
+    """A non-scalar output: its tangent has the output's layout, seeded with the caller's values."""
+    torch.manual_seed(1)
+    w = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(8, 32)
+    seed = torch.randn(8, 64)
+    (x @ w).tanh().backward(seed)
+    ref = w.grad.clone()
+    run = fxshard.backend.simulate.simulate_ranks(lambda x, w: (x @ w).tanh(), x, w, mesh=fxshard.MeshSpec(tp=4),
+                                                  placements={1: (Shard(1),)}, grad=True, grad_outputs=[seed])
+    torch.testing.assert_close(run.full()[0], (x @ w).tanh().detach())
+    torch.testing.assert_close(run.full_grads()[1], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_without_trainable_inputs_says_so():
+    with pytest.raises(ValueError, match="requires grad"):
+        fxshard.simulate(lambda x: x.sum(), torch.randn(4), mesh=fxshard.MeshSpec(tp=2), grad=True)
