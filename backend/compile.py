@@ -48,7 +48,8 @@ class ShardedCallable:
                 local = x if layout.is_replicated else layout.shard(x, self.coordinate)
             if local.requires_grad and torch.is_grad_enabled() and not _warned_grad:
                 _warned_grad = True
-                warnings.warn("fxshard compiles forward (inference) programs for now: outputs carry no gradient",
+                warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
+                              "required grad, or under torch.no_grad()): its outputs carry no gradient",
                               stacklevel=3)
             out.append(local.detach())
         return out

@@ -10,7 +10,8 @@ Splitting: the forward computes what the outputs need and returns the outputs pl
 the backward reads ("saved"). A redistribution that grows a value (an all_gather of an FSDP
 weight or a sequence-parallel activation), and views of its result, are recomputed in the
 backward instead of saved: no rank keeps a gathered copy of a value the plan shards between
-the two passes. Views of parameters are recomputed too (free). All other values the backward
+the two passes, except tiny parameters and the parameter the backward needs first, which it
+would hold at that moment anyway (``small_gathers``, ``reuse_first_gather``). Views of parameters are recomputed too (free). All other values the backward
 reads are saved as the forward left them.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
 from fxshard.pipeline import output_layouts, shard_graph
 from fxshard.planner import CostModel
+from fxshard.refine import input_root
 from fxshard.rules import RELABEL_OPS
 
 from .trace import JointSignature, TracedProgram, trace_global
@@ -36,6 +38,7 @@ aten = torch.ops.aten
 
 # ops recomputed in the backward when their input is: relabellings and casts of a gathered value
 _CHEAP_FOLLOWERS = RELABEL_OPS | {aten._to_copy.default, aten.clone.default}
+KEEP_BELOW_FRACTION = 64  # a gathered parameter this many times smaller than the largest is kept
 
 
 @dataclass
@@ -107,14 +110,76 @@ def grows(node: fx.Node) -> bool:
     return _local_numel(node.meta["layout"]) > _local_numel(node.meta["src_layout"])
 
 
+def _local_bytes(node: fx.Node) -> int:
+    return _local_numel(node.meta["layout"]) * node.meta["val"].element_size()
+
+
+def small_gathers(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
+    """Gathers of parameters (and views of them) so small that the backward reuses them: more than
+    ``KEEP_BELOW_FRACTION`` times smaller than the largest (a norm's weight beside the matrices),
+    a re-gather would cost a collective's latency to save a few KiB. Activations are never kept."""
+    gathers = [n for n in gm.graph.nodes if n in forward and grows(n) and input_root(n.args[0]) is not None]
+    small = max((_local_bytes(n) for n in gathers), default=0) // KEEP_BELOW_FRACTION
+    return {n for n in gathers if _local_bytes(n) <= small}
+
+
+def _transposes_from_root(node: fx.Node) -> int | None:
+    """How many 2-D transposes lead from a placeholder to ``node`` (None: other ops too)."""
+    count = 0
+    while node.op == "call_function":
+        if node.target is aten.t.default or (node.target is aten.transpose.int and len(node.meta["val"].shape) == 2):
+            count += 1
+            node = node.args[0]
+        else:
+            return None
+    return count if node.op == "placeholder" else None
+
+
+def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
+    """The backward's first gather of a parameter the forward gathered too reuses the forward's.
+
+    The backward would gather it again at once, while every saved activation is still alive,
+    so keeping it raises no peak: FSDP2 leaves its root module (the output projection) unsharded
+    after forward for the same reason. Rewrites the joint graph; returns the forward gathers kept.
+    """
+    def parity(n: fx.Node) -> int | None:
+        count = _transposes_from_root(n.args[0])
+        return None if count is None else count % 2
+
+    def held_as(f: fx.Node, odd: int) -> Layout:
+        layout = f.meta["layout"]
+        return Layout(layout.mesh, layout.shape[::-1], layout.dims[::-1], layout.partial) if odd else layout
+
+    gathers = [n for n in gm.graph.nodes if grows(n) and parity(n) is not None]
+    pairs = [(b, f) for b in gathers if b not in forward for f in gathers if f in forward
+             and input_root(f.args[0]) is input_root(b.args[0]) and not b.meta["layout"].partial
+             and held_as(f, (parity(b) - parity(f)) % 2) == b.meta["layout"]]
+    if not pairs:
+        return set()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    b, f = min(pairs, key=lambda bf: order[bf[0]])
+    odd = (parity(b) - parity(f)) % 2
+    replacement = f
+    if odd:
+        with gm.graph.inserting_after(b):
+            replacement = gm.graph.call_function(aten.t.default, (f,))
+        replacement.meta.update(val=b.meta["val"], layout=b.meta["layout"])
+    b.replace_all_uses_with(replacement)
+    gm.graph.erase_node(b)
+    return {f}
+
+
 def recomputed(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes the backward recomputes rather than saves: gathers and views of them."""
+    """Forward nodes the backward recomputes rather than saves: gathers (but small ones and the one
+    the backward needs first), views of them, and views of the primals. Rewrites ``gm`` (see
+    ``reuse_first_gather``)."""
+    keep = small_gathers(gm, forward) | reuse_first_gather(gm, forward)
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node not in forward or node.op != "call_function":
             continue
         source = node.args[0] if node.args else None
-        if grows(node) or (node.target in _CHEAP_FOLLOWERS and source in out) or \
+        if (grows(node) and node not in keep) or (node.target in _CHEAP_FOLLOWERS and source in out) or \
                 (node.target in RELABEL_OPS and isinstance(source, fx.Node) and source.op == "placeholder"):
             out.add(node)
     return out
@@ -133,6 +198,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature) -> tuple[fx.Grap
     # every output of a multi-output forward op is the forward's (the backward reads logsumexp, say)
     forward |= {n for n in nodes if n.target is operator.getitem and n.args[0] in forward}
     recompute = recomputed(joint, forward)
+    nodes = list(joint.graph.nodes)  # recomputed() may have rewritten a backward gather
 
     saved: list[fx.Node] = []
     in_backward: set[fx.Node] = set()

@@ -65,6 +65,47 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict:
     return {"error": error, "collectives": collectives}
 
 
+def train(rank: int, world_size: int, device: str = "cpu", steps: int = 3) -> dict:
+    """A few SGD steps through torch.compile(backend="fxshard"): the backend compiles the joint
+    forward+backward program because the parameters (and the input) require grad."""
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = MLP().to(device)
+    model = MLP().to(device)
+    model.load_state_dict(reference.state_dict())
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    graphs = {}
+    compiled = torch.compile(lambda x: model(x).square().mean(), backend="fxshard",
+                             options={"on_graph": lambda stage, gm: graphs.__setitem__(stage, gm)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    errors, placements_kept = [], True
+    for _ in range(steps):
+        x = torch.randn(4, 16, 64, device=device, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        loss = compiled(x)
+        loss.backward()
+        ref_loss = reference(x_ref).square().mean()
+        ref_loss.backward()
+        errors.append(abs(loss.full_tensor().item() - ref_loss.item()))
+        errors.append((x.grad - x_ref.grad).abs().max().item())
+        for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            placements_kept &= isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+            errors.append((p.grad.full_tensor() - q.grad).abs().max().item())
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+
+    def kinds(gm: torch.fx.GraphModule) -> list[str]:
+        return [n.target.__name__ for n in gm.graph.nodes
+                if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
+                and n.target.__name__ != "wait_tensor.default"]
+
+    return {"error": max(errors), "placements_kept": placements_kept, "forward": kinds(graphs["lower"]),
+            "backward": kinds(graphs["lower_backward"])}
+
+
 def spawn(world_size: int = 2, timeout: float = 240.0, device: str = "cpu") -> dict[int, dict]:
     """Run on ``world_size`` local ranks (gloo on CPU, NCCL on GPUs); raises if a rank fails or hangs."""
     from ranks import spawn as spawn_ranks

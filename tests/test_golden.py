@@ -277,3 +277,63 @@ def test_fused_qkv_chain_2d():
 %view_2: f32[2, 4, 16] [2@dp] [4] [2@tp 8] = aten.view(%add, [2, 4, 16])
 return [%view_2]
 communication: none""")
+
+
+def test_mlp_training_forward_and_backward_megatron():
+    """Training a column/row-parallel MLP: the forward all-reduces the row-parallel output once, the
+    backward the input's gradient once; each weight's gradient is computed in its own layout."""
+    from fxshard.backend.simulate import _planned_training
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w1 = torch.randn(16, 8, requires_grad=True)
+    w2 = torch.randn(8, 16, requires_grad=True)
+
+    def loss(x, w1, w2):
+        return torch.relu(x @ w1.t()) @ w2.t()
+
+    _, plan = _planned_training(lambda x, w1, w2: loss(x, w1, w2).sum(), (x, w1, w2), MeshSpec(tp=4),
+                                {1: (Shard(0),), 2: (Shard(1),)}, False, None)
+    assert_expected_inline("== forward\n" + format_graph(plan.forward) + "\n== backward\n" + format_graph(plan.backward),
+                           """\
+== forward
+%arg1: f32[16, 8] [4@tp 4] [8] = input
+%arg0: f32[4, 8] [4] [8] = input
+%arg2: f32[8, 16] [8] [4@tp 4] = input
+%t: f32[8, 16] [8] [4@tp 4] = aten.t(%arg1)
+%mm: f32[4, 16] [4] [4@tp 4] = aten.mm(%arg0, %t)
+%relu: f32[4, 16] [4] [4@tp 4] = aten.relu(%mm)
+%t_1: f32[16, 8] [4@tp 4] [8] = aten.t(%arg2)
+%mm_1: f32[4, 8] [4] [8] P(sum@tp) = aten.mm(%relu, %t_1)
+%sum_1: f32[] [] P(sum@tp) = aten.sum(%mm_1)
+%detach_2: f32[] [] P(sum@tp) = aten.detach(%sum_1)
+%redistribute_default: f32[] [] = redistribute(%detach_2) from [] P(sum@tp): all_reduce(tp sum)
+return [%redistribute_default, %arg1, %arg0, %arg2, %relu]
+== backward
+%saved_arg1: f32[16, 8] [4@tp 4] [8] = input
+%saved_arg0: f32[4, 8] [4] [8] = input
+%saved_arg2: f32[8, 16] [8] [4@tp 4] = input
+%saved_relu: f32[4, 16] [4] [4@tp 4] = input
+%tangent_0: f32[] [] = input
+%t: f32[8, 16] [8] [4@tp 4] = aten.t(%saved_arg1)
+%detach: f32[4, 16] [4] [4@tp 4] = aten.detach(%saved_relu)
+%t_1: f32[16, 8] [4@tp 4] [8] = aten.t(%saved_arg2)
+%expand: f32[4, 8] [4] [8] = aten.expand(%tangent_0, [4, 8])
+%t_2: f32[8, 4] [8] [4] = aten.t(%expand)
+%mm_2: f32[8, 16] [8] [4@tp 4] = aten.mm(%t_2, %saved_relu)
+%t_3: f32[16, 8] [4@tp 4] [8] = aten.t(%mm_2)
+%t_4: f32[8, 16] [8] [4@tp 4] = aten.t(%t_1)
+%mm_3: f32[4, 16] [4] [4@tp 4] = aten.mm(%expand, %t_4)
+%t_5: f32[8, 16] [8] [4@tp 4] = aten.t(%t_3)
+%detach_1: f32[4, 16] [4] [4@tp 4] = aten.detach(%detach)
+%le: b8[4, 16] [4] [4@tp 4] = aten.le.Scalar(%detach_1, 0)
+%scalar_tensor: f32[] [] = aten.scalar_tensor(0, dtype=float32, layout=torch.strided, device=device)
+%where: f32[4, 16] [4] [4@tp 4] = aten.where.self(%le, %scalar_tensor, %mm_3)
+%t_6: f32[16, 4] [4@tp 4] [4] = aten.t(%where)
+%mm_4: f32[16, 8] [4@tp 4] [8] = aten.mm(%t_6, %saved_arg0)
+%t_7: f32[8, 16] [8] [4@tp 4] = aten.t(%mm_4)
+%t_8: f32[16, 8] [4@tp 4] [8] = aten.t(%t)
+%mm_5: f32[4, 8] [4] [8] P(sum@tp) = aten.mm(%where, %t_8)
+%redistribute_default_1: f32[4, 8] [4] [8] = redistribute(%mm_5) from [4] [8] P(sum@tp): all_reduce(tp sum)
+%t_9: f32[16, 8] [4@tp 4] [8] = aten.t(%t_7)
+return [%t_9, %redistribute_default_1, %t_5]""")

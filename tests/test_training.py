@@ -97,9 +97,10 @@ def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     assert fwd["all_gather"] == n_params
     assert all(c.input_bytes <= 8 for c in fwd_calls if c.kind == "all_reduce")  # the loss's scalars only
     assert bwd["reduce_scatter"] == n_params and "all_reduce" not in bwd
-    # weights are gathered again for the backward (none kept between the passes); the embedding's gradient
-    # needs only the token ids, not its table
-    assert bwd["all_gather"] == n_params - 1
+    # every layer's matrices are gathered again for the backward; kept between the passes: the norms'
+    # tiny weights and the output projection (needed first, at once); the embedding's gradient needs
+    # only the token ids, not its table
+    assert bwd["all_gather"] == 7 * CFG.n_layers
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
@@ -120,7 +121,7 @@ def test_fsdp_x_tensor_parallel(shape):
     assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
 
 
-@pytest.mark.parametrize("tp", [4])
+@pytest.mark.parametrize("tp", [4, 8])
 def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
     torch.manual_seed(0)
     model = Llama(CFG)
@@ -162,3 +163,35 @@ def test_grad_outputs_seed_the_backward():
 def test_grad_without_trainable_inputs_says_so():
     with pytest.raises(ValueError, match="requires grad"):
         fxshard.simulate(lambda x: x.sum(), torch.randn(4), mesh=fxshard.MeshSpec(tp=2), grad=True)
+
+
+def test_no_rank_keeps_a_gathered_value_between_the_passes():
+    """FSDP x TP: no activation is saved gathered; of the gathered weights only the norms' (tiny) and
+    the one the backward needs first are kept, the others are gathered again in the backward."""
+    from fxshard.backend.joint import grows
+    from fxshard.refine import input_root
+    from fxshard.backend.simulate import _planned_training
+    from fxshard.rules import RELABEL_OPS
+
+    torch.manual_seed(3)
+    model = Llama(CFG)
+    x, y = data(8, 32)
+    batch = (Shard(0), Replicate())
+    placements = {**fsdp_tp_placements(model), 0: batch, 1: batch}
+    _, plan = _planned_training(model.loss, (x, y), fxshard.MeshSpec(dp=2, tp=2), placements, False,
+                                BANDWIDTH_BOUND)
+    out = next(n for n in plan.forward.graph.nodes if n.op == "output")
+    saved = list(out.args[0][plan.num_outputs:])
+    assert saved, "the backward reads nothing from the forward?"
+
+    def gathered(n):
+        while n.op == "call_function" and n.target in RELABEL_OPS:
+            n = n.args[0]
+        return n if grows(n) else None
+
+    kept = [g for g in map(gathered, saved) if g is not None]
+    assert all(input_root(g.args[0]) is not None for g in kept), "an activation was kept gathered"
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    big = [g for g in kept if g.meta["val"].numel() * 4 > largest // 64]
+    assert len(big) == 1, big  # the output projection's weight, which the backward needs first
+    assert [n for n in plan.backward.graph.nodes if grows(n)], "the backward gathers the layers' weights again"

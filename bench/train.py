@@ -1,0 +1,211 @@
+"""Training steps: fxshard vs DTensor + torch.compile(inductor), same model, placements and ranks.
+
+    python bench/train.py           # 4 gloo ranks on CPU; prints a markdown table
+    python bench/train.py --json
+
+Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
+
+- TP (tp=4): torchtitan's Megatron plan through ``parallelize_module``, vocab-parallel logits; both
+  systems compile the model's forward (fxshard: ``backend="fxshard"``, which compiles the joint
+  program; DTensor: ``backend="inductor"``) and compute the loss outside it under ``loss_parallel()``.
+- FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
+  on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the unchanged
+  model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
+
+Per system: compile time (the first step, which compiles), step time (median of the later steps),
+collectives and bytes one rank receives per step. fxshard's are read from its lowered forward and
+backward programs; DTensor's are recorded by ``CommDebugMode`` around one eager step (Inductor does not
+change which collectives DTensor issues). Bytes use one formula for both (``fxshard.lowering.traffic``).
+fxshard plans with a bandwidth-only cost model (``CostModel(default_latency=0)``): bytes decide.
+Inductor's caches are off, so both systems compile from scratch. The machine is small and noisy:
+read the ratios, not the absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
+BATCH, SEQ, STEPS = 8, 128, 6
+CASES = ("tp", "fsdp", "fsdp_tp")
+
+
+def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
+    from fxshard.lowering.traffic import summarize
+
+    return summarize(calls)
+
+
+def _data(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g))
+
+
+def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, Any, Any]:
+    """(model, step function (tokens, targets) -> loss, batch placements or None)."""
+    import fxshard
+    from models.llama import Llama, fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
+    from train_llama import distribute_parameters
+
+    torch.manual_seed(0)
+    model = Llama(config)
+    if case == "tp":
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
+        graphs: dict = {}  # fxshard's lowered programs, by stage
+        options = {"cost_model": fxshard.CostModel(default_latency=0.0),
+                   "on_graph": lambda stage, gm: graphs.__setitem__(stage, gm)}
+        compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor",
+                                 options=options if system == "fxshard" else None)
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = compiled(tokens)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
+            return loss
+        return model, step, graphs
+    dp_mesh = mesh if case == "fsdp" else mesh["dp"]
+    batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
+    if system == "fxshard":
+        distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
+        compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = compiled(distribute_tensor(tokens, mesh, batch), distribute_tensor(targets, mesh, batch))
+            loss.backward()
+            return loss
+        return model, step, compiled
+    from torch.distributed.fsdp import fully_shard
+
+    if case == "fsdp_tp":
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
+                                                                  loss_parallel=False))
+    for layer in model.layers:
+        layer.compile()
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    rank = dp_mesh.get_local_rank()
+    per_rank = BATCH // dp_mesh.size()
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        logits = model(tokens[mine])
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        # FSDP's loss is the mean over this rank's sequences; the mean of those is the global one
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[mine].flatten())
+        loss.backward()
+        return loss
+    return model, step, None
+
+
+def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict:
+    import fxshard  # noqa: F401 (registers the op library on this rank)
+    from comm import CommBytesMode
+    from fxshard.lowering.traffic import collective_calls
+    from models.llama import LlamaConfig
+
+    config = LlamaConfig(**LLAMA)
+    shape, names = ((world_size,), ("tp",)) if case == "tp" else \
+        ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    model, step, compiled = _build(case, system, mesh, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for k in range(STEPS):
+        tokens, targets = _data(config, k)
+        start = time.perf_counter()
+        step(tokens, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    if system == "fxshard":
+        if isinstance(compiled, dict):  # torch.compile(backend="fxshard"): the stages it reported
+            calls = collective_calls(compiled["lower"]) + collective_calls(compiled["lower_backward"])
+        else:
+            calls = collective_calls(compiled.last.forward_graph) + collective_calls(compiled.last.backward_graph)
+    else:
+        tokens, targets = _data(config, 0)
+        with CommBytesMode() as mode:
+            torch._dynamo.config.disable = True
+            try:
+                step(tokens, targets)
+            finally:
+                torch._dynamo.config.disable = False
+        optimizer.zero_grad()
+        calls = mode.calls
+    counts, nbytes = _counts_bytes(calls)
+    return {"compile_s": times[0], "step_s": statistics.median(times[1:]), "counts": counts, "bytes": nbytes}
+
+
+def run_rank(rank: int, world_size: int, device: str, case: str, system: str) -> dict:
+    try:
+        return run(rank, world_size, device, case, system)
+    except Exception as e:  # a system that cannot run a case reports why instead of failing the table
+        if rank == 0:
+            print(f"{system} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+
+
+def measure(case: str) -> dict:
+    from ranks import spawn
+
+    out = {"case": case}
+    for system in ("fxshard", "dtensor"):
+        results = spawn(run_rank, 4, 900.0, "cpu", case=case, system=system)
+        out[system] = results[0]
+    return out
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    if "error" in a or "error" in b or not b.get(key):
+        return "n/a"
+    return f"{a[key] / b[key]:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | fxshard collectives / step | DTensor collectives / step | bytes ratio | "
+             "step time ratio | compile time ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        f, d = r["fxshard"], r["dtensor"]
+
+        def cell(x: dict) -> str:
+            if "error" in x:
+                return f"fails: {x['error']}"
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(x["counts"].items()))
+            return f"{counts}; {x['bytes'] / 2**20:.2f} MiB; step {x['step_s'] * 1e3:.0f} ms; compile {x['compile_s']:.0f} s"
+        lines.append(f"| {r['case']} | {cell(f)} | {cell(d)} | {_ratio(f, d, 'bytes')} | "
+                     f"{_ratio(f, d, 'step_s')} | {_ratio(f, d, 'compile_s')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    # compile times without Inductor's on-disk caches: every run compiles from scratch, both systems
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--case", choices=CASES, action="append")
+    args = parser.parse_args()
+    rows = [measure(case) for case in (args.case or CASES)]
+    print(json.dumps(rows, indent=1) if args.json else table(rows))
+
+
+if __name__ == "__main__":
+    main()
