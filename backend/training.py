@@ -63,16 +63,17 @@ class TrainingCallable:
             for o, layout, placements in zip(outs, self.plan.output_layouts, self.output_placements))
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        inputs = [x.detach().contiguous() for x in inputs]
-        if self._forward is None:
-            self._forward = _compiled(self.forward_graph, inputs, self.inductor)
-        return list(_as_tuple(self._forward(*inputs)))
+        return self._run("forward", inputs)
 
     def run_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self._run("backward", inputs)
+
+    def _run(self, which: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the forward or backward program; Inductor compiles it on its first call, with these inputs."""
         inputs = [x.detach().contiguous() for x in inputs]
-        if self._backward is None:
-            self._backward = _compiled(self.backward_graph, inputs, self.inductor)
-        return list(_as_tuple(self._backward(*inputs)))
+        if getattr(self, f"_{which}") is None:
+            setattr(self, f"_{which}", _compiled(getattr(self, f"{which}_graph"), inputs, self.inductor))
+        return list(_as_tuple(getattr(self, f"_{which}")(*inputs)))
 
 
 class _TrainingStep(torch.autograd.Function):

@@ -22,7 +22,8 @@ from fxshard.propagate import UnsupportedOpError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from models.llama import (  # noqa: E402
-    COLUMN_PARALLEL, ROW_PARALLEL, Llama, LlamaConfig, megatron_placements, tensor_parallel_plan)
+    COLUMN_PARALLEL, ROW_PARALLEL, Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements,
+    tensor_parallel_plan)
 
 CFG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=256)
 COLUMN, ROW = COLUMN_PARALLEL, ROW_PARALLEL
@@ -101,22 +102,8 @@ def test_llama_variants_under_tensor_parallel(variant):
 BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)
 
 
-def placements_fsdp(model: Llama) -> dict:
-    """FSDP-style: every parameter Shard(0) on dp; propagation all-gathers each where it is used."""
-    return {name: (Shard(0),) for name, _ in model.named_parameters()}
-
-
-def placements_2d(model: Llama) -> dict:
-    """dp x tp: Megatron on tp, every weight's other dim sharded on dp (FSDP-style)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if any(k in name for k in COLUMN):
-            out[name] = (Shard(1), Shard(0))
-        elif any(k in name for k in ROW):
-            out[name] = (Shard(0), Shard(1))
-        else:
-            out[name] = (Shard(0), Replicate())
-    return out
+placements_fsdp = fsdp_placements  # every parameter Shard(0) on dp; propagation gathers each where used
+placements_2d = fsdp_tp_placements  # dp x tp: Megatron on tp, every weight's other dim on dp
 
 
 @pytest.mark.parametrize("dp", [4, 8])
