@@ -41,10 +41,6 @@ class TrainingCallable:
         self._forward: Callable | None = None
         self._backward: Callable | None = None
 
-    @property
-    def local_graph(self) -> fx.GraphModule:
-        return self.forward_graph
-
     def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
         out = []
         for pos, layout in zip(self.positions, self.input_layouts):

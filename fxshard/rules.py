@@ -243,15 +243,23 @@ def _embedding(node: Any) -> Signature:
     return Signature((("vocab", "emb"), tuple(idx)), tuple(idx) + ("emb",), "sum", ((0,),))
 
 
-def _gather(node: Any) -> Signature | None:
-    """gather(x, dim, index): a sharded ``dim`` of x is looked up locally and masked (Partial(sum))."""
+def _indexed_dim(node: Any) -> int | None:
+    """For gather/scatter(x, dim, index, ...): ``dim`` when index spans all of x off that dim, else None."""
     x, index = _shape(node.args[0]), _shape(node.args[2])
     if x is None or index is None or len(x) != len(index):
         return None
     dim = node.args[1] % max(len(x), 1)
     if any(a != b for d, (a, b) in enumerate(zip(x, index)) if d != dim):
         return None
-    names = _letters(len(x))
+    return dim
+
+
+def _gather(node: Any) -> Signature | None:
+    """gather(x, dim, index): a sharded ``dim`` of x is looked up locally and masked (Partial(sum))."""
+    dim = _indexed_dim(node)
+    if dim is None:
+        return None
+    names = _letters(len(_shape(node.args[0])))
     xs = tuple("looked_up" if d == dim else f for d, f in enumerate(names))
     return Signature((xs, tuple(names)), tuple(names), "sum", ((0,),))
 
@@ -333,13 +341,10 @@ def _to_copy(node: Any) -> Signature:
 def _scatter(node: Any) -> Signature | None:
     """scatter(x, dim, index, value|src): rows along ``dim`` are written by position, so ``dim``
     stays whole; the other dims are independent where index (and src) span all of x."""
-    x, index = _shape(node.args[0]), _shape(node.args[2])
-    if x is None or index is None or len(x) != len(index):
+    dim = _indexed_dim(node)
+    if dim is None:
         return None
-    dim = node.args[1] % max(len(x), 1)
-    if any(a != b for d, (a, b) in enumerate(zip(x, index)) if d != dim):
-        return None
-    names = _letters(len(x))
+    names = _letters(len(_shape(node.args[0])))
     along = tuple("index" if d == dim else f for d, f in enumerate(names))
     inputs = [tuple(names), along] + [along for a in node.args[3:4] if _shape(a) is not None]
     return Signature(tuple(inputs), tuple(names), partial_ops=(), whole=frozenset({names[dim], "index"}))
