@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
-from fxshard.placements import layout_from_placements
+from fxshard.placements import user_layout
 
 
 @dataclass
@@ -23,6 +23,14 @@ class Captured:
     gm: fx.GraphModule
     example_inputs: list[Any]
     objects: list[Any]  # the real object behind each placeholder (argument, parameter, buffer, mesh)
+
+
+UNEVEN_LOCAL_OUTPUT_HINT = (
+    "fxshard: DTensor could not run this program while Dynamo traced it (the error above). If a dim does not "
+    "divide by the mesh size and the model was parallelized with parallel styles that hand plain local shards on "
+    "(ColwiseParallel/RowwiseParallel's default use_local_output=True), DTensor.from_local assumed even shards and "
+    "got a wrong global size. Pass use_local_output=False to the styles (the model then runs in global shapes, "
+    "which is what fxshard compiles), or make that dim divisible by the mesh size.")
 
 
 def _fresh_entry(fn: Callable) -> Callable:
@@ -46,7 +54,12 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
 
     # capturing runs fn once; it must not advance the caller's random streams (dropout)
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
-        torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
+        try:
+            torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
+        except RuntimeError as e:
+            if "Sharding propagation failed" not in str(e):
+                raise
+            raise RuntimeError(f"{e}\n\n{UNEVEN_LOCAL_OUTPUT_HINT}") from e
     if not result:
         raise RuntimeError("Dynamo produced no graph for the function (it may contain no tensor ops)")
     return Captured(result["gm"], result["example_inputs"], result["objects"])
@@ -85,9 +98,10 @@ def input_layouts_by_position(fn: Callable, args: Sequence[Any], captured: Captu
         if isinstance(obj, DTensor):
             raise ValueError(f"input {key!r} is already a DTensor with placements {obj.placements}; "
                              "do not also give it placements")
-        spec = placements[key]
-        layouts[pos] = spec if isinstance(spec, Layout) else layout_from_placements(mesh, obj.shape, spec)
-        if tuple(layouts[pos].shape) != tuple(obj.shape):
-            raise ValueError(f"layout for {key!r} is for shape {list(layouts[pos].shape)}, "
-                             f"the input has shape {list(obj.shape)}")
+        layouts[pos] = user_layout(_describe(key), placements[key], mesh, obj.shape)
     return layouts, [n for n, _ in names]
+
+
+def _describe(key: Any) -> str:
+    """How an error names an input: ``argument 0`` or ``parameter 'up.weight'``."""
+    return f"argument {key}" if isinstance(key, int) else f"parameter {key!r}"

@@ -18,6 +18,8 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.pipeline import output_layouts
 
+from .report import StageReporter
+
 _warned_grad = False
 
 
@@ -25,7 +27,7 @@ class ShardedCallable:
     """Calls the compiled local program of this rank on the local shards of the inputs."""
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
-                 input_layouts: Sequence[Layout], inductor: bool = True):
+                 input_layouts: Sequence[Layout], inductor: bool = True, reporter: StageReporter | None = None):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
@@ -35,6 +37,7 @@ class ShardedCallable:
         self.output_layouts = output_layouts(planned)
         self.output_placements = [l.to_placements() for l in self.output_layouts]
         self.inductor = inductor
+        self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
 
     def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
@@ -72,7 +75,7 @@ class ShardedCallable:
             return self.local_graph
         from torch._inductor.compile_fx import compile_fx
 
-        with torch.no_grad():
+        with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
             compiled = compile_fx(self.local_graph, local_inputs)
         return compiled
 

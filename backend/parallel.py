@@ -22,15 +22,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.layout import Layout
-from fxshard.pipeline import shard_graph
-from fxshard.placements import as_mesh_spec, layout_from_placements
+from fxshard.placements import as_mesh_spec, layout_from_placements, user_layout
 from fxshard.planner import CostModel
 
 from .capture import capture
-from .compile import ShardedCallable
-from .joint import plan_training
-from .trace import trace_global
-from .training import TrainingCallable
+from .driver import compile_program
 
 
 class CompiledFunction:
@@ -108,24 +104,16 @@ class CompiledFunction:
             layouts[pos] = self._layout(spec, real, kind, name)
         if any(kind == "arg" and name is None for kind, name in sources):
             raise RuntimeError("fxshard.compile: the captured program has a non-tensor input it cannot feed")
-        if training:
-            plan = plan_training(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names,
-                                 strict=self.strict, cost_model=self.cost_model)
-            runner: Any = TrainingCallable(plan, device_mesh, inductor=self.inductor)
-        else:
-            program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts,
-                                   names=names)
-            planned = shard_graph(program.gm, spec, program.input_layouts, strict=self.strict,
-                                  cost_model=self.cost_model)
-            runner = ShardedCallable(planned, device_mesh, program.tensor_positions,
-                                     [program.input_layouts[n] for n in program.input_names], inductor=self.inductor)
+        runner = compile_program(captured.gm, captured.example_inputs, training=training, device_mesh=device_mesh,
+                                 mesh=spec, extra_layouts=layouts, names=names, strict=self.strict,
+                                 cost_model=self.cost_model, inductor=self.inductor)
         return runner, sources
 
     def _layout(self, spec: Any, real: torch.Tensor, kind: str, name: Any) -> Layout:
         if isinstance(real, DTensor):
             return layout_from_placements(spec, real.shape, real.placements)
         if kind == "arg" and name in self.placements:
-            return layout_from_placements(spec, real.shape, self.placements[name])
+            return user_layout(f"argument {name}", self.placements[name], spec, real.shape)
         return Layout.replicated(spec, real.shape)
 
 

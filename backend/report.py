@@ -5,10 +5,12 @@ logger under ``fxshard`` follows TORCH_LOGS, as a qualified module name).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import pathlib
-from typing import Callable
+import time
+from typing import Callable, Iterator
 
 import torch.fx as fx
 
@@ -16,6 +18,9 @@ from fxshard.memory import memory_report
 from fxshard.printing import format_graph
 
 log = logging.getLogger("fxshard")
+# what each stage did and how long it took (INFO); when a stage starts (DEBUG, with
+# extra={"fxshard_stage": ...}): a launcher enables DEBUG here alone to say what a rank is busy with
+progress = logging.getLogger("fxshard.progress")
 _graph_ids = itertools.count()
 
 
@@ -41,6 +46,15 @@ class StageReporter:
             self.debug_dir.mkdir(parents=True, exist_ok=True)
             path = self.debug_dir / f"graph{self.graph_id}_{next(self.stage_index)}_{stage}.txt"
             path.write_text(text + "\n")
+
+    @contextlib.contextmanager
+    def timed(self, doing: str) -> Iterator[None]:
+        """Logs ``fxshard graph N: <doing> took X s`` (INFO on ``fxshard.progress``) once the block ran."""
+        progress.debug("fxshard graph %d: %s ...", self.graph_id, doing,
+                       extra={"fxshard_stage": f"{doing} (fxshard graph {self.graph_id})"})
+        start = time.perf_counter()
+        yield
+        progress.info("fxshard graph %d: %s took %.1f s", self.graph_id, doing, time.perf_counter() - start)
 
     def summarize(self, planned: fx.GraphModule) -> None:
         """One INFO line per compiled graph: its collectives and memory per rank."""

@@ -20,12 +20,14 @@ from fxshard.lowering.localize import localize
 
 from .compile import _contiguous_stride
 from .joint import TrainingPlan
+from .report import StageReporter
 
 
 class TrainingCallable:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
-    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True):
+    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True,
+                 reporter: StageReporter | None = None):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         groups = MeshGroups(device_mesh)
         self.plan = plan
@@ -38,6 +40,7 @@ class TrainingCallable:
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
         self.output_placements = [l.to_placements() for l in plan.output_layouts]
         self.inductor = inductor
+        self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
 
@@ -68,8 +71,16 @@ class TrainingCallable:
         """Run the forward or backward program; Inductor compiles it on its first call, with these inputs."""
         inputs = [x.detach().contiguous() for x in inputs]
         if getattr(self, f"_{which}") is None:
-            setattr(self, f"_{which}", _compiled(getattr(self, f"{which}_graph"), inputs, self.inductor))
+            setattr(self, f"_{which}", self._compiled(getattr(self, f"{which}_graph"), inputs, which))
         return list(_as_tuple(getattr(self, f"_{which}")(*inputs)))
+
+    def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
+        if not self.inductor:
+            return gm
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
+            return compile_fx(gm, inputs)
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -94,15 +105,6 @@ class _TrainingStep(torch.autograd.Function):
         for k, g in zip(runner.plan.grad_inputs, grads):
             result[k] = g
         return (None, *result)
-
-
-def _compiled(gm: fx.GraphModule, inputs: list[torch.Tensor], inductor: bool) -> Callable:
-    if not inductor:
-        return gm
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch.no_grad():
-        return compile_fx(gm, inputs)
 
 
 def _as_tuple(x: Any) -> tuple:

@@ -1,7 +1,8 @@
 """A compact Llama 3 with tensor + sequence parallelism, compiled with backend="fxshard" on gloo ranks.
 
-    python examples/llama_tp.py              # spawns 4 CPU ranks on 127.0.0.1 (TP+SP)
-    python examples/llama_tp.py --tp-only    # tensor parallel without sequence parallelism
+    python examples/llama_tp.py                                  # spawns 4 CPU ranks on 127.0.0.1 (TP+SP)
+    python examples/llama_tp.py --tp-only                        # tensor parallel without sequence parallelism
+    torchrun --nproc-per-node 4 examples/llama_tp.py             # the same program, launched by torchrun
 
 The model (examples/models/llama.py) is written in global shapes; ``parallelize_module`` with
 torchtitan's plan says how its weights and activations are sharded. A single-device run writes
@@ -14,11 +15,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -42,12 +41,16 @@ def write_checkpoint(path: str, config: LlamaConfig = CONFIG) -> None:
 
 def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool = True,
         config: LlamaConfig = CONFIG, batch: int = 2, seq: int = 64, steps: int = 5,
-        checkpoint: str | None = None) -> dict:
+        checkpoint: str | None = None, workdir: str | None = None) -> dict:
     """Compile and run the sharded Llama on this rank; returns what it measured.
 
-    With ``checkpoint`` the sharded model is built on the meta device and each rank reads only its
-    shard of every weight from it (``fxshard.load_sharded``); the single-device reference loads it whole.
+    With ``checkpoint`` (or a ``workdir`` holding ``llama.pt``: ``ranks.launch`` with ``setup=``) the
+    sharded model is built on the meta device and each rank reads only its shard of every weight
+    from it (``fxshard.load_sharded``); the single-device reference loads it whole.
     """
+    if checkpoint is None and workdir is not None:
+        checkpoint = os.path.join(workdir, "llama.pt")
+    say = print if rank == 0 else (lambda *_, **__: None)
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)  # same weights and tokens on every rank
     model = Llama(config).eval().to(device)
@@ -60,6 +63,7 @@ def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool
     if checkpoint is not None:
         import fxshard
 
+        say("each rank reads its shards of the checkpoint (fxshard.load_sharded)", flush=True)
         with torch.device("meta"):
             model = Llama(config).eval()
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
@@ -69,6 +73,7 @@ def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool
     graphs: dict = {}
     compiled = torch.compile(model, backend="fxshard",
                              options={"on_graph": lambda stage, gm: graphs.__setitem__(stage, gm)})
+    say("compiling (the first call): Dynamo, then fxshard's stages and Inductor", flush=True)
     with torch.no_grad():
         out = compiled(tokens)  # compiles
         times = []
@@ -96,28 +101,21 @@ def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool
     return {"error": error, "collectives": collectives, "tokens_per_s": tokens_per_s}
 
 
-def spawn(world_size: int = 4, timeout: float = 300.0, **kwargs) -> dict[int, dict]:
-    from ranks import spawn as spawn_ranks
+def spawn(world_size: int = 4, timeout: float = 900.0, **kwargs) -> dict[int, dict]:
+    from ranks import launch
 
-    return spawn_ranks(run, world_size, timeout, "cpu", **kwargs)
+    return launch(run, world_size, timeout, "cpu", **kwargs)
 
 
 def main() -> None:
+    """Self-spawned or under torchrun, the same path: the checkpoint is written once per node
+    (``setup``), then every rank reads its shards of it."""
     sequence_parallel = "--tp-only" not in sys.argv
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
-        try:
-            run(dist.get_rank(), dist.get_world_size(), sequence_parallel=sequence_parallel)
-        finally:
-            dist.destroy_process_group()
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = os.path.join(tmp, "llama.pt")
-        write_checkpoint(checkpoint)  # the single-device run's weights; each rank reads only its shards
-        results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "4")), sequence_parallel=sequence_parallel,
-                        checkpoint=checkpoint)
+    results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "4")), sequence_parallel=sequence_parallel,
+                    setup=lambda workdir: write_checkpoint(os.path.join(workdir, "llama.pt")))
     worst = max(r["error"] for r in results.values())
-    print(f"all ranks ok; worst error {worst:.2e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"all ranks ok; worst error {worst:.2e}")
     sys.exit(0 if worst <= 1e-4 else 1)
 
 

@@ -1,7 +1,7 @@
 """A tensor-parallel MLP compiled with torch.compile(backend="fxshard") on gloo ranks.
 
-    python examples/mlp_tp.py            # spawns 2 CPU ranks on 127.0.0.1
-    torchrun --nproc-per-node 2 examples/mlp_tp.py
+    python examples/mlp_tp.py                         # spawns 2 CPU ranks on 127.0.0.1
+    torchrun --nproc-per-node 2 examples/mlp_tp.py    # the same program, launched by torchrun
 
 The model is written in global shapes; parallelize_module says how its weights are sharded
 (column-parallel up projection, row-parallel down projection). fxshard plans the
@@ -13,7 +13,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -30,11 +29,22 @@ class MLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def run(rank: int, world_size: int, device: str = "cpu") -> dict:
+def make_mesh(device: str, world_size: int, kind: str = "named"):
+    """A 1-D mesh of all ranks, made the ways users make one: with a dim name, without
+    (``init_device_mesh(device, (n,))``, as most DTensor docs write it), or as the ``tp`` slice of a
+    (1, n) mesh."""
+    if kind == "unnamed":
+        return init_device_mesh(device, (world_size,))
+    if kind == "slice":
+        return init_device_mesh(device, (1, world_size), mesh_dim_names=("dp", "tp"))["tp"]
+    return init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+
+
+def run(rank: int, world_size: int, device: str = "cpu", mesh_kind: str = "named") -> dict:
     """Compile and run the sharded MLP on this rank; returns what it checked."""
     if device == "cuda":
         torch.cuda.set_device(rank)
-    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    mesh = make_mesh(device, world_size, mesh_kind)
     torch.manual_seed(0)  # same weights and inputs on every rank
     model = MLP().to(device)
     x = torch.randn(4, 16, 64, device=device)
@@ -65,10 +75,10 @@ def run(rank: int, world_size: int, device: str = "cpu") -> dict:
     return {"error": error, "collectives": collectives}
 
 
-def train(rank: int, world_size: int, device: str = "cpu", steps: int = 3) -> dict:
+def train(rank: int, world_size: int, device: str = "cpu", steps: int = 3, mesh_kind: str = "named") -> dict:
     """A few SGD steps through torch.compile(backend="fxshard"): the backend compiles the joint
     forward+backward program because the parameters (and the input) require grad."""
-    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    mesh = make_mesh(device, world_size, mesh_kind)
     torch.manual_seed(0)
     reference = MLP().to(device)
     model = MLP().to(device)
@@ -106,24 +116,18 @@ def train(rank: int, world_size: int, device: str = "cpu", steps: int = 3) -> di
             "backward": kinds(graphs["lower_backward"])}
 
 
-def spawn(world_size: int = 2, timeout: float = 240.0, device: str = "cpu") -> dict[int, dict]:
+def spawn(world_size: int = 2, timeout: float = 600.0, device: str = "cpu", **kwargs) -> dict[int, dict]:
     """Run on ``world_size`` local ranks (gloo on CPU, NCCL on GPUs); raises if a rank fails or hangs."""
-    from ranks import spawn as spawn_ranks
+    from ranks import launch
 
-    return spawn_ranks(run, world_size, timeout, device)
+    return launch(run, world_size, timeout, device, **kwargs)
 
 
 def main() -> None:
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
-        try:
-            run(dist.get_rank(), dist.get_world_size())
-        finally:
-            dist.destroy_process_group()
-        return
-    results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "2")))
+    results = spawn(int(os.environ.get("WORLD_SIZE_FXSHARD", "2")))  # under torchrun: this process is one rank
     worst = max(r["error"] for r in results.values())
-    print(f"all ranks ok; worst error {worst:.2e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"all ranks ok; worst error {worst:.2e}")
     sys.exit(0 if worst <= 1e-5 else 1)
 
 

@@ -1,32 +1,120 @@
-"""Run a function on local ranks: gloo on CPU (127.0.0.1) or NCCL on GPUs, each rank its own process.
+"""Run a function on every rank: spawned local processes (gloo on CPU, NCCL on GPUs) or under torchrun.
 
-``spawn(run, world_size)`` calls ``run(rank, world_size, device, **kwargs)`` on every rank and
-returns each rank's result; a rank that fails or hangs fails the call (bounded by ``timeout``).
+``launch(run, world_size)`` calls ``run(rank, world_size, device, **kwargs)`` on every rank and
+returns each rank's result. Under ``torchrun`` (``RANK`` in the environment) this process is one
+rank: the process group comes from torchrun's environment and the results are gathered from
+all ranks. Otherwise ``spawn`` starts ``world_size`` processes on 127.0.0.1.
+
+What spawned ranks get, and what the parent promises:
+- one intra-op thread each (``threads=``), and one Inductor compile thread: ranks share the
+  machine's cores, and more threads than cores only make everything slower;
+- fxshard's progress (what each stage did and how long it took) printed as it happens, rank 0's
+  by default; a rank busy too long fails the call saying what it was doing;
+- a rank that failed fails the call at once, with its traceback; a rank that returned its result
+  is given ``shutdown_grace`` seconds to leave cleanly, and is never killed before.
 """
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import socket
+import sys
+import tempfile
+import time
+import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PROGRESS = "fxshard.progress"  # fxshard's stage logger: INFO when a stage is done, DEBUG when it starts
 
-def _worker(run: Callable, rank: int, world_size: int, port: int, results: "mp.Queue", device: str,
+
+def launch(run: Callable, world_size: int, timeout: float = 900.0, device: str = "cpu",
+           setup: Callable[[str], None] | None = None, **kwargs: Any) -> dict[int, Any]:
+    """``run(rank, world_size, device, **kwargs)`` on every rank, spawned here or under torchrun.
+
+    ``setup(workdir)`` runs once per node before any rank starts (files every rank reads, such
+    as a checkpoint), and ``run`` then gets ``workdir=`` too. Returns {rank: result} for all ranks.
+    """
+    if "RANK" in os.environ:
+        return _as_torchrun_rank(run, device, setup, kwargs)
+    with tempfile.TemporaryDirectory(prefix="fxshard-") as workdir:
+        if setup is not None:
+            setup(workdir)
+            kwargs = dict(kwargs, workdir=workdir)
+        return spawn(run, world_size, timeout, device, **kwargs)
+
+
+def _as_torchrun_rank(run: Callable, device: str, setup: Callable[[str], None] | None,
+                      kwargs: dict) -> dict[int, Any]:
+    """This process is one rank of a torchrun job: same path as a spawned rank, results gathered."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    show_progress(rank == 0)
+    try:
+        if setup is not None:  # one per node, by its local rank 0; the same path on every rank of the job
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0")
+            workdir = os.path.join(tempfile.gettempdir(), f"fxshard-{run_id}")
+            if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+                os.makedirs(workdir, exist_ok=True)
+                setup(workdir)
+            dist.barrier()
+            kwargs = dict(kwargs, workdir=workdir)
+        result = run(rank, world_size, device, **kwargs)
+        results: list[Any] = [None] * world_size
+        dist.all_gather_object(results, result)
+        return dict(enumerate(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def show_progress(enabled: bool = True) -> None:
+    """Print fxshard's progress lines (each stage and how long it took) on this process's stderr."""
+    if not enabled:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(PROGRESS)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+
+
+# ---- spawned ranks ----------------------------------------------------------------------------------
+class _Forward(logging.Handler):
+    """Sends fxshard's progress records to the parent: stage starts (DEBUG) and what finished (INFO)."""
+
+    def __init__(self, channel: Any, rank: int):
+        super().__init__(logging.DEBUG)
+        self.channel, self.rank = channel, rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stage = getattr(record, "fxshard_stage", None)
+        if stage is not None or record.levelno >= logging.INFO:
+            self.channel.put(("progress", self.rank, stage, record.getMessage()))
+
+
+def _worker(run: Callable, rank: int, world_size: int, port: int, channel: Any, device: str, threads: int,
             kwargs: dict) -> None:
-    import tempfile
-    import traceback
+    torch.set_num_threads(threads)
+    import torch._inductor.config as inductor_config
 
+    inductor_config.compile_threads = 1  # no pool of compile workers per rank
     # each rank compiles into its own Inductor cache: no two processes write one cache entry at once
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                           os.path.join(tempfile.gettempdir(), f"fxshard-inductor-rank{rank}"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logger = logging.getLogger(PROGRESS)
+    logger.addHandler(_Forward(channel, rank))
+    logger.setLevel(logging.DEBUG)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
-        results.put((rank, run(rank, world_size, device, **kwargs)))
+        channel.put(("result", rank, run(rank, world_size, device, **kwargs)))
     except BaseException:
-        results.put((rank, {"exception": traceback.format_exc()}))  # fail the parent now, not at its timeout
+        channel.put(("failed", rank, traceback.format_exc()))  # fail the parent now, not at its timeout
         raise
     finally:
         dist.destroy_process_group()
@@ -38,29 +126,114 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(run: Callable, world_size: int = 2, timeout: float = 240.0, device: str = "cpu",
-          **kwargs: Any) -> dict[int, dict]:
-    """Run ``run`` on ``world_size`` local ranks; raises if a rank fails or hangs."""
+class RanksFailed(RuntimeError):
+    """A rank raised, died, or did not finish within the timeout."""
+
+
+def spawn(run: Callable, world_size: int = 2, timeout: float = 900.0, device: str = "cpu", threads: int = 1,
+          progress: int | None = 0, shutdown_grace: float = 120.0, **kwargs: Any) -> dict[int, Any]:
+    """Run ``run`` on ``world_size`` local processes; {rank: result}, or ``RanksFailed``.
+
+    ``timeout``: seconds until every rank has returned its result; ``progress``: the rank whose
+    progress lines are printed (None: none); ``threads``: intra-op threads per rank.
+    """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    channel = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(run, r, world_size, port, results, device, kwargs)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(run, r, world_size, port, channel, device, threads, kwargs))
+             for r in range(world_size)]
+    start = time.monotonic()
     for p in procs:
         p.start()
-    out: dict[int, dict] = {}
+    watch = _Watch(procs, start, progress)
     try:
-        for _ in range(world_size):
-            rank, value = results.get(timeout=timeout)
-            if "exception" in value:
-                raise RuntimeError(f"rank {rank} failed:\n{value['exception']}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=0 if p.exitcode is None and len(out) < world_size else 10)
+        results = watch.collect(channel, timeout)
+    except BaseException:
+        for p in procs:  # a rank failed or timed out: the others may wait forever in a collective
             if p.is_alive():
                 p.kill()
-                p.join()
-    failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-    if failed or len(out) != world_size:
-        raise RuntimeError(f"ranks failed (exit codes {[p.exitcode for p in procs]})")
-    return out
+        for p in procs:
+            p.join()
+        raise
+    watch.join_all(shutdown_grace)
+    return results
+
+
+class _Watch:
+    """The parent's view of its ranks: results, what each is busy with, how they exit."""
+
+    def __init__(self, procs: list, start: float, progress: int | None):
+        self.procs, self.start, self.progress = procs, start, progress
+        self.busy: dict[int, str] = {}  # rank -> the fxshard stage it started last, while it runs
+        self.done: dict[int, str] = {}  # rank -> the last thing it reported finished
+
+    def collect(self, channel: Any, timeout: float) -> dict[int, Any]:
+        results: dict[int, Any] = {}
+        deadline = self.start + timeout
+        dead_since: float | None = None  # a rank exited without a result: its last words may still be in transit
+        while len(results) < len(self.procs):
+            try:
+                kind, rank, *payload = channel.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                dead = self._dead(results)
+                if dead and dead_since is not None and time.monotonic() - dead_since > 5.0:
+                    raise RanksFailed(dead) from None
+                dead_since = dead_since if not dead else (dead_since or time.monotonic())
+                if time.monotonic() >= deadline:
+                    raise RanksFailed(self._timeout_message(results, timeout)) from None
+                continue
+            if kind == "progress":
+                self._progress(rank, *payload)
+            elif kind == "failed":
+                raise RanksFailed(f"rank {rank} failed:\n{payload[0]}")
+            else:
+                results[rank] = payload[0]
+        return results
+
+    def _progress(self, rank: int, stage: str | None, message: str) -> None:
+        if stage is not None:
+            self.busy[rank] = stage
+            return
+        self.busy.pop(rank, None)
+        self.done[rank] = message
+        if rank == self.progress:
+            print(f"[rank {rank}, {time.monotonic() - self.start:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def _dead(self, results: dict[int, Any]) -> str | None:
+        """What is wrong if a rank exited without returning a result, else None."""
+        for rank, p in enumerate(self.procs):
+            if rank not in results and p.exitcode is not None:
+                return (f"rank {rank} exited with code {p.exitcode} without returning a result (a negative code is "
+                        "the signal that ended it; -9: killed, e.g. out of memory)")
+        return None
+
+    def _timeout_message(self, results: dict[int, Any], timeout: float) -> str:
+        lines = [f"ranks timed out after {timeout:.0f} s:"]
+        for rank in range(len(self.procs)):
+            if rank in results:
+                continue
+            if rank in self.busy:
+                doing = self.busy[rank]
+            elif rank in self.done:
+                doing = f"running its own code (fxshard's last word: {self.done[rank]!r})"
+            else:
+                doing = "starting or tracing (no fxshard stage had finished)"
+            lines.append(f"  rank {rank} timed out after {timeout:.0f} s while {doing}")
+        lines.append("a rank busy compiling needs a longer timeout on a loaded machine (the timeout= argument)")
+        return "\n".join(lines)
+
+    def join_all(self, grace: float) -> None:
+        """Every rank returned its result: let each leave cleanly; kill only one stuck past ``grace``."""
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        stuck = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        for r in stuck:
+            self.procs[r].kill()
+            self.procs[r].join()
+        crashed = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode != 0 and r not in stuck}
+        if stuck or crashed:
+            raise RanksFailed(
+                "every rank returned its result, but "
+                + "; ".join([f"rank {r} did not exit within {grace:.0f} s (killed)" for r in stuck]
+                            + [f"rank {r} exited with code {c}" for r, c in crashed.items()]))

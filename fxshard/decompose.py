@@ -3,7 +3,8 @@
 An op is decomposed when its parts shard better than the whole: softmax over a sharded dim
 becomes amax/sum with a small all_reduce each instead of a gather of the tensor;
 cross-entropy becomes log_softmax + gather, so vocab-parallel logits never gather
-[tokens, vocab]; layer/RMS norm become reductions over their last dim. Everything else
+[tokens, vocab]; layer/RMS norm become reductions over their last dim; the elementwise losses
+(MSE, Huber, BCE) become pointwise ops and a mean. Everything else
 stays whole, so Inductor still sees the ops it knows how to fuse.
 """
 from __future__ import annotations
@@ -25,6 +26,13 @@ DECOMPOSED = [
     aten._fused_rms_norm,
     aten.rms_norm,
     aten.native_dropout,
+    # losses: pointwise ops and a mean, so a batch-sharded loss is a local sum and one all_reduce
+    aten.mse_loss,
+    aten.smooth_l1_loss,
+    aten.huber_loss,
+    aten.binary_cross_entropy,
+    aten.binary_cross_entropy_with_logits,
+    aten.soft_margin_loss,
 ]
 
 
@@ -58,6 +66,11 @@ BACKWARD_DECOMPOSED = [
     aten.tanh_backward,
     aten.sigmoid_backward,
     aten.native_dropout_backward,
+    aten.mse_loss_backward,
+    aten.smooth_l1_loss_backward,
+    aten.huber_loss_backward,
+    aten.binary_cross_entropy_backward,
+    aten.soft_margin_loss_backward,
 ]
 
 

@@ -347,8 +347,9 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
     json or without), a ``torch.save`` state dict path (read with ``mmap=True``), a dict, or a
     torch.distributed.checkpoint directory (read by DCP itself, which reshards).
     ``plan``: ``{pattern: placements | {"placements": ..., "transforms": [...]}}`` or a
-    ``ShardPlan``; a name no entry matches keeps the module's own DTensor placements, else is
-    replicated. ``module`` may live on the meta device. With ``strict``, checkpoint tensors the
+    ``ShardPlan``; a name no entry matches keeps what the module has: a DTensor's placements, or
+    a plain tensor (whole on every rank, as ``parallelize_module`` leaves unsharded norms).
+    ``module`` may live on the meta device. With ``strict``, checkpoint tensors the
     module does not have are an error. Nothing is assigned unless every tensor loaded.
     """
     from torch.distributed.tensor import DTensor
@@ -356,13 +357,16 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
     plan = ShardPlan.of(plan)
     targets = dict(module.named_parameters()) | dict(module.named_buffers())
     specs: dict[str, TensorSpec] = {}
+    plain: set[str] = set()  # stays a plain tensor: the module has one and the plan gives no placements
     for name, value in targets.items():
         entry = plan.lookup(name)
         own = tuple(value.placements) if isinstance(value, DTensor) else (Replicate(),) * device_mesh.ndim
         placements = entry.placements if entry is not None and entry.placements is not None else own
+        if not isinstance(value, DTensor) and (entry is None or entry.placements is None):
+            plain.add(name)
         specs[name] = TensorSpec(placements, entry.transforms if entry else (), entry.source if entry else None)
     if isinstance(checkpoint, (str, pathlib.Path)) and (pathlib.Path(checkpoint) / ".metadata").is_file():
-        return _load_dcp(module, pathlib.Path(checkpoint), device_mesh, specs, targets, strict)
+        return _load_dcp(module, pathlib.Path(checkpoint), device_mesh, specs, targets, strict, plain)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     if strict:
         extra = sorted(set(ckpt.keys()) - set(targets) - {t.source.name for t in specs.values() if t.source})
@@ -373,15 +377,17 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
                          expected_shapes={n: tuple(v.shape) for n, v in targets.items()})
     for name, block in blocks.items():
         shape = tuple(targets[name].shape)
-        value = DTensor.from_local(block.to(device_mesh.device_type), device_mesh, specs[name].placements,
-                                   run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
+        block = block.to(device_mesh.device_type)
+        value = block if name in plain else DTensor.from_local(
+            block, device_mesh, specs[name].placements, run_check=False, shape=torch.Size(shape),
+            stride=_contiguous(shape))
         _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
     return module
 
 
 def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
               specs: Mapping[str, TensorSpec], targets: Mapping[str, Any],
-              strict: bool) -> torch.nn.Module:
+              strict: bool, plain: set[str]) -> torch.nn.Module:
     """A torch.distributed.checkpoint directory: DCP itself reads (and reshards) into empty DTensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
@@ -410,8 +416,8 @@ def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
                             "the DTensor as it is")
         layout = layout_from_placements(spec, shape, placements)
         local = torch.empty([int(s) for s in layout.local_shape(coordinate)], dtype=metadata[name].properties.dtype)
-        state[name] = DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                                         stride=_contiguous(shape))
+        state[name] = local if name in plain else DTensor.from_local(
+            local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
     dcp.load(state, checkpoint_id=str(path))
     for name, value in state.items():
         _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))

@@ -103,6 +103,12 @@ class MeshAxis:
         return MeshAxis(self.name, as_size(self.size * minor.size), minor.inner, self.axis_size)
 
 
+def axis_names(device_mesh: Any) -> tuple[str, ...]:
+    """A DeviceMesh's axis names: its ``mesh_dim_names``, or ``d0, d1, ...`` for a mesh without names."""
+    names = device_mesh.mesh_dim_names
+    return tuple(names) if names else tuple(f"d{i}" for i in range(device_mesh.ndim))
+
+
 @dataclass(frozen=True)
 class MeshSpec:
     """An abstract device mesh: ordered axis names and sizes, major first."""
@@ -129,10 +135,7 @@ class MeshSpec:
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> "MeshSpec":
-        names = device_mesh.mesh_dim_names
-        if names is None:
-            names = tuple(f"d{i}" for i in range(device_mesh.ndim))
-        return cls(list(zip(names, device_mesh.shape)))
+        return cls(list(zip(axis_names(device_mesh), device_mesh.shape)))
 
     @property
     def ndim(self) -> int:

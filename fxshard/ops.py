@@ -48,13 +48,17 @@ CONSTRAIN = torch.ops.fxshard.constrain.default
 REDISTRIBUTE = torch.ops.fxshard.redistribute.default
 
 
-def constrain(x: torch.Tensor, placements: Sequence[object]) -> torch.Tensor:
+def constrain(x: torch.Tensor, placements: Sequence[object] | object) -> torch.Tensor:
     """Pin ``x`` to DTensor ``placements`` (over the program's mesh) inside a compiled model.
 
     Like ``with_sharding_constraint``: propagation gives ``x`` exactly this layout and plans
     the redistributions into and out of it. Eagerly (no fxshard compile) it returns a copy
     of ``x``, so the model still runs on one device.
     """
+    from torch.distributed.tensor.placement_types import Placement
+
     from .placements import placements_to_str
 
+    if isinstance(placements, Placement):  # a bare placement: a one-axis mesh (checked when planned)
+        placements = (placements,)
     return constrain_op(x, placements_to_str(tuple(placements)))  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from .layout import Layout, LayoutError, Piece, exact_div
-from .mesh import MeshAxis, MeshSpec, Size, as_size, divides
+from .mesh import MeshAxis, MeshSpec, Size, as_size, divides, is_static
 
 _REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
 
@@ -24,6 +24,35 @@ def as_mesh_spec(mesh: Any) -> MeshSpec:
     if isinstance(mesh, Mapping):
         return MeshSpec(mesh)
     raise TypeError(f"expected a MeshSpec, a DeviceMesh or a mapping of axis sizes, got {type(mesh).__name__}")
+
+
+def user_layout(name: str, spec: Any, mesh: Any, shape: Sequence[Any]) -> Layout:
+    """The layout a user gave for the tensor ``name``: a ``Layout``, placements (one per mesh
+    axis, or their text ``"S(0),R"``), or a bare placement on a one-axis mesh.
+
+    Every error names the tensor, its shape and the mesh, and says what to write instead.
+    """
+    mesh_spec = as_mesh_spec(mesh)
+    where = f"{name} (shape {[int(s) if is_static(s) else s for s in shape]}) on {mesh_spec}"
+    if isinstance(spec, Layout):
+        if tuple(spec.shape) != tuple(as_size(s) for s in shape):
+            raise LayoutError(f"{where}: the layout given is for shape {list(spec.shape)}")
+        return spec
+    if isinstance(spec, str):
+        spec = placements_from_str(spec)
+    if isinstance(spec, Placement):
+        if mesh_spec.ndim != 1:
+            example = ", ".join([repr(spec)] + ["Replicate()"] * (mesh_spec.ndim - 1))
+            raise LayoutError(f"{where}: a bare placement {spec!r} for a mesh of {mesh_spec.ndim} axes "
+                              f"{mesh_spec.names}; give one placement per axis, e.g. ({example})")
+        spec = (spec,)
+    if not isinstance(spec, Sequence) or not all(isinstance(p, Placement) for p in spec):
+        raise LayoutError(f"{where}: expected DTensor placements (a tuple such as (Shard(0),)) or a Layout, "
+                          f"got {spec!r}")
+    try:
+        return layout_from_placements(mesh_spec, shape, tuple(spec))
+    except LayoutError as e:
+        raise LayoutError(f"{where}: placements {tuple(spec)}: {e}") from None
 
 
 def _shard_order(placements: Sequence[Placement], shard_order: Any, ndim: int) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshSpec
 from .ops import CONSTRAIN
-from .placements import layout_from_placements, placements_from_str
+from .placements import layout_from_placements, user_layout
 from .planner import CostModel, redistribute_cost
 from .hints import at_hints
 from .refine import REDUCE_SHARED, is_pinned
@@ -167,7 +167,7 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
     if not isinstance(val, (torch.Tensor, tuple, list)):
         return  # symbolic sizes and other non-tensor values carry no layout
     if node.target is CONSTRAIN:
-        target = layout_from_placements(mesh, val.shape, placements_from_str(node.args[1]))
+        target = user_layout(f"fxshard.constrain at {node.name}", node.args[1], mesh, val.shape)
         _set(node, (target,), target)
         return
     if node.target is torch.ops.aten.as_strided.default:

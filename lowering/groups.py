@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxshard.mesh import MeshAxis
+from fxshard.mesh import MeshAxis, axis_names
 
 
 class MeshGroups:
@@ -15,6 +15,8 @@ class MeshGroups:
 
     ``axes`` is one mesh axis or sub-axis, or several in mesh order (major first): their
     flattened group, whose rank order is row-major over them (``DeviceMesh._flatten``).
+    Axes are named as ``MeshSpec.from_device_mesh`` names them (``d0, d1, ...`` on a mesh
+    without dim names).
     """
 
     def __init__(self, device_mesh: Any):
@@ -28,13 +30,13 @@ class MeshGroups:
         return self._names[key]
 
     def _group_name(self, axes: tuple[MeshAxis, ...]) -> str:
-        mesh = self.device_mesh
-        names = list(mesh.mesh_dim_names or ())
+        names = list(axis_names(self.device_mesh))
         for axis in axes:
             if axis.name not in names:
-                raise ValueError(f"DeviceMesh {mesh} has no axis {axis.name!r}")
+                raise ValueError(f"DeviceMesh {self.device_mesh} has no axis {axis.name!r}; its axes are {names}")
         if len(axes) == 1 and axes[0].is_whole:
-            return mesh.get_group(axes[0].name).group_name
+            return self.device_mesh.get_group(names.index(axes[0].name)).group_name
+        mesh = _named(self.device_mesh, tuple(names))
         picked = []
         for axis in axes:  # cut each mesh axis into (outer, axis, inner) where needed
             if axis.is_whole:
@@ -52,3 +54,22 @@ class MeshGroups:
         if len(picked) > 1:
             sub = sub._flatten("_".join(picked))
         return sub.get_group().group_name
+
+
+def _named(device_mesh: Any, names: tuple[str, ...]) -> Any:
+    """``device_mesh`` itself when it has dim names; else a twin with ``names`` sharing its process groups.
+
+    ``DeviceMesh._unflatten`` and ``_flatten`` (how sub-axes and flattened groups are made) need
+    dim names; a mesh made as ``init_device_mesh("cpu", (4,))`` has none. The twin is a root mesh
+    over the same ranks and layout that reuses the original's groups, so nothing new is created
+    for its whole axes.
+    """
+    if device_mesh.mesh_dim_names:
+        return device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    twin = DeviceMesh(device_mesh.device_type, _layout=device_mesh._layout, _rank_map=device_mesh._rank_map,
+                      mesh_dim_names=names, _init_backend=False)
+    twin._dim_group_names = list(device_mesh._dim_group_names)
+    twin._pg_registry = dict(device_mesh._get_root_mesh()._pg_registry)
+    return twin

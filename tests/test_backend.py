@@ -66,14 +66,33 @@ def test_op_without_rule_is_replicated_with_a_warning_and_stays_correct():
         fxshard.propagate._warned_ops  # warned once per process
 
 
-@pytest.mark.parametrize("placements, message", [
-    ({0: (Shard(0), Replicate())}, "2 placements .* mesh Mesh\\(tp=4\\) with 1 axes"),
-    ({0: (Shard(2),)}, "Shard\\(2\\) is out of range"),
-    ({"nope": (Shard(0),)}, "not inputs of the function"),
+@pytest.mark.parametrize("placements, mesh, message", [
+    ({0: (Shard(0), Replicate())}, {"tp": 4}, r"argument 0 \(shape \[8, 4\]\).*2 placements .* with 1 axes"),
+    ({0: (Shard(2),)}, {"tp": 4}, r"argument 0 \(shape \[8, 4\]\).*Shard\(2\) is out of range"),
+    ({"nope": (Shard(0),)}, {"tp": 4}, "not inputs of the function"),
+    ({0: Shard(0)}, {"dp": 2, "tp": 2}, r"argument 0 .* bare placement .* e\.g\. \(Shard\(dim=0\), Replicate\(\)\)"),
+    ({0: [0]}, {"tp": 4}, r"argument 0 .* expected DTensor placements"),
 ])
-def test_bad_placements_say_what_is_wrong(placements, message):
+def test_bad_placements_say_what_is_wrong(placements, mesh, message):
     with pytest.raises((LayoutError, KeyError), match=message):
-        explain(lambda x: x * 2, torch.randn(8, 4), mesh=fxshard.MeshSpec(tp=4), placements=placements)
+        explain(lambda x: x * 2, torch.randn(8, 4), mesh=fxshard.MeshSpec(mesh), placements=placements)
+
+
+def test_a_parameter_with_bad_placements_is_named():
+    model = torch.nn.Linear(4, 8)
+    with pytest.raises(LayoutError, match=r"parameter 'weight' \(shape \[8, 4\]\).*Shard\(2\) is out of range"):
+        explain(model, torch.randn(2, 4), mesh=fxshard.MeshSpec(tp=4), placements={"weight": (Shard(2),)})
+
+
+def test_a_bare_placement_on_a_one_axis_mesh_is_that_placement():
+    def f(x):
+        return fxshard.constrain(x * 2, Shard(1)).sum()  # a bare placement here too
+
+    for given in (Shard(0), (Shard(0),), "S(0)"):
+        e = explain(f, torch.randn(8, 4), mesh=fxshard.MeshSpec(tp=4), placements={0: given})
+        assert str(e.input_layouts["arg0"]) == "[4@tp 2] [4]"
+    torch.testing.assert_close(simulate(f, x := torch.randn(8, 4), mesh=fxshard.MeshSpec(tp=4),
+                                        placements={0: Shard(0)}), f(x))
 
 
 def test_from_local_of_a_plain_shard_is_refused_with_advice(fake_mesh_4):
@@ -181,3 +200,22 @@ def test_torch_logs_and_torch_trace_from_the_environment(tmp_path):
     logs = "".join(p.read_text() for p in tmp_path.iterdir())
     for stage in ("trace", "plan", "lower"):
         assert f'"name": "fxshard_{stage}"' in logs, stage
+
+
+def test_uneven_dims_under_default_local_outputs_get_a_hint(fake_mesh_4):
+    """parallelize_module's styles hand plain local shards on by default; DTensor.from_local then assumes
+    even shards, so a hidden size of 30 on 4 ranks fails inside DTensor. The error says what avoids it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from conftest import MLP
+
+    def parallel_mlp(use_local_output: bool) -> torch.nn.Module:
+        model = MLP(dim=8, hidden=30)
+        parallelize_module(model, fake_mesh_4, {"up": ColwiseParallel(use_local_output=use_local_output),
+                                                "down": RowwiseParallel(use_local_output=use_local_output)})
+        return model
+
+    with pytest.raises(RuntimeError, match="use_local_output=False"):
+        explain(parallel_mlp(True), torch.randn(2, 8), mesh=fake_mesh_4)
+    e = explain(parallel_mlp(False), torch.randn(2, 8), mesh=fake_mesh_4)  # global shapes: uneven shards are fine
+    assert str(e.input_layouts["up_weight"]) == "[~30@tp] [8]"

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+HERE = pathlib.Path(__file__).resolve().parent
+EXAMPLES = HERE.parent / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def mlp_tp():
 
 
 def test_mlp_tensor_parallel_on_two_gloo_ranks(mlp_tp):
-    results = mlp_tp.spawn(world_size=2, timeout=240.0)
+    """On a mesh without dim names, as most DTensor docs make one: init_device_mesh("cpu", (2,))."""
+    results = mlp_tp.spawn(world_size=2, timeout=600.0, mesh_kind="unnamed")
     for rank, r in sorted(results.items()):
         assert r["error"] <= 1e-5, f"rank {rank}: max abs error {r['error']:.2e} vs the single-device MLP"
         # the Megatron optimum: the row-parallel output is summed once, nothing else moves
@@ -33,10 +35,11 @@ def test_mlp_tensor_parallel_on_two_gloo_ranks(mlp_tp):
 
 def test_mlp_training_through_torch_compile_on_two_gloo_ranks(mlp_tp):
     """Parameters and input require grad: the backend compiles the joint program; gradients come
-    back as DTensors with their parameters' placements, and SGD steps track one device."""
+    back as DTensors with their parameters' placements, and SGD steps track one device. The mesh is
+    the 1-D "tp" slice of a (dp, tp) mesh."""
     from ranks import spawn
 
-    results = spawn(mlp_tp.train, 2, 240.0, "cpu")
+    results = spawn(mlp_tp.train, 2, 600.0, "cpu", mesh_kind="slice")
     for rank, r in sorted(results.items()):
         assert r["error"] <= 1e-5, f"rank {rank}: {r['error']:.2e}"
         assert r["placements_kept"]
@@ -53,7 +56,7 @@ def test_llama_fsdp_x_tp_training_on_four_gloo_ranks():
         from models.llama import LlamaConfig
 
         config = LlamaConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128)
-        results = train_llama.spawn(4, timeout=420.0, config=config, batch=8, seq=32, steps=5, check_grads=True,
+        results = train_llama.spawn(4, timeout=900.0, config=config, batch=8, seq=32, steps=5, check_grads=True,
                                      foreach=False)  # the example itself runs foreach AdamW
     finally:
         sys.path.remove(str(EXAMPLES))
@@ -84,16 +87,43 @@ def llama_tp():
     (False, ["all_reduce"] * 3),  # after attention, after the FFN, and the vocab-parallel embedding
     (True, ["reduce_scatter_tensor", "all_gather_into_tensor"] * 3),
 ], ids=["tp", "tp+sp"])
-def test_llama_on_two_gloo_ranks(llama_tp, sequence_parallel, expected, tmp_path):
-    """TP+SP loads its weights with fxshard.load_sharded from the single-device run's checkpoint
-    (each rank reads its shards; the model was built on the meta device)."""
+def test_llama_on_two_gloo_ranks(llama_tp, sequence_parallel, expected):
+    """As examples/llama_tp.py runs (with --tp-only too): the single-device run writes its checkpoint once
+    (``setup``), each rank builds the model on the meta device and reads only its shards of it
+    (fxshard.load_sharded); TP leaves the norm weights plain tensors, TP+SP makes them DTensors."""
     module, config = llama_tp
-    checkpoint = None
-    if sequence_parallel:
-        checkpoint = str(tmp_path / "llama.pt")
-        module.write_checkpoint(checkpoint, config)
-    results = module.spawn(world_size=2, timeout=300.0, sequence_parallel=sequence_parallel, config=config,
-                           batch=2, seq=16, steps=1, checkpoint=checkpoint)
+    results = module.spawn(world_size=2, timeout=900.0, sequence_parallel=sequence_parallel, config=config,
+                           batch=2, seq=16, steps=1,
+                           setup=lambda workdir: module.write_checkpoint(f"{workdir}/llama.pt", config))
     for rank, r in sorted(results.items()):
         assert r["error"] <= 1e-4, f"rank {rank}: max abs error {r['error']:.2e} vs the single-device Llama"
         assert sorted(r["collectives"]) == sorted(expected), f"rank {rank}: {r['collectives']}"
+
+
+def test_data_parallel_training_with_a_short_last_batch_on_two_gloo_ranks():
+    """A DataLoader without drop_last: batches of 4, 4 and 3 rows (the short one uneven over 2 ranks: 2 + 1),
+    two epochs through torch.compile(backend="fxshard") with its default dynamic shapes, then inference with
+    dynamic=True over sizes 4, 3, 4, 2, 3. Every step matches one device; programs are compiled per size.
+
+    Dynamo guards a DTensor on its local shape only, so before the global shape was guarded rank 0 (2 rows
+    of 4 and of 3) ran the program planned for 4 rows on a batch of 3, a wrong loss, while rank 1 recompiled.
+    """
+    sys.path[:0] = [str(EXAMPLES), str(HERE)]
+    try:
+        import rank_programs
+        from ranks import spawn
+
+        results = spawn(rank_programs.data_parallel_epochs, 2, timeout=900.0, reads_shape=True)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(HERE))
+    for rank, r in sorted(results.items()):
+        assert r["sizes"] == [4, 4, 3] * 2
+        for a, b in zip(r["losses"], r["ref_losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, r["losses"], r["ref_losses"])
+        assert r["param_error"] <= 1e-6, (rank, r["param_error"])
+        # a program per size in each graph Dynamo makes: 4 rows (static graph), 3 rows (a new graph), and at
+        # most once more for 4 rows where Dynamo's second graph has dynamic sizes; nothing after the first epoch
+        assert 2 <= r["programs"] <= 3, (rank, r["programs"])
+        assert r["inference_error"] <= 1e-5 and r["warned_dynamic"], (rank, r)
+        assert 3 <= r["inference_programs"] <= 4, (rank, r["inference_programs"])  # sizes 4, 3, 2 (+1: see above)

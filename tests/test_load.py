@@ -122,7 +122,14 @@ def test_load_sharded_fills_a_meta_module_with_dtensors(tmp_path):
         assert isinstance(model.up.weight, DTensor) and model.up.weight.placements == (Shard(0),)
         torch.testing.assert_close(model.up.weight.to_local(), reference.up.weight.detach()[:8])  # rank 0
         torch.testing.assert_close(model.down.weight.to_local(), reference.down.weight.detach()[:, :8])
-        assert model.scale.placements == (Replicate(),) and model.up.weight.requires_grad
+        assert model.up.weight.requires_grad
+        # a plain tensor of the module that the plan does not name stays plain, whole on every rank (TP
+        # leaves norms plain, and DTensors mixed with plain tensors fail in DTensor)
+        assert type(model.scale) is torch.Tensor and torch.equal(model.scale, reference.scale)
+        with torch.device("meta"):
+            model = Tiny()
+        load_sharded(model, path, mesh, plan={"scale": "R"})  # named by the plan: a replicated DTensor
+        assert isinstance(model.scale, DTensor) and model.scale.placements == (Replicate(),)
 
 
 def test_load_sharded_checks_everything_before_assigning(tmp_path):
@@ -184,7 +191,7 @@ def test_dcp_directory_loads_through_dcp(tmp_path):
         load_sharded(model, tmp_path, mesh, plan={"up.weight": "S(0)", "down.weight": "S(1)"})
         torch.testing.assert_close(model.up.weight.to_local(), reference.up.weight.detach()[:8])
         torch.testing.assert_close(model.down.weight.to_local(), reference.down.weight.detach()[:, :8])
-        torch.testing.assert_close(model.scale.to_local(), reference.scale)
+        torch.testing.assert_close(model.scale, reference.scale)  # plain in the module: plain, whole
 
 
 class SeparateQKV(torch.nn.Module):

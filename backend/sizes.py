@@ -1,0 +1,140 @@
+"""One compiled program per distinct set of input sizes, for graphs Dynamo made with dynamic sizes.
+
+fxshard plans communication for concrete sizes: which rank holds which rows, whether a view
+moves data and which collective is cheapest all depend on them. Dynamo compiles a graph with
+symbolic sizes once a size changes (automatic dynamic shapes) or from the start
+(``dynamic=True``), and serves it for every later size. ``PerSizePrograms`` is what the backend
+returns: a graph with static sizes runs its one program; a graph with dynamic sizes finds the
+program compiled for the sizes of each call, and compiles one (all six stages) for sizes it has
+not seen. So a data-parallel loop whose last batch is short compiles twice, and no program ever
+runs on sizes it was not planned for.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("fxshard")
+
+# past this many programs for one graph, tell the user (Dynamo's own recompile limit is 8)
+MANY_SIZES = 8
+
+
+def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
+             graph_id: int) -> Callable:
+    """``compile_for(example_inputs)`` for a graph of static sizes (guarded on its DTensors' global
+    shapes); else a ``PerSizePrograms``."""
+    if not _has_dynamic_sizes(gm, example_inputs):
+        guard_global_shapes(gm)
+        return compile_for(example_inputs)
+    if not torch._dynamo.config.assume_static_by_default:
+        warnings.warn(
+            "torch.compile(..., dynamic=True) with backend='fxshard': fxshard plans communication for concrete "
+            "sizes, so it compiles one program per distinct set of input sizes it is called with (checked at each "
+            "call, never reused for other sizes). Leave dynamic unset to silence this.", stacklevel=3)
+    return PerSizePrograms(example_inputs, compile_for, graph_id)
+
+
+class PerSizePrograms:
+    """Calls the program compiled for the sizes of its arguments, compiling one per new set of sizes."""
+
+    def __init__(self, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
+                 graph_id: int):
+        self.compile_for = compile_for
+        self.graph_id = graph_id
+        self.programs: dict[Hashable, Callable] = {}
+        concrete = _concrete(example_inputs)
+        if concrete is not None:  # compile now, as Dynamo expects of a backend; else at the first call
+            self._compile(sizes_key(concrete), concrete)
+
+    def __call__(self, *args: Any) -> Any:
+        key = sizes_key(args)
+        program = self.programs.get(key)
+        if program is None:
+            program = self._compile(key, args)
+        return program(*args)
+
+    def _compile(self, key: Hashable, inputs: Sequence[Any]) -> Callable:
+        if self.programs:
+            log.info("fxshard graph %d: new input sizes %s, compiling program %d for them",
+                     self.graph_id, _sizes_text(key), len(self.programs) + 1)
+        if len(self.programs) == MANY_SIZES:
+            warnings.warn(
+                f"fxshard has compiled {MANY_SIZES} programs for one graph, one per distinct set of input sizes, and "
+                "compiles again for each new one. Pad inputs to a few fixed sizes (e.g. drop_last=True or padding in "
+                "the DataLoader) to compile less.", stacklevel=3)
+        program = self.programs[key] = self.compile_for(inputs)
+        return program
+
+
+def guard_global_shapes(gm: fx.GraphModule) -> None:
+    """Make Dynamo recompile when a DTensor input's global shape changes.
+
+    Dynamo guards a DTensor on its local tensor's shape only (``DTENSOR_SPEC_MATCH`` skips the
+    global shape). With uneven shards that is not enough: a batch of 3 rows over 2 ranks gives
+    rank 0 the same 2 rows as a batch of 4, so rank 0 would run the program planned for 4 rows
+    while rank 1 recompiles, a wrong answer or a hang. The graph itself may have sizes baked in
+    (``x.shape[0]`` read in Python), so only Dynamo can recompile it correctly: this adds the guard.
+    """
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource
+    from torch.distributed.tensor import DTensor
+
+    for node in gm.graph.nodes:
+        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        if grapharg is None or not isinstance(grapharg.example, DTensor) or grapharg.source is None:
+            continue
+        install_guard(AttrSource(grapharg.source, "shape").make_guard(GuardBuilder.EQUALS_MATCH))
+
+
+def sizes_key(args: Sequence[Any]) -> tuple:
+    """What a program is specialized on: each tensor's global shape and strides, each number's value."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), tuple(a.stride())))
+        elif isinstance(a, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            key.append(a)
+        else:
+            key.append(None)  # a mesh, a process group: Dynamo guards those itself
+    return tuple(key)
+
+
+def _has_dynamic_sizes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+    if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in example_inputs):
+        return True
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and (has_free_symbols(value.shape) or has_free_symbols(value.stride())):
+            return True
+    return False
+
+
+def _concrete(example_inputs: Sequence[Any]) -> list[Any] | None:
+    """The example inputs with symbolic numbers replaced by their hints; None if one has no hint."""
+    out = []
+    for x in example_inputs:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            hint = x.node.hint
+            if hint is None:
+                return None
+            x = type(hint)(hint)
+        elif isinstance(x, torch.Tensor):
+            from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+            if has_free_symbols(x.shape):
+                return None
+        out.append(x)
+    return out
+
+
+def _sizes_text(key: tuple) -> str:
+    return ", ".join(str(list(k[0])) if isinstance(k, tuple) else str(k) for k in key if k is not None)

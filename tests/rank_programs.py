@@ -1,0 +1,105 @@
+"""Programs the gloo tests run on every rank (a module of its own: spawned ranks import it by name)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def data_parallel_epochs(rank: int, world_size: int, device: str = "cpu", epochs: int = 2, samples: int = 11,
+                         batch: int = 4, reads_shape: bool = False) -> dict:
+    """SGD over a DataLoader without drop_last (batches 4, 4, 3: the last one short, and uneven over 2
+    ranks), for ``epochs`` epochs, through torch.compile(backend="fxshard") with its default dynamic
+    shapes; the same steps on one device. ``reads_shape``: the loss reads ``x.shape[0]``."""
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    reference = MLP()
+    model = copy.deepcopy(reference)
+    distribute_module(model, mesh)  # every parameter a replicated DTensor: data parallel
+    dataset = TensorDataset(torch.randn(samples, 16), torch.randn(samples, 16))
+
+    def loss_fn(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if reads_shape:
+            return F.mse_loss(net(x), y, reduction="sum") / x.shape[0]
+        return F.mse_loss(net(x), y)
+
+    programs: list[str] = []
+    compiled = torch.compile(lambda x, y: loss_fn(model, x, y), backend="fxshard",
+                             options={"on_graph": lambda stage, gm: programs.append(stage) if stage == "plan" else None})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses, ref_losses, sizes = [], [], []
+    for _ in range(epochs):
+        for x, y in DataLoader(dataset, batch_size=batch):
+            loss = compiled(distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_loss = loss_fn(reference, x, y)
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
+            ref_losses.append(ref_loss.item())
+            sizes.append(len(x))
+    param_error = max((p.full_tensor() - q).abs().max().item()
+                      for p, q in zip(model.parameters(), reference.parameters()))
+
+    # inference with dynamic=True: one program per size, each checked per call
+    import warnings
+
+    inference_programs: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        infer = torch.compile(model, backend="fxshard", dynamic=True, options={
+            "on_graph": lambda stage, gm: inference_programs.append(stage) if stage == "plan" else None})
+    inference_error = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (4, 3, 4, 2, 3):
+            x = torch.randn(rows, 16)
+            with torch.no_grad():
+                out = infer(distribute_tensor(x, mesh, [Shard(0)]))
+                inference_error = max(inference_error, (out.full_tensor() - reference(x)).abs().max().item())
+    warned = any("dynamic=True" in str(w.message) for w in caught)
+    return {"losses": losses, "ref_losses": ref_losses, "sizes": sizes, "programs": len(programs),
+            "param_error": param_error, "inference_error": inference_error,
+            "inference_programs": len(inference_programs), "warned_dynamic": warned}
+
+
+def threads_and_slow_exit(rank: int, world_size: int, device: str = "cpu", exit_delay: float = 0.0) -> dict:
+    """What a spawned rank gets (threads), and a rank that takes ``exit_delay`` s to leave after returning."""
+    import multiprocessing.util
+    import time
+
+    import torch._inductor.config as inductor_config
+
+    if exit_delay:
+        multiprocessing.util.Finalize(None, time.sleep, args=(exit_delay,), exitpriority=100)
+    return {"threads": torch.get_num_threads(), "compile_threads": inductor_config.compile_threads}
+
+
+def busy_in_a_stage(rank: int, world_size: int, device: str = "cpu", seconds: float = 60.0) -> dict:
+    """Rank 1 stays inside an fxshard stage (as a long Inductor compile would); rank 0 returns at once."""
+    import time
+
+    from fxshard.backend.report import StageReporter
+
+    if rank == 1:
+        with StageReporter().timed("compiling the local program with Inductor"):
+            time.sleep(seconds)
+    return {}

@@ -1,0 +1,45 @@
+"""examples/ranks.py, which the examples and the gloo tests launch ranks with: what a rank gets,
+how a slow or stuck rank ends the call, and that a rank leaving cleanly is never killed."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+EXAMPLES = HERE.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    sys.path[:0] = [str(EXAMPLES), str(HERE)]  # spawned ranks import these modules by name
+    try:
+        import rank_programs
+        import ranks
+
+        yield ranks, rank_programs
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(HERE))
+
+
+def test_each_rank_gets_one_thread_and_may_take_its_time_to_leave(ranks):
+    launcher, programs = ranks
+    # 11 s: longer than the 10 s after which the launcher used to kill a rank that had already returned
+    results = launcher.spawn(programs.threads_and_slow_exit, 2, timeout=120, exit_delay=11.0)
+    assert results == {r: {"threads": 1, "compile_threads": 1} for r in range(2)}
+
+
+def test_a_rank_stuck_on_its_way_out_is_reported_not_hidden(ranks):
+    launcher, programs = ranks
+    with pytest.raises(launcher.RanksFailed, match=r"every rank returned its result, but rank \d did not exit "
+                                                   r"within 1 s \(killed\)"):
+        launcher.spawn(programs.threads_and_slow_exit, 2, timeout=120, shutdown_grace=1, exit_delay=30.0)
+
+
+def test_a_timeout_says_which_rank_and_what_it_was_doing(ranks):
+    launcher, programs = ranks
+    with pytest.raises(launcher.RanksFailed, match=r"rank 1 timed out after 30 s while compiling the local program "
+                                                   r"with Inductor \(fxshard graph \d+\)"):
+        launcher.spawn(programs.busy_in_a_stage, 2, timeout=30, seconds=300.0)
