@@ -93,8 +93,9 @@ def run(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool
         print(f"Llama {config.n_layers} layers, dim {config.dim}, {config.n_heads} heads "
               f"({config.n_kv_heads} kv), vocab {config.vocab_size}; {mode} on {world_size} gloo ranks")
         print("collectives per forward: " + ", ".join(f"{n} x {k}" for k, n in per_layer.items()))
-        print(f"  = per layer {', '.join(f'{n // config.n_layers} x {k}' for k, n in per_layer.items())}, "
-              "plus one for the vocab-parallel embedding and one into the output projection")
+        extra = ("plus a reduce_scatter out of the vocab-parallel embedding and an all_gather into the output "
+                 "projection") if sequence_parallel else "plus an all_reduce out of the vocab-parallel embedding"
+        print(f"  = per layer {', '.join(f'{n // config.n_layers} x {k}' for k, n in per_layer.items())}, {extra}")
         print(f"tokens/s (median of {steps}): {tokens_per_s:.0f}")
         print(f"logits: DTensor {tuple(out.shape)} placements={out.placements}")
         print(f"max abs error vs single device: {error:.2e}")

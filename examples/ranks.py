@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -54,18 +55,22 @@ def _as_torchrun_rank(run: Callable, device: str, setup: Callable[[str], None] |
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     show_progress(rank == 0)
+    node_leader = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    workdir = None
     try:
         if setup is not None:  # one per node, by its local rank 0; the same path on every rank of the job
             run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0")
             workdir = os.path.join(tempfile.gettempdir(), f"fxshard-{run_id}")
-            if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            if node_leader:
                 os.makedirs(workdir, exist_ok=True)
                 setup(workdir)
             dist.barrier()
             kwargs = dict(kwargs, workdir=workdir)
         result = run(rank, world_size, device, **kwargs)
         results: list[Any] = [None] * world_size
-        dist.all_gather_object(results, result)
+        dist.all_gather_object(results, result)  # every rank is done with the workdir once this returns
+        if workdir is not None and node_leader:
+            shutil.rmtree(workdir, ignore_errors=True)
         return dict(enumerate(results))
     finally:
         dist.destroy_process_group()
@@ -73,7 +78,7 @@ def _as_torchrun_rank(run: Callable, device: str, setup: Callable[[str], None] |
 
 def show_progress(enabled: bool = True) -> None:
     """Print fxshard's progress lines (each stage and how long it took) on this process's stderr."""
-    if not enabled:
+    if not enabled or logging.getLogger("fxshard").handlers:  # TORCH_LOGS="fxshard" shows them already
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -137,6 +142,8 @@ def spawn(run: Callable, world_size: int = 2, timeout: float = 900.0, device: st
     ``timeout``: seconds until every rank has returned its result; ``progress``: the rank whose
     progress lines are printed (None: none); ``threads``: intra-op threads per rank.
     """
+    if "fxshard" in os.environ.get("TORCH_LOGS", ""):
+        progress = None  # every rank logs its progress itself
     ctx = mp.get_context("spawn")
     channel = ctx.Queue()
     port = free_port()
