@@ -16,7 +16,7 @@ from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
-from fxshard.pipeline import output_layouts
+from fxshard.graph import output_layouts
 
 from .report import StageReporter
 

@@ -12,7 +12,8 @@ import torch.fx as fx
 from fxshard.layout import Layout
 from fxshard.memory import MemoryReport, memory_report
 from fxshard.mesh import MeshAxis, Size, as_size
-from fxshard.pipeline import output_layouts, shard_graph
+from fxshard.graph import output_layouts
+from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
 from fxshard.planner import CostModel
 from fxshard.printing import format_graph

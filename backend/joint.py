@@ -27,17 +27,16 @@ import torch.fx as fx
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
-from fxshard.pipeline import output_layouts, shard_graph
+from fxshard.graph import output_layouts
+from fxshard.pipeline import shard_graph
 from fxshard.planner import CostModel
 from fxshard.refine import input_root
-from fxshard.rules import RELABEL_OPS
+from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 
 from .trace import JointSignature, TracedProgram, trace_global
 
 aten = torch.ops.aten
 
-# ops recomputed in the backward when their input is: relabellings and casts of a gathered value
-_CHEAP_FOLLOWERS = RELABEL_OPS | {aten._to_copy.default, aten.clone.default}
 KEEP_BELOW_FRACTION = 64  # a gathered parameter this many times smaller than the largest is kept
 
 
@@ -179,8 +178,8 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
         if node not in forward or node.op != "call_function":
             continue
         source = node.args[0] if node.args else None
-        if (grows(node) and node not in keep) or (node.target in _CHEAP_FOLLOWERS and source in out) or \
-                (node.target in RELABEL_OPS and isinstance(source, fx.Node) and source.op == "placeholder"):
+        if (grows(node) and node not in keep) or (node.target in CHEAP_FOLLOWERS and source in out) or \
+                (node.target in RELABELS and isinstance(source, fx.Node) and source.op == "placeholder"):
             out.add(node)
     return out
 

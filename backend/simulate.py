@@ -18,7 +18,8 @@ from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTens
 from torch.distributed.tensor import DTensor
 
 from fxshard.mesh import MeshSpec
-from fxshard.pipeline import output_layouts, shard_graph
+from fxshard.graph import output_layouts
+from fxshard.pipeline import shard_graph
 from fxshard.planner import CostModel
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups

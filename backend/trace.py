@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
 from fxshard.layout import Layout
-from fxshard.local_regions import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, placements_to_str

@@ -9,17 +9,13 @@ contiguous index range (other arange layouts, and float ranges, stay replicated)
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
+from .graph import LOCAL_REGION, requirements
 from .layout import Layout
-from .local_regions import LOCAL_REGION
-from .refine import requirements
-
-aten = torch.ops.aten
-
-CONSTANT_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
-ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+from .localization import LocalArange, LocalShape
+from .op_kinds import FACTORY
+from .registry import OPS
 
 
 def _wanted(node: fx.Node) -> set[Layout | None]:
@@ -47,7 +43,8 @@ def shard_factories(gm: fx.GraphModule) -> int:
     """Give replicated factories their consumers' common sharded layout (in place); how many changed."""
     changed = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in CONSTANT_FACTORIES | ARANGES:
+        entry = OPS.get(node.target) if node.op == "call_function" else None
+        if entry is None or entry.kind is not FACTORY or not isinstance(entry.localize, (LocalShape, LocalArange)):
             continue
         have = node.meta.get("layout")
         if LOCAL_REGION in node.meta or not isinstance(have, Layout) or not have.is_replicated or not node.users:
@@ -58,7 +55,8 @@ def shard_factories(gm: fx.GraphModule) -> int:
         (want,) = wanted
         if not isinstance(want, Layout) or want == have or want.partial or want.shape != have.shape:
             continue
-        if node.target in ARANGES and not (contiguous_blocks(want) and all(type(a) is int for a in node.args)):
+        if isinstance(entry.localize, LocalArange) and not (contiguous_blocks(want) and
+                                                            all(type(a) is int for a in node.args)):
             continue  # float ranges: a local arange might round its length differently
         node.meta["layout"] = want
         changed += 1

@@ -14,12 +14,8 @@ from typing import Sequence
 
 import torch.fx as fx
 
+from .graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT, tensor_inputs
 from .layout import Layout
-from .propagate import tensor_inputs
-
-LOCAL_REGION = "fxshard_local_region"
-EAGER_SHAPE = "fxshard_eager_local_shape"
-REGION_EXIT = "fxshard_region_exit"
 
 _ADVICE = ("That code runs on each rank's shard in eager mode; fxshard reads it as a global program and the two "
            "disagree here. Keep DTensors through it instead (use_local_output=False in the parallel style), "

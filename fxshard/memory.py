@@ -15,10 +15,7 @@ import torch.fx as fx
 
 from .layout import Layout
 from .mesh import Size, as_size
-from .rules import RELABEL_OPS
-
-aten = torch.ops.aten
-_ALIASES = RELABEL_OPS | {aten.select.int, aten.slice.Tensor}  # views of one storage
+from .registry import SHARES_STORAGE
 
 
 @dataclass
@@ -77,7 +74,7 @@ def memory_report(gm: fx.GraphModule) -> MemoryReport:
 
 def _storage(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` views (itself unless it is an alias)."""
-    while node.op == "call_function" and node.target in _ALIASES and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and node.target in SHARES_STORAGE and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 

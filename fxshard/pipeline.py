@@ -1,11 +1,13 @@
 """Stages 2-3 as one pure function: a traced global graph in, a planned global graph out."""
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import torch.fx as fx
 
 from .factories import shard_factories
+from .graph import LOCALIZE
 from .layout import Layout
 from .local_regions import check_local_regions
 from .mesh import MeshSpec
@@ -13,6 +15,7 @@ from .planner import CostModel
 from .propagate import propagate
 from .redistribute import insert_redistributes
 from .refine import propagate_with_pins
+from .registry import recipe_of
 
 
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
@@ -21,14 +24,21 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``).
 
     ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do).
+    Every node whose arguments stage 4 rewrites gets its localization recipe (``graph.LOCALIZE``).
     """
+    fallbacks: dict[str, str] = {}
     propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
-                                                 pinned=pinned, output_layouts=output_layouts), gm, cost_model)
+                                                 pinned=pinned, output_layouts=output_layouts,
+                                                 fallbacks=fallbacks), gm, cost_model)
+    for op, seen in fallbacks.items():
+        warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); its inputs are replicated",
+                      stacklevel=2)
     shard_factories(gm)
     check_local_regions(gm)
-    return insert_redistributes(gm, cost_model=cost_model)
+    insert_redistributes(gm, cost_model=cost_model)
+    for node in gm.graph.nodes:
+        recipe = recipe_of(node)
+        if recipe is not None:
+            node.meta[LOCALIZE] = recipe
+    return gm
 
-
-def output_layouts(gm: fx.GraphModule) -> tuple[Layout, ...]:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return tuple(a.meta["layout"] for a in out.args[0])

@@ -15,31 +15,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from . import graph
+from .graph import PROPAGATED, requirements
 from .layout import Layout
 from .planner import CostModel, redistribute_cost
-from .rules import RELABEL_OPS
+from .registry import RELABELS
 
 
 MAX_ROUNDS = 2
 MAX_SINGLES = 6  # inputs tried pinned alone per round, the smallest first
 ACTIVATIONS = "<activations>"  # a pin on every value that is not a view of an input
 REDUCE_SHARED = "<reduce shared partials>"  # a Partial value with several consumers is reduced once, where made
-
-_KEYS = ("layout", "arg_layouts")
-
-
-def requirements(node: fx.Node) -> list[tuple[fx.Node, Layout]]:
-    """(tensor argument, the layout ``node`` requires of it) pairs of a propagated node."""
-    required = node.meta.get("arg_layouts")
-    if required is None:
-        return []
-    args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
-            if isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)]
-    return list(zip(args, required))
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
@@ -56,9 +44,7 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> flo
 
 def input_root(node: fx.Node) -> fx.Node | None:
     """The placeholder ``node`` is a view of (through relabelling ops), or None."""
-    while node.op == "call_function" and node.target in RELABEL_OPS and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node if node.op == "placeholder" else None
+    return graph.input_root(node, RELABELS)
 
 
 def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
@@ -76,12 +62,12 @@ def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def _snapshot(gm: fx.GraphModule) -> dict:
-    return {n: {k: n.meta[k] for k in _KEYS if k in n.meta} for n in gm.graph.nodes}
+    return {n: {k: n.meta[k] for k in PROPAGATED if k in n.meta} for n in gm.graph.nodes}
 
 
 def _restore(gm: fx.GraphModule, snapshot: dict) -> None:
     for n in gm.graph.nodes:
-        for k in _KEYS:
+        for k in PROPAGATED:
             n.meta.pop(k, None)
         n.meta.update(snapshot[n])
 

@@ -1,12 +1,12 @@
-"""Op sharding rules as data.
+"""Signatures: einsum-like declarations of how an op's dims relate, and the rules that compute them.
 
-Most ops are one einsum-like declaration over named factors (``mm: "m k, k n -> m n"``):
-a factor that appears in inputs but not in the output is contracted, so sharding it makes
-the output Partial with the rule's reduce op. ``partial_groups`` says through which inputs
-the op is linear: the output may stay Partial when every input of one group is Partial on
-the same axes and the others are not (mm: either operand; add: both together).
-Pointwise ops, reductions and permutes get their declaration computed from shapes;
-view-like ops are handled by the factor algebra in ``views.py``.
+Most ops are one declaration over named factors (``mm: "m k, k n -> m n"``): a factor that
+appears in inputs but not in the output is contracted, so sharding it makes the output
+Partial with the rule's reduce op. ``partial_groups`` says through which inputs the op is
+linear: the output may stay Partial when every input of one group is Partial on the same axes
+and the others are not (mm: either operand; add: both together). Pointwise ops, reductions and
+permutes get their declaration computed from shapes by the rules below; which op uses which
+rule is the op registry's (fxshard/registry.py).
 """
 from __future__ import annotations
 
@@ -93,11 +93,11 @@ def _out_shape(node: Any) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-# ---- the table ------------------------------------------------------------------------------
+# ---- rules: a node's signature, computed from its shapes and arguments ------------------------
 RuleFn = Callable[[Any], Signature | None]
 
 
-def _pointwise(partial_groups_of: Callable[[int], Sequence[Sequence[int]]] = lambda n: (),
+def pointwise(partial_groups_of: Callable[[int], Sequence[Sequence[int]]] = lambda n: (),
                partial_ops: Sequence[str] = LINEAR_OPS) -> RuleFn:
     def rule(node: Any) -> Signature:
         shapes = [_shape(a) for a in node.args if _shape(a) is not None]
@@ -109,13 +109,13 @@ def _tensor_positions(node: Any) -> list[int]:
     return [i for i, a in enumerate(node.args) if _shape(a) is not None]
 
 
-def _mul_like(node: Any) -> Signature:
+def mul_like(node: Any) -> Signature:
     # linear in each tensor operand separately; a python scalar operand is not a tensor input
     n = len(_tensor_positions(node))
     return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node), [(i,) for i in range(n)])
 
 
-def _div_like(node: Any) -> Signature:
+def div_like(node: Any) -> Signature:
     return broadcast([_shape(a) for a in node.args if _shape(a) is not None], _out_shape(node),
                      [(0,)] if _tensor_positions(node)[:1] == [0] else [])
 
@@ -123,7 +123,7 @@ def _div_like(node: Any) -> Signature:
 SHIFT_OPS = ("avg", "max", "min")  # partial reduce ops that commute with adding the same constant on every rank
 
 
-def _add_like(node: Any) -> Signature:
+def add_like(node: Any) -> Signature:
     n = len(_tensor_positions(node))
     shapes = [_shape(a) for a in node.args if _shape(a) is not None]
     if n < 2:  # x + c with a python scalar: every rank would add c, so a Partial(sum) would count it n times
@@ -131,11 +131,11 @@ def _add_like(node: Any) -> Signature:
     return broadcast(shapes, _out_shape(node), [tuple(range(n))])
 
 
-def _identity(node: Any) -> Signature:
+def identity(node: Any) -> Signature:
     return permutation(len(_out_shape(node)), range(len(_out_shape(node))))
 
 
-def _addmm(node: Any) -> Signature:
+def addmm(node: Any) -> Signature:
     bias = _shape(node.args[0])
     m, n = _out_shape(node)
     bias_dims = broadcast([bias], (m, n)).inputs[0]
@@ -144,14 +144,14 @@ def _addmm(node: Any) -> Signature:
     return Signature((bias_f, ("m", "k"), ("k", "n")), ("m", "n"), "sum", ((0, 1), (0, 2)), addends=(0,))
 
 
-def _softmax(node: Any) -> Signature:
+def softmax(node: Any) -> Signature:
     ndim = len(_out_shape(node))
     dim = node.args[1] % max(ndim, 1)
     names = _letters(ndim)
     return Signature((tuple(names),), tuple(names), whole=frozenset({names[dim]}))
 
 
-def _scan(node: Any) -> Signature:
+def scan(node: Any) -> Signature:
     """cumsum along ``dim``: every other dim is independent; a sum of shares scans to the sum of scans."""
     ndim = len(_out_shape(node))
     names = _letters(ndim)
@@ -159,7 +159,7 @@ def _scan(node: Any) -> Signature:
     return Signature((tuple(names),), tuple(names), partial_groups=((0,),), whole=whole)
 
 
-def _select_along(node: Any) -> Signature:
+def select_along(node: Any) -> Signature:
     """topk / sort along ``dim`` -> (values, indices): that dim stays whole (its output size may
     differ, k of n; a whole factor is never sharded, so one name serves both), the others are
     independent rows."""
@@ -173,7 +173,7 @@ def _select_along(node: Any) -> Signature:
     return Signature((tuple(names),), tuple(names), partial_ops=(), whole=whole, extra_outputs=(tuple(names),))
 
 
-def _index(node: Any) -> Signature | None:
+def index(node: Any) -> Signature | None:
     """x[i0, :, i2] (aten.index.Tensor): the indexed dims of x stay whole, its other dims and the
     broadcast dims of the index tensors are independent. The index block goes where torch puts it:
     in place of the indexed dims when they are adjacent, else in front."""
@@ -202,7 +202,7 @@ def _index(node: Any) -> Signature | None:
                      whole=frozenset(x_names[d] for d in at))
 
 
-def _sum(reduce: str) -> RuleFn:
+def reduce_dims(reduce: str) -> RuleFn:
     def rule(node: Any) -> Signature:
         ndim = len(_shape(node.args[0]) or ())
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -213,7 +213,16 @@ def _sum(reduce: str) -> RuleFn:
     return rule
 
 
-def _transpose(node: Any) -> Signature:
+def reduce_all(reduce: str) -> RuleFn:
+    """sum/mean of every element: one output, every dim contracted."""
+    return lambda node: reduction(len(_shape(node.args[0]) or ()), None, False, reduce)
+
+
+def permute(node: Any) -> Signature:
+    return permutation(len(_out_shape(node)), node.args[1])
+
+
+def transpose(node: Any) -> Signature:
     ndim = len(_out_shape(node))
     perm = list(range(ndim))
     if ndim >= 2:
@@ -222,7 +231,7 @@ def _transpose(node: Any) -> Signature:
     return permutation(ndim, perm)
 
 
-def _var_mean(node: Any) -> Signature:
+def var_mean(node: Any) -> Signature:
     """var_mean(x, dims, correction, keepdim) -> (var, mean): the reduced dims stay whole."""
     ndim = len(_shape(node.args[0]) or ())
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -232,7 +241,7 @@ def _var_mean(node: Any) -> Signature:
     return Signature(sig.inputs, sig.output, whole=whole, extra_outputs=(sig.output,))
 
 
-def _embedding(node: Any) -> Signature:
+def embedding(node: Any) -> Signature:
     """embedding(weight [V, D], indices) = one_hot(indices) @ weight: sharding V contracts it.
 
     A rank holding rows [lo, hi) of the table looks up the indices that fall there and
@@ -254,7 +263,7 @@ def _indexed_dim(node: Any) -> int | None:
     return dim
 
 
-def _gather(node: Any) -> Signature | None:
+def gather(node: Any) -> Signature | None:
     """gather(x, dim, index): a sharded ``dim`` of x is looked up locally and masked (Partial(sum))."""
     dim = _indexed_dim(node)
     if dim is None:
@@ -264,7 +273,7 @@ def _gather(node: Any) -> Signature | None:
     return Signature((xs, tuple(names)), tuple(names), "sum", ((0,),))
 
 
-def _attention(node: Any) -> Signature | None:
+def attention(node: Any) -> Signature | None:
     """The ATen attention kernels: batch and heads are independent; seq, key seq and head dims stay whole.
 
     Queries of a non-causal, unmasked call are independent too (context parallelism of q).
@@ -313,32 +322,32 @@ def _attention_flag(node: Any, name: str) -> bool:
     return False
 
 
-def _view_as_complex(node: Any) -> Signature:
+def view_as_complex(node: Any) -> Signature:
     names = _letters(len(_out_shape(node)))
     return Signature(((*names, "re_im"),), tuple(names), whole=frozenset({"re_im"}), partial_groups=((0,),))
 
 
-def _view_as_real(node: Any) -> Signature:
+def view_as_real(node: Any) -> Signature:
     names = _letters(len(_out_shape(node)) - 1)
     return Signature((tuple(names),), (*names, "re_im"), whole=frozenset({"re_im"}), partial_groups=((0,),))
 
 
-def _triangle(node: Any) -> Signature:
+def triangle(node: Any) -> Signature:
     """triu/tril keep elements by their global (row, col): the last two dims stay whole."""
     names = _letters(len(_out_shape(node)))
     return Signature((tuple(names),), tuple(names), whole=frozenset(names[-2:]), partial_groups=((0,),),
                      partial_ops=ALL_OPS)
 
 
-def _to_copy(node: Any) -> Signature:
+def to_copy(node: Any) -> Signature:
     """A dtype/device copy: Partial values stay Partial between floating dtypes."""
     src = node.args[0].meta["val"].dtype
     dst = node.meta["val"].dtype
     groups = [(0,)] if src.is_floating_point and dst.is_floating_point else []
-    return _pointwise(lambda n: groups, ALL_OPS)(node)
+    return pointwise(lambda n: groups, ALL_OPS)(node)
 
 
-def _scatter(node: Any) -> Signature | None:
+def scatter(node: Any) -> Signature | None:
     """scatter(x, dim, index, value|src): rows along ``dim`` are written by position, so ``dim``
     stays whole; the other dims are independent where index (and src) span all of x."""
     dim = _indexed_dim(node)
@@ -350,7 +359,7 @@ def _scatter(node: Any) -> Signature | None:
     return Signature(tuple(inputs), tuple(names), partial_ops=(), whole=frozenset({names[dim], "index"}))
 
 
-def _slice_scatter(node: Any) -> Signature | None:
+def slice_scatter(node: Any) -> Signature | None:
     """slice_scatter / select_scatter(x, src, dim, ...): a block of ``dim`` is overwritten, so that dim
     stays whole; the others are independent. Linear in (x, src) together."""
     x, src = _shape(node.args[0]), _shape(node.args[1])
@@ -366,7 +375,7 @@ def _slice_scatter(node: Any) -> Signature | None:
                      whole=frozenset({names[dim], "block"}))
 
 
-def _index_put_accumulate(node: Any) -> Signature | None:
+def index_put_accumulate(node: Any) -> Signature | None:
     """x.index_put_((i,), v, accumulate=True) on dim 0 (embedding's backward): every indexed row sums
     into x, so the index dims contract (sharded: Partial(sum), with x as an addend); x's row dim stays
     whole, its other dims and v's trailing dims are independent."""
@@ -396,7 +405,7 @@ def _index_put_accumulate(node: Any) -> Signature | None:
     return Signature(tuple(ins), x_names, "sum", ((0, value_pos),), addends=(0,), whole=frozenset({"rows"}))
 
 
-def _attention_backward(node: Any) -> Signature | None:
+def attention_backward(node: Any) -> Signature | None:
     """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
 
     Tensor arguments whose leading dims are (batch, heads) share them (size-1 broadcast dims of
@@ -444,79 +453,3 @@ ATTENTION_BACKWARD_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
     getattr(aten, "_scaled_dot_product_cudnn_attention_backward", None),
 ) if op is not None)
-
-
-RULES: dict[Any, RuleFn] = {
-    aten.mm.default: lambda n: einsum("m k, k n -> m n", partial_groups=[(0,), (1,)]),
-    aten.bmm.default: lambda n: einsum("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
-    aten.addmm.default: _addmm,
-    aten.t.default: _transpose,
-    aten.transpose.int: _transpose,
-    aten.permute.default: lambda n: permutation(len(_out_shape(n)), n.args[1]),
-    aten.sum.dim_IntList: _sum("sum"),
-    aten.sum.default: lambda n: reduction(len(_shape(n.args[0]) or ()), None, False, "sum"),
-    aten.mean.dim: _sum("avg"),
-    aten.mean.default: lambda n: reduction(len(_shape(n.args[0]) or ()), None, False, "avg"),
-    aten.amax.default: _sum("max"),
-    aten.amin.default: _sum("min"),
-    aten._softmax.default: _softmax,
-    aten._log_softmax.default: _softmax,
-    aten.clone.default: _identity,
-    aten.alias.default: _identity,
-    aten.detach.default: _identity,
-    aten.contiguous.default: _identity,
-    aten.add.Tensor: _add_like,
-    aten.sub.Tensor: _add_like,
-    aten.mul.Tensor: _mul_like,
-    aten.div.Tensor: _div_like,
-    aten.neg.default: _pointwise(lambda n: [(0,)]),
-    aten.expand.default: _pointwise(lambda n: [(0,)], ALL_OPS),
-    aten.var_mean.correction: _var_mean,
-    aten.embedding.default: _embedding,
-    aten.gather.default: _gather,
-    aten.view_as_complex.default: _view_as_complex,
-    aten.view_as_real.default: _view_as_real,
-    aten.triu.default: _triangle,
-    aten.tril.default: _triangle,
-    aten._to_copy.default: _to_copy,
-    aten.cumsum.default: _scan,
-    aten.topk.default: _select_along,
-    aten.index.Tensor: _index,
-    aten.sort.default: _select_along,
-    aten.scatter.value: _scatter,
-    aten.scatter.src: _scatter,
-    aten.slice_scatter.default: _slice_scatter,
-    aten.select_scatter.default: _slice_scatter,
-    aten.index_put.default: _index_put_accumulate,
-    aten._unsafe_masked_index_put_accumulate.default: _index_put_accumulate,
-    **{op.default: _attention for op in ATTENTION_OPS},
-    **{op.default: _attention_backward for op in ATTENTION_BACKWARD_OPS},
-}
-
-# factories shaped like their input: the output takes the input's sharding, never its partial
-# (rand_like/randn_like are not: they are drawn in global shape, fxshard/decompose.py says why)
-LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default}
-
-# factories that read only their input's dtype and device: the input stays where it is, the value
-# (its shape comes from the arguments) is the same on every rank
-NEW_OPS = {aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default,
-           aten.new_empty_strided.default}
-
-VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-            aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.flatten.using_ints}
-
-
-# ops whose output only relabels one input's elements (same storage): a view of x is x moved or kept
-RELABEL_OPS = VIEW_OPS | {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
-                          aten.alias.default, aten.detach.default}
-
-
-def signature_of(node: Any) -> Signature | None:
-    """The declared signature of ``node``'s op; None when there is no rule."""
-    rule = RULES.get(node.target)
-    if rule is not None:
-        return rule(node)
-    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            return _pointwise()(node)
-    return None

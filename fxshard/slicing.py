@@ -215,13 +215,3 @@ def stack_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ..
         if best is None or c < best[0]:
             best = (c, required, out)
     return best[1], best[2]
-
-
-SLICE_RULES = {
-    aten.slice.Tensor: slice_rule,
-    aten.select.int: select_rule,
-    aten.split.Tensor: split_rule,
-    aten.split_with_sizes.default: split_rule,
-    aten.unbind.int: unbind_rule,
-}
-CONCAT_RULES = {aten.cat.default: concat_rule, aten.stack.default: stack_rule}

@@ -1,50 +1,32 @@
 """Stage 4: rewrite a planned global graph into this rank's local program (still with redistributes).
 
-Shapes baked into op arguments (view sizes, expand sizes, a redistribution's output) become
-this rank's local sizes. A fake-tensor pass then checks every node's local shape against its
-layout, so an op whose arguments fxshard does not know how to localize fails loudly here
-instead of computing the wrong thing.
+Each node whose op has non-tensor arguments that depend on the rank carries a recipe
+(``graph.LOCALIZE``, set in stage 3 from the op registry; fxshard/localization.py): shapes
+baked into arguments (view sizes, expand sizes, a redistribution's output, a factory's size)
+become this rank's local sizes; ranges and indices move into the rank's block; a lookup into a
+sharded table is masked. This module carries out recipes and never asks which op a node calls.
+A fake-tensor pass then checks every node's local shape against its layout, so an op whose
+arguments fxshard does not know how to localize fails loudly here instead of computing the
+wrong thing.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxshard.graph import LAYOUT, LOCALIZE, copy_graph_module
 from fxshard.layout import Layout
+from fxshard.localization import LocalArange, LocalShape, MaskedLookup, SelectIndex, SliceRange, SplitSizes
 from fxshard.mesh import Coordinate
-from fxshard.factories import ARANGES
-from fxshard.ops import REDISTRIBUTE
 
-aten = torch.ops.aten
-
-# op -> index of the argument that holds the op's output shape
-SHAPE_ARGS: dict[Any, int] = {
-    aten.view.default: 1,
-    aten._unsafe_view.default: 1,
-    aten.reshape.default: 1,
-    aten.expand.default: 1,
-    REDISTRIBUTE: 3,
-    # constant factories given a sharded layout (fxshard/factories.py): the constant at the local shape
-    aten.zeros.default: 0,
-    aten.ones.default: 0,
-    aten.full.default: 0,
-    aten.empty.memory_format: 0,
-}
+aten = torch.ops.aten  # the ops stage 4 writes into a local program (slices, pads, masks)
 
 
 class LocalizeError(RuntimeError):
     pass
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 def local_range(src: Layout, d: int, global_indices: list[int], coordinate: Coordinate) -> tuple[int, int]:
@@ -96,7 +78,7 @@ def _localize_masked(node: fx.Node, coordinate: Coordinate, d: int, start: int, 
     node.args, node.kwargs = (node.args[0], d, lo - g0, hi - g0), {}
 
 
-def _localize_slice(node: fx.Node, coordinate: Coordinate) -> None:
+def _localize_slice(node: fx.Node, recipe: SliceRange, coordinate: Coordinate) -> None:
     src, out = node.args[0].meta["layout"], node.meta["layout"]
     d = _dim_arg(node, 1, src.ndim)
     step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
@@ -121,7 +103,7 @@ def _global_start(node: fx.Node, src: Layout, d: int) -> int:
     return min(max(start, 0), size)
 
 
-def _localize_select(node: fx.Node, coordinate: Coordinate) -> None:
+def _localize_select(node: fx.Node, recipe: SelectIndex, coordinate: Coordinate) -> None:
     src = node.args[0].meta["layout"]
     d = _dim_arg(node, 1, src.ndim)
     if _is_masked(src, node.meta["layout"]):
@@ -132,9 +114,9 @@ def _localize_select(node: fx.Node, coordinate: Coordinate) -> None:
     node.args = (node.args[0], d, lo)
 
 
-def _localize_split(node: fx.Node, coordinate: Coordinate) -> None:
+def _localize_split(node: fx.Node, recipe: SplitSizes, coordinate: Coordinate) -> None:
     src, outs = node.args[0].meta["layout"], node.meta["layout"]
-    d = _dim_arg(node, 2, src.ndim)
+    d = _dim_arg(node, recipe.dim_index, src.ndim)
     sizes, offset, end = [], 0, 0
     for out in outs:
         lo, hi = local_range(src, d, [offset + int(i) for i in out.local_indices(d, coordinate)], coordinate)
@@ -170,34 +152,23 @@ def _masked_indices(graph: fx.Graph, index: fx.Node, lo: int, hi: int) -> tuple[
     return safe, valid
 
 
-def _localize_embedding(node: fx.Node, coordinate: Coordinate) -> None:
-    """A vocab-sharded table: look up the indices this rank holds, zeros elsewhere (Partial(sum))."""
-    weight, index = node.args[0], node.args[1]
-    table = weight.meta["layout"]
-    if not table.dims[0]:
-        return
-    lo, hi = _held_run(table, 0, coordinate, node.format_node())
-    graph = node.graph
-    with graph.inserting_before(node):
-        safe, valid = _masked_indices(graph, index, lo, hi)
-        mask = graph.call_function(aten.unsqueeze.default, (valid, -1))
-    node.args = (weight, safe) + tuple(node.args[2:])
-    _zero_where_not(node, mask)
-
-
-def _localize_gather(node: fx.Node, coordinate: Coordinate) -> None:
-    """gather along a sharded dim: the same masked lookup as a vocab-sharded embedding."""
-    src, index = node.args[0], node.args[2]
-    layout = src.meta["layout"]
-    d = node.args[1] % layout.ndim
+def _localize_lookup(node: fx.Node, recipe: MaskedLookup, coordinate: Coordinate) -> None:
+    """A table sharded along the looked-up dim: look up the indices this rank holds, zeros elsewhere."""
+    table, index = node.args[recipe.table], node.args[recipe.index]
+    layout = table.meta[LAYOUT]
+    d = recipe.dim if recipe.dim is not None else node.args[recipe.dim_index] % layout.ndim
     if not layout.dims[d]:
         return
     lo, hi = _held_run(layout, d, coordinate, node.format_node())
     graph = node.graph
     with graph.inserting_before(node):
         safe, valid = _masked_indices(graph, index, lo, hi)
-    node.args = (src, node.args[1], safe) + tuple(node.args[3:])
-    _zero_where_not(node, valid)
+        mask = valid if recipe.mask_unsqueeze is None else \
+            graph.call_function(aten.unsqueeze.default, (valid, recipe.mask_unsqueeze))
+    args = list(node.args)
+    args[recipe.index] = safe
+    node.args = tuple(args)
+    _zero_where_not(node, mask)
 
 
 def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
@@ -208,8 +179,11 @@ def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
     zeroed.meta.update(node.meta)
 
 
-def _localize_arange(node: fx.Node, layout: Layout, coordinate: Coordinate) -> None:
+def _localize_arange(node: fx.Node, recipe: LocalArange, coordinate: Coordinate) -> None:
     """arange(start, end, step) sharded in contiguous blocks: this rank's run of it."""
+    layout = node.meta[LAYOUT]
+    if not isinstance(layout, Layout) or layout.is_replicated:
+        return
     args = list(node.args)
     start, step = (0, 1) if node.target is aten.arange.default else (args[0], args[2] if len(args) > 2 else 1)
     idx = layout.local_indices(0, coordinate)
@@ -218,37 +192,38 @@ def _localize_arange(node: fx.Node, layout: Layout, coordinate: Coordinate) -> N
     node.args = (start + lo * step, start + (lo + idx.numel()) * step, step)
 
 
-# ops whose index arguments depend on where this rank's block sits
-LOCAL_INDEX_ARGS = {
-    aten.embedding.default: _localize_embedding,
-    aten.gather.default: _localize_gather,
-    aten.slice.Tensor: _localize_slice,
-    aten.select.int: _localize_select,
-    aten.split.Tensor: _localize_split,
-    aten.split_with_sizes.default: _localize_split,
+def _localize_shape(node: fx.Node, recipe: LocalShape, coordinate: Coordinate) -> None:
+    layout = node.meta.get(LAYOUT)
+    if not isinstance(layout, Layout):
+        return
+    shape = [int(s) for s in layout.local_shape(coordinate)]
+    if recipe.only_input:
+        node.args, node.kwargs = (node.args[0], shape), {}
+    else:
+        args = list(node.args)
+        args[recipe.index] = shape
+        node.args = tuple(args)
+    if recipe.becomes is not None:
+        node.target = recipe.becomes
+
+
+_RECIPES = {
+    LocalShape: _localize_shape,
+    LocalArange: _localize_arange,
+    SliceRange: _localize_slice,
+    SelectIndex: _localize_select,
+    SplitSizes: _localize_split,
+    MaskedLookup: _localize_lookup,
 }
 
 
 def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
     """A copy of the planned global ``gm`` with this rank's local shapes."""
     local = copy_graph_module(gm)
-    for node in local.graph.nodes:
-        layout = node.meta.get("layout")
-        if node.op != "call_function":
-            continue
-        if node.target in SHAPE_ARGS and isinstance(layout, Layout):
-            args = list(node.args)
-            args[SHAPE_ARGS[node.target]] = [int(s) for s in layout.local_shape(coordinate)]
-            node.args = tuple(args)
-            if node.target is aten.view.default:  # a collective's output may be a permuted (strided) block
-                node.target = aten.reshape.default
-        elif node.target is aten.as_strided.default and isinstance(layout, Layout):  # a plain view (stage 2)
-            node.target = aten.view.default
-            node.args, node.kwargs = (node.args[0], [int(s) for s in layout.local_shape(coordinate)]), {}
-        elif node.target in ARANGES and isinstance(layout, Layout) and not layout.is_replicated:
-            _localize_arange(node, layout, coordinate)
-        elif node.target in LOCAL_INDEX_ARGS and layout is not None:
-            LOCAL_INDEX_ARGS[node.target](node, coordinate)
+    for node in list(local.graph.nodes):  # the nodes a recipe adds (masks, pads) need no recipe
+        recipe = node.meta.pop(LOCALIZE, None)
+        if node.op == "call_function" and recipe is not None and node.meta.get(LAYOUT) is not None:
+            _RECIPES[type(recipe)](node, recipe, coordinate)
     local.recompile()
     propagate_local_shapes(local, coordinate, check=True)
     return local
@@ -280,5 +255,5 @@ def propagate_local_shapes(gm: fx.GraphModule, coordinate: Coordinate, check: bo
                 raise LocalizeError(
                     f"{node.format_node()}: its local result has shape {list(val.shape)} but its layout {layout} "
                     f"gives {list(want)} at coordinate {coordinate}. fxshard does not know how to localize the "
-                    f"arguments of {node.target}; add it to fxshard.lowering.localize.SHAPE_ARGS or give it a rule "
-                    "that replicates its inputs.")
+                    f"arguments of {node.target}: give its entry in the op registry (fxshard.registry.OPS) a "
+                    "localization recipe (fxshard/localization.py), or no entry, so that its inputs are replicated.")

@@ -171,7 +171,7 @@ def test_no_rank_keeps_a_gathered_value_between_the_passes():
     from fxshard.backend.joint import grows
     from fxshard.refine import input_root
     from fxshard.backend.simulate import _planned_training
-    from fxshard.rules import RELABEL_OPS
+    from fxshard.registry import RELABELS as RELABEL_OPS
 
     torch.manual_seed(3)
     model = Llama(CFG)

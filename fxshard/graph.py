@@ -1,0 +1,142 @@
+"""The graph contract: what fxshard writes into ``node.meta``, read and written through one module.
+
+Every stage passes the same ``torch.fx`` graph on, annotated in ``node.meta``. torch's own keys
+(``val``: the fake value; ``example_value``, ``grapharg``, ``stack_trace``: Dynamo's) are read as
+torch writes them. fxshard's keys:
+
+===================  ========  ===========================================================================
+key                  stage     value
+===================  ========  ===========================================================================
+``layout``           2         ``Layout`` of a tensor value; for a multi-output op a tuple, one per output
+                               (``None`` for a non-tensor output); ``getitem`` nodes pick theirs
+``arg_layouts``      2         the layouts a node requires of its tensor arguments, in argument order
+                               (of the output node: of the returned values)
+``plan``             3         a ``redistribute`` node's ``Plan`` (fxshard/plans.py)
+``src_layout``       3         a ``redistribute`` node's input layout (``layout`` is its output's)
+``needed_by``        3         a ``redistribute`` node's consumers, as text (``redistribution_reason``)
+``localize``         3         how stage 4 rewrites the node's non-tensor arguments for one rank
+                               (a recipe of fxshard/localization.py; absent: nothing to rewrite)
+``LOCAL_REGION``     1         where in the user's code a node computed from a ``to_local()`` shard came from
+``EAGER_SHAPE``      1         ``(coordinate, shape)``: the local shape eager code had for this value there
+``REGION_EXIT``      1         the pin ``DTensor.from_local`` ends a local region with (where, in the code)
+===================  ========  ===========================================================================
+
+The helpers below are the graph questions several stages ask (a node's tensor arguments, what
+it requires of them, which input a value views, the outputs).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .layout import Layout
+
+LAYOUT = "layout"
+ARG_LAYOUTS = "arg_layouts"
+PLAN = "plan"
+SRC_LAYOUT = "src_layout"
+NEEDED_BY = "needed_by"
+LOCALIZE = "localize"
+LOCAL_REGION = "fxshard_local_region"
+EAGER_SHAPE = "fxshard_eager_local_shape"
+REGION_EXIT = "fxshard_region_exit"
+
+PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py snapshots these)
+
+
+# ---- typed accessors -------------------------------------------------------------------------------
+def layout_of(node: fx.Node) -> Layout:
+    """The layout of a tensor-valued node (a ``LayoutError``-free KeyError when it has none)."""
+    layout = node.meta[LAYOUT]
+    if not isinstance(layout, Layout):
+        raise TypeError(f"%{node.name} has {len(layout)} outputs; its layouts are layouts_of(node)")
+    return layout
+
+
+def has_layout(node: fx.Node) -> bool:
+    return isinstance(node.meta.get(LAYOUT), Layout)
+
+
+def layouts_of(node: fx.Node) -> tuple[Layout | None, ...]:
+    """The layouts of a multi-output node's outputs (a one-output node: its one layout)."""
+    layout = node.meta.get(LAYOUT)
+    return tuple(layout) if isinstance(layout, tuple) else (layout,)
+
+
+def required_layouts(node: fx.Node) -> tuple[Any, ...] | None:
+    """What a propagated node requires of its tensor arguments (None: not propagated)."""
+    return node.meta.get(ARG_LAYOUTS)
+
+
+def set_strategy(node: fx.Node, required: Sequence[Layout], out: Any) -> None:
+    """Stage 2's decision for ``node``: its arguments in ``required``, its output(s) laid out as ``out``."""
+    node.meta[ARG_LAYOUTS] = tuple(required)
+    node.meta[LAYOUT] = out
+
+
+def value(node: Any) -> Any:
+    """The fake value torch recorded for a node (None for a non-node or a node without one)."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def dtype_of(node: fx.Node) -> torch.dtype:
+    v = value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else torch.float32
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    """The shape of a tensor-valued node, None for anything else."""
+    v = value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+# ---- graph questions -------------------------------------------------------------------------------
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued input nodes of ``node`` in argument order (duplicates kept)."""
+    flat = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor)]
+
+
+def requirements(node: fx.Node) -> list[tuple[fx.Node, Layout]]:
+    """(tensor argument, the layout ``node`` requires of it) pairs of a propagated node."""
+    required = required_layouts(node)
+    if required is None:
+        return []
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
+            if isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(value(a), torch.Tensor)]
+    return list(zip(args, required))
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def outputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The values a graph returns (its output node's flat tuple)."""
+    return list(output_node(gm).args[0])
+
+
+def output_layouts(gm: fx.GraphModule) -> tuple[Layout, ...]:
+    return tuple(a.meta[LAYOUT] for a in outputs(gm))
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def input_root(node: fx.Node, relabels: Any) -> fx.Node | None:
+    """The placeholder ``node`` is a relabelling of (through the ops in ``relabels``), or None."""
+    while node.op == "call_function" and node.target in relabels and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy with its own nodes (and their meta dicts), so a rewrite leaves ``gm`` as it was."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)

@@ -1,0 +1,71 @@
+"""How stage 4 rewrites an op's non-tensor arguments for one rank: recipes, as data.
+
+A global graph bakes global facts into op arguments: a view's target shape, a factory's
+size, a slice's start, the rows of a table an index refers to. On each rank those become local
+facts, computed from the node's layouts and the rank's coordinate. The op registry
+(fxshard/registry.py) names the recipe of each op; stage 3 copies it into the node's meta
+(``graph.LOCALIZE``); lowering/localize.py carries out whatever recipe it finds. So lowering
+reads recipes, never op names, and an op with a new kind of argument is one new recipe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """Argument ``index`` holds the op's output shape: it becomes the rank's local shape.
+
+    ``becomes``: the op to call instead (a view of a collective's output, which may be a strided
+    block, is a reshape; ``as_strided`` with row-major strides is a view), with only the first
+    argument kept before the shape when ``only_input`` is set.
+    """
+
+    index: int
+    becomes: Any = None
+    only_input: bool = False
+
+
+@dataclass(frozen=True)
+class LocalArange:
+    """``arange`` sharded in contiguous blocks: the rank's run of it (start, end, step rewritten)."""
+
+
+@dataclass(frozen=True)
+class SliceRange:
+    """``slice(x, dim, start, end, step)``: the rank's part of the range, in its local block; a range
+    stage 2 took where it lies (a Partial output) becomes the rank's rows padded with zeros."""
+
+
+@dataclass(frozen=True)
+class SelectIndex:
+    """``select(x, dim, index)``: the index in the rank's block; taken where it lies when stage 2
+    made the output Partial (zeros on the ranks that do not hold it)."""
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """``split(x, sizes, dim)``: each part's local size, as ``split_with_sizes``."""
+
+    dim_index: int = 2
+
+
+@dataclass(frozen=True)
+class MaskedLookup:
+    """Rows looked up by index from a table sharded along ``dim``: the rank looks up the indices it
+    holds (shifted into its block) and writes zeros elsewhere, a Partial(sum) of the lookup.
+
+    ``table``/``index``: argument positions; ``dim``: the table's looked-up dim, or None to read it
+    from argument ``dim_index``; ``mask_unsqueeze``: where the index mask gains a size-1 dim to
+    broadcast against the output (embedding: -1, its trailing row dim).
+    """
+
+    table: int
+    index: int
+    dim: int | None = 0
+    dim_index: int | None = None
+    mask_unsqueeze: int | None = None
+
+
+Recipe = LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup

@@ -1,0 +1,203 @@
+"""The op registry: every ATen op fxshard knows, one entry each, as data.
+
+An entry says how the op propagates layouts (its kind: a signature, a view, a range, a
+factory, ...; fxshard/op_kinds.py), how stage 4 localizes its non-tensor arguments (a recipe of
+fxshard/localization.py, or none), and what it is to the passes that reason about values
+(whether its output relabels its input's elements, shares its storage, is cheap to recompute).
+Stage 2 does one lookup per node (``lookup``), stage 3 copies the recipe into the graph, and
+nothing else names an op. An op not in the table that torch tags pointwise propagates by
+broadcasting; one without tensor inputs is a replicated factory; any other is replicated with a
+warning, or refused under ``strict=True``.
+
+Adding an op: one line for an einsum-like op (``aten.mm.default: einsum_op("m k, k n -> m n", ...)``),
+one entry for a view-like or indexed one (docs/design.md, "Adding an op").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import rules
+from .localization import (LocalArange, LocalShape, MaskedLookup, Recipe, SelectIndex, SliceRange, SplitSizes)
+from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, Declared, Kind, Ranges
+from .ops import CONSTRAIN, REDISTRIBUTE
+from .rules import LINEAR_OPS, einsum
+from .slicing import concat_rule, select_rule, slice_rule, split_rule, stack_rule, unbind_rule
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Op:
+    """What fxshard knows of one op.
+
+    ``relabels``: the output is the input's elements under other indices (views, permutes, expand,
+    alias): a value that relabels an input is that input moved or kept (refine.py, the training
+    split). ``aliases``: the output shares the input's storage (memory.py); every relabelling
+    does, and select/slice too. ``recomputed_with_input``: the training split recomputes it in
+    the backward whenever it recomputes its input (relabellings, casts, clones).
+    """
+
+    kind: Kind | None
+    localize: Recipe | None = None
+    relabels: bool = False
+    aliases: bool = False
+    recomputed_with_input: bool = False
+
+    @property
+    def shares_storage(self) -> bool:
+        return self.relabels or self.aliases
+
+    @property
+    def cheap_follower(self) -> bool:
+        return self.relabels or self.recomputed_with_input
+
+
+def einsum_op(spec: str, reduce: str = "sum", partial_groups: Sequence[Sequence[int]] = (),
+              partial_ops: Sequence[str] = LINEAR_OPS, **traits: Any) -> Op:
+    """An op whose every call is the einsum ``spec`` (``"m k, k n -> m n"``; see rules.einsum)."""
+    sig = einsum(spec, reduce, partial_groups, partial_ops)
+    return Op(Declared(lambda node: sig), **traits)
+
+
+def signature_op(rule: Any, localize: Recipe | None = None, **traits: Any) -> Op:
+    """An op whose signature ``rule(node)`` computes from the node (its shapes, dims, flags)."""
+    return Op(Declared(rule), localize, **traits)
+
+
+_view = Op(VIEW, LocalShape(1), relabels=True)
+_squeeze = Op(VIEW, relabels=True)
+_permute = signature_op(rules.permute, relabels=True)
+_transpose = signature_op(rules.transpose, relabels=True)
+_identity = signature_op(rules.identity)
+_constant = Op(FACTORY, LocalShape(0))  # built at the local shape where its consumers want it sharded
+_arange = Op(FACTORY, LocalArange())  # built as the rank's run where its consumers want it sharded
+
+OPS: dict[Any, Op] = {
+    # matmuls and contractions
+    aten.mm.default: einsum_op("m k, k n -> m n", partial_groups=[(0,), (1,)]),
+    aten.bmm.default: einsum_op("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
+    aten.addmm.default: signature_op(rules.addmm),
+    # permutes
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.permute.default: _permute,
+    # reductions
+    aten.sum.dim_IntList: signature_op(rules.reduce_dims("sum")),
+    aten.sum.default: signature_op(rules.reduce_all("sum")),
+    aten.mean.dim: signature_op(rules.reduce_dims("avg")),
+    aten.mean.default: signature_op(rules.reduce_all("avg")),
+    aten.amax.default: signature_op(rules.reduce_dims("max")),
+    aten.amin.default: signature_op(rules.reduce_dims("min")),
+    aten.var_mean.correction: signature_op(rules.var_mean),
+    aten._softmax.default: signature_op(rules.softmax),
+    aten._log_softmax.default: signature_op(rules.softmax),
+    aten.cumsum.default: signature_op(rules.scan),
+    aten.topk.default: signature_op(rules.select_along),
+    aten.sort.default: signature_op(rules.select_along),
+    # pointwise ops whose partial sums need care (other pointwise ops: by their torch tag)
+    aten.add.Tensor: signature_op(rules.add_like),
+    aten.sub.Tensor: signature_op(rules.add_like),
+    aten.mul.Tensor: signature_op(rules.mul_like),
+    aten.div.Tensor: signature_op(rules.div_like),
+    aten.neg.default: signature_op(rules.pointwise(lambda n: [(0,)])),
+    aten._to_copy.default: signature_op(rules.to_copy, recomputed_with_input=True),
+    aten.view_as_complex.default: signature_op(rules.view_as_complex),
+    aten.view_as_real.default: signature_op(rules.view_as_real),
+    aten.triu.default: signature_op(rules.triangle),
+    aten.tril.default: signature_op(rules.triangle),
+    aten.clone.default: signature_op(rules.identity, recomputed_with_input=True),
+    aten.alias.default: signature_op(rules.identity, relabels=True),
+    aten.detach.default: signature_op(rules.identity, relabels=True),
+    aten.contiguous.default: _identity,
+    aten.expand.default: signature_op(rules.pointwise(lambda n: [(0,)], rules.ALL_OPS), LocalShape(1),
+                                      relabels=True),
+    # views: regroupings of pieces (fxshard/views.py)
+    aten.view.default: Op(VIEW, LocalShape(1, becomes=aten.reshape.default), relabels=True),  # of a strided block
+    aten._unsafe_view.default: _view,
+    aten.reshape.default: _view,
+    aten.unsqueeze.default: _squeeze,
+    aten.squeeze.dim: _squeeze,
+    aten.squeeze.default: _squeeze,
+    aten.squeeze.dims: _squeeze,
+    aten.flatten.using_ints: _squeeze,
+    aten.as_strided.default: Op(PLAIN_VIEW, LocalShape(1, becomes=aten.view.default, only_input=True)),
+    # ranges of a dim and stacks (fxshard/slicing.py)
+    aten.slice.Tensor: Op(Ranges(slice_rule), SliceRange(), aliases=True),
+    aten.select.int: Op(Ranges(select_rule), SelectIndex(), aliases=True),
+    aten.split.Tensor: Op(Ranges(split_rule), SplitSizes()),
+    aten.split_with_sizes.default: Op(Ranges(split_rule), SplitSizes()),
+    aten.unbind.int: Op(Ranges(unbind_rule)),
+    aten.cat.default: Op(Ranges(concat_rule)),
+    aten.stack.default: Op(Ranges(stack_rule)),
+    # lookups: a sharded table is looked up where it lies, a masked Partial(sum)
+    aten.embedding.default: signature_op(rules.embedding, MaskedLookup(table=0, index=1, dim=0, mask_unsqueeze=-1)),
+    aten.gather.default: signature_op(rules.gather, MaskedLookup(table=0, index=2, dim=None, dim_index=1)),
+    aten.index.Tensor: signature_op(rules.index),
+    # writes (backward graphs)
+    aten.scatter.value: signature_op(rules.scatter),
+    aten.scatter.src: signature_op(rules.scatter),
+    aten.slice_scatter.default: signature_op(rules.slice_scatter),
+    aten.select_scatter.default: signature_op(rules.slice_scatter),
+    aten.index_put.default: signature_op(rules.index_put_accumulate),
+    aten._unsafe_masked_index_put_accumulate.default: signature_op(rules.index_put_accumulate),
+    # attention kernels: batch and heads independent
+    **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
+    **{op.default: signature_op(rules.attention_backward) for op in rules.ATTENTION_BACKWARD_OPS},
+    # factories (rand_like/randn_like are not *_like: drawn in global shape, fxshard/decompose.py says why)
+    aten.ones_like.default: Op(LIKE),
+    aten.zeros_like.default: Op(LIKE),
+    aten.empty_like.default: Op(LIKE),
+    aten.full_like.default: Op(LIKE),
+    aten.new_ones.default: Op(NEW),
+    aten.new_zeros.default: Op(NEW),
+    aten.new_empty.default: Op(NEW),
+    aten.new_full.default: Op(NEW),
+    aten.new_empty_strided.default: Op(NEW),
+    aten.zeros.default: _constant,
+    aten.ones.default: _constant,
+    aten.full.default: _constant,
+    aten.empty.memory_format: _constant,
+    aten.arange.default: _arange,
+    aten.arange.start: _arange,
+    aten.arange.start_step: _arange,
+    # fxshard's own
+    CONSTRAIN: Op(PIN),
+    REDISTRIBUTE: Op(None, LocalShape(3)),
+}
+
+_POINTWISE = signature_op(rules.pointwise())
+_NO_TENSOR_INPUTS = Op(FACTORY)
+
+
+def lookup(node: fx.Node, has_tensor_inputs: bool) -> Op | None:
+    """The entry for ``node``'s op: its own, else a factory when it has no tensor inputs, else
+    pointwise by torch's tag; None when fxshard knows nothing of it."""
+    entry = OPS.get(node.target)
+    if entry is not None:
+        return entry
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    if not has_tensor_inputs:
+        return _NO_TENSOR_INPUTS
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return _POINTWISE
+    return None
+
+
+def recipe_of(node: fx.Node) -> Recipe | None:
+    entry = OPS.get(node.target) if node.op == "call_function" else None
+    return entry.localize if entry is not None else None
+
+
+def _ops_where(trait: str) -> frozenset:
+    return frozenset(op for op, entry in OPS.items() if getattr(entry, trait))
+
+
+RELABELS = _ops_where("relabels")  # the output relabels one input's elements (same storage)
+SHARES_STORAGE = _ops_where("shares_storage")  # the output is a view of one input's storage
+CHEAP_FOLLOWERS = _ops_where("cheap_follower")  # recomputed in the backward with their input

@@ -1,0 +1,163 @@
+"""The strategies of a declared signature, and the cheapest one.
+
+A signature (fxshard/rules.py) names the factors of each dim; a strategy assigns each factor
+the pieces it is sharded with (one of the layouts an input already has, or local), and says
+through which linear group a Partial input may pass to the output. A strategy costs the
+planned redistributions of its inputs, plus what an output it leaves Partial will owe.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .hints import at_hints
+from .layout import Layout, LayoutError, Piece
+from .mesh import MeshSpec
+from .rules import Signature
+
+Price = Callable[[Layout, Layout], float]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Layout, ...]
+    output: Any  # a Layout, or a tuple of them for a multi-output op
+    cost: float
+
+    @property
+    def key(self) -> tuple:
+        """Lower is better: planned cost (inputs, plus what an output left Partial still owes), then
+        a Partial output, then the output's local size (less memory and compute per rank)."""
+        outs = self.output if isinstance(self.output, tuple) else (self.output,)
+        first = outs[0]
+        return (round(self.cost, 12), bool(first.partial), numeric_size(first.max_local_shape()))
+
+
+def numeric_size(shape: Sequence[Any]) -> float:
+    n = 1.0
+    for s in shape:
+        n *= float(s) if isinstance(s, int) else float(at_hints(s))
+    return n
+
+
+def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str, list[tuple[Piece, ...]]]:
+    cands: dict[str, list[tuple[Piece, ...]]] = {}
+    for dims, layout in zip(sig.inputs, in_layouts):
+        for d, f in enumerate(dims):
+            if f is None:
+                continue
+            options = cands.setdefault(f, [])
+            pieces = layout.dims[d]
+            if f not in sig.whole and any(p.axis is not None for p in pieces) and pieces not in options:
+                options.append(pieces)
+    for f in set(sig.output) - {None}:
+        cands.setdefault(f, [])
+    for options in cands.values():
+        options.append(())  # local: always possible
+    return cands
+
+
+def _partial_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> list[tuple[tuple[int, ...], tuple]]:
+    """(group, partial axes) choices: the output stays Partial through one linear group."""
+    out: list[tuple[tuple[int, ...], tuple]] = [((), ())]
+    for group in sig.partial_groups:
+        for i in group:
+            p = in_layouts[i].partial if i < len(in_layouts) else ()
+            if p and all(op in sig.partial_ops for _, op in p) and (group, p) not in out:
+                out.insert(len(out) - 1, (group, p))
+    return out
+
+
+def output_shapes(val: Any) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in val)
+
+
+def choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
+            cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
+    """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i,
+    ``price(src, dst)`` a redistribution of the output."""
+    if len(sig.inputs) != len(in_layouts):
+        return None
+    cands = _factor_candidates(sig, in_layouts)
+    factors = sorted(cands)
+    best: Strategy | None = None
+    for choice in itertools.product(*(cands[f] for f in factors)):
+        assign = dict(zip(factors, choice))
+        for group, partial in _partial_candidates(sig, in_layouts):
+            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of, price)
+            if s is not None and (best is None or s.key < best.key):
+                best = s
+    return best
+
+
+def _may_leave_a_rank_empty(pieces: Sequence[Piece]) -> bool:
+    """Whether torch.chunk semantics give some rank no element of these pieces (nested chunks: maybe)."""
+    chunked = [p for p in pieces if p.chunked]
+    if len(chunked) != 1:
+        return len(chunked) > 1
+    size, n = int(chunked[0].size), int(chunked[0].axis.size)
+    return size == 0 or -(-size // -(-size // n)) < n
+
+
+def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
+              in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
+              cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
+    try:
+        contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
+        if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
+            return None
+        if sig.reduce in ("max", "min") and any(_may_leave_a_rank_empty(assign[f]) for f in sig.contracted):
+            return None  # amax/amin of an empty block has no identity to return
+
+        def partial_of(i: int) -> tuple:
+            return (tuple(partial) if i in group else ()) + (contracted if i in sig.addends else ())
+
+        required = tuple(
+            Layout(mesh, layout.shape, [assign[f] if f is not None else () for f in dims], partial_of(i))
+            for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))
+        if sig.extra_outputs:
+            output: Any = tuple(
+                Layout(mesh, shape, [assign[f] if f is not None else () for f in dims], tuple(partial) + contracted)
+                if shape is not None else None
+                for dims, shape in zip((sig.output,) + sig.extra_outputs, out_shapes))
+        else:
+            output = Layout(mesh, out_shapes, [assign[f] if f is not None else () for f in sig.output],
+                            tuple(partial) + contracted)
+    except LayoutError:
+        return None
+    cost = sum(cost_of(i, dst) for i, dst in enumerate(required))
+    first = output[0] if isinstance(output, tuple) else output
+    debt = partial_debt(first.with_partial(contracted), price) if contracted else 0.0  # inherited: owed already
+    return Strategy(required, output, cost + debt)
+
+
+
+def partial_debt(out: Layout, price: Price) -> float:
+    """The least a Partial ``out`` will cost to resolve: reduce_scatter onto one dim, or all_reduce.
+
+    Without it a greedy choice takes a free Partial output (gather the cheap indices of an
+    embedding rather than its table) and pays the reduction of a large tensor one op later.
+    """
+    if not out.partial:
+        return 0.0
+    resolved = out.with_partial(())
+    axes = [a for a, _ in out.partial]
+    best = price(out, resolved)
+    n = 1
+    for a in axes:
+        n *= a.size if isinstance(a.size, int) else 0
+    for d, pieces in enumerate(out.dims):
+        size = out.shape[d]
+        if any(p.axis is not None for p in pieces) or not n or not isinstance(size, int) or size % n:
+            continue
+        try:
+            target = resolved.with_dim(d, [Piece(a.size, a) for a in axes] + [Piece(size // n)])
+        except LayoutError:
+            continue
+        best = min(best, price(out, target))
+    return best
