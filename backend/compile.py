@@ -17,10 +17,10 @@ from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.graph import output_layouts
+from fxshard.placements import placements_from_layout
 
 from .report import StageReporter
 
-_warned_grad = False
 
 
 class ShardedCallable:
@@ -35,13 +35,13 @@ class ShardedCallable:
         self.positions = list(tensor_positions)
         self.input_layouts = list(input_layouts)
         self.output_layouts = output_layouts(planned)
-        self.output_placements = [l.to_placements() for l in self.output_layouts]
+        self.output_placements = [placements_from_layout(l) for l in self.output_layouts]
         self.inductor = inductor
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
+        self._warned_grad = False  # said once per program: its outputs carry no gradient
 
     def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
-        global _warned_grad
         out = []
         for pos, layout in zip(self.positions, self.input_layouts):
             x = args[pos]
@@ -49,8 +49,8 @@ class ShardedCallable:
                 local = x._local_tensor
             else:
                 local = x if layout.is_replicated else layout.shard(x, self.coordinate)
-            if local.requires_grad and torch.is_grad_enabled() and not _warned_grad:
-                _warned_grad = True
+            if local.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
+                self._warned_grad = True
                 warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
                               "required grad, or under torch.no_grad()): its outputs carry no gradient",
                               stacklevel=3)

@@ -13,7 +13,7 @@ import torch.fx as fx
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
-from fxshard.planner import CostModel
+from fxshard.costs import CostModel
 
 from .compile import ShardedCallable
 from .joint import plan_training

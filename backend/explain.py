@@ -15,11 +15,10 @@ from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.graph import output_layouts
 from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
-from fxshard.planner import CostModel
+from fxshard.costs import CostModel
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
-from fxshard.hints import describe, size_hints
-from fxshard.views import take_assumptions
+from fxshard.hints import assumptions, describe, size_hints
 
 from .capture import capture, input_layouts_by_position
 from .trace import TracedProgram, trace_global
@@ -126,8 +125,7 @@ def explain(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] |
     """
     program = trace_function(fn, args, mesh, placements)
     traced = format_graph(program.gm)
-    with size_hints(hints):
-        take_assumptions()
+    with size_hints(hints), assumptions() as assumed:
         gm = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
         return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm),
-                           take_assumptions(), describe())
+                           sorted(assumed), describe())

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import html
 import pathlib
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch.fx as fx
 
 from fxshard.layout import Layout
 from fxshard.ops import REDISTRIBUTE
 from fxshard.printing import format_graph
-
-if TYPE_CHECKING:
-    from .explain import Explanation
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -45,7 +42,7 @@ def _graph_rows(gm: fx.GraphModule) -> list[str]:
     return rows
 
 
-def render(e: "Explanation", title: str = "fxshard explanation") -> str:
+def render(e: Any, title: str = "fxshard explanation") -> str:
     comm = [_row([html.escape(c.kind), html.escape(",".join(str(a) for a in c.axes)), html.escape(str(c.bytes_per_rank)),
                   f"%{html.escape(c.node.name)}", html.escape(c.reason)], numeric=(2,)) for c in e.collectives]
     totals = [_row([html.escape(axes), html.escape(str(b))], numeric=(1,)) for axes, b in e.bytes_by_axes().items()]
@@ -72,7 +69,7 @@ def render(e: "Explanation", title: str = "fxshard explanation") -> str:
     return "\n".join(parts)
 
 
-def write_html(e: "Explanation", path: str | pathlib.Path, title: str = "fxshard explanation") -> pathlib.Path:
+def write_html(e: Any, path: str | pathlib.Path, title: str = "fxshard explanation") -> pathlib.Path:
     path = pathlib.Path(path)
     path.write_text(render(e, title), encoding="utf-8")
     return path

@@ -10,9 +10,10 @@ Splitting: the forward computes what the outputs need and returns the outputs pl
 the backward reads ("saved"). A redistribution that grows a value (an all_gather of an FSDP
 weight or a sequence-parallel activation), and views of its result, are recomputed in the
 backward instead of saved: no rank keeps a gathered copy of a value the plan shards between
-the two passes, except tiny parameters and the parameter the backward needs first, which it
-would hold at that moment anyway (``small_gathers``, ``reuse_first_gather``). Views of parameters are recomputed too (free). All other values the backward
-reads are saved as the forward left them.
+the two passes, except what the policy keeps (``fxshard.policies.TrainingSplit``: tiny
+parameters, and the parameter the backward needs first, which it would hold at that moment
+anyway). Views of parameters are recomputed too (free). All other values the backward reads
+are saved as the forward left them.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
 from fxshard.graph import output_layouts
 from fxshard.pipeline import shard_graph
-from fxshard.planner import CostModel
+from fxshard.costs import CostModel
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 
@@ -37,7 +39,6 @@ from .trace import JointSignature, TracedProgram, trace_global
 
 aten = torch.ops.aten
 
-KEEP_BELOW_FRACTION = 64  # a gathered parameter this many times smaller than the largest is kept
 
 
 @dataclass
@@ -60,8 +61,10 @@ class TrainingPlan:
 
 def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
                   extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None,
-                  strict: bool = False, cost_model: CostModel | None = None) -> TrainingPlan:
-    """Stages 1-3 for training: trace the joint graph in global shapes, plan it, split it."""
+                  strict: bool = False, cost_model: CostModel | None = None,
+                  split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> TrainingPlan:
+    """Stages 1-3 for training: trace the joint graph in global shapes, plan it, split it (``split``
+    says which gathered values the forward keeps for the backward)."""
     forward_only = trace_global(gm, example_inputs, mesh=mesh, extra_layouts=extra_layouts, names=names)
     planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,
                                   cost_model=cost_model)
@@ -77,7 +80,7 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
     grad_layouts = tuple(program.input_layouts[program.input_names[k]] for k in signature.grad_inputs)
     joint = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
                         output_layouts=list(out_layouts) + list(grad_layouts))
-    forward, backward = partition(joint, signature)
+    forward, backward = partition(joint, signature, split)
     return TrainingPlan(forward, backward, joint, program, signature.num_forward_outputs, signature.grad_inputs,
                         out_layouts, grad_layouts)
 
@@ -113,12 +116,12 @@ def _local_bytes(node: fx.Node) -> int:
     return _local_numel(node.meta["layout"]) * node.meta["val"].element_size()
 
 
-def small_gathers(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
+def small_gathers(gm: fx.GraphModule, forward: set[fx.Node], keep_below_fraction: int) -> set[fx.Node]:
     """Gathers of parameters (and views of them) so small that the backward reuses them: more than
-    ``KEEP_BELOW_FRACTION`` times smaller than the largest (a norm's weight beside the matrices),
+    ``keep_below_fraction`` times smaller than the largest (a norm's weight beside the matrices),
     a re-gather would cost a collective's latency to save a few KiB. Activations are never kept."""
     gathers = [n for n in gm.graph.nodes if n in forward and grows(n) and input_root(n.args[0]) is not None]
-    small = max((_local_bytes(n) for n in gathers), default=0) // KEEP_BELOW_FRACTION
+    small = max((_local_bytes(n) for n in gathers), default=0) // keep_below_fraction
     return {n for n in gathers if _local_bytes(n) <= small}
 
 
@@ -168,11 +171,12 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
     return {f}
 
 
-def recomputed(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes the backward recomputes rather than saves: gathers (but small ones and the one
-    the backward needs first), views of them, and views of the primals. Rewrites ``gm`` (see
-    ``reuse_first_gather``)."""
-    keep = small_gathers(gm, forward) | reuse_first_gather(gm, forward)
+def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) -> set[fx.Node]:
+    """Forward nodes the backward recomputes rather than saves: gathers (but those ``split`` keeps),
+    views of them, and views of the primals. Rewrites ``gm`` (see ``reuse_first_gather``)."""
+    keep = small_gathers(gm, forward, split.keep_below_fraction)
+    if split.keep_first_backward_gather:
+        keep |= reuse_first_gather(gm, forward)
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node not in forward or node.op != "call_function":
@@ -184,7 +188,8 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def partition(joint: fx.GraphModule, signature: JointSignature) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition(joint: fx.GraphModule, signature: JointSignature,
+              split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Cut a planned joint graph into forward (primals -> outputs + saved) and backward
     (saved + tangents -> gradients)."""
     nodes = list(joint.graph.nodes)
@@ -196,7 +201,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature) -> tuple[fx.Grap
     forward = _ancestors(forward_outs) | set(primals)
     # every output of a multi-output forward op is the forward's (the backward reads logsumexp, say)
     forward |= {n for n in nodes if n.target is operator.getitem and n.args[0] in forward}
-    recompute = recomputed(joint, forward)
+    recompute = recomputed(joint, forward, split)
     nodes = list(joint.graph.nodes)  # recomputed() may have rewritten a backward gather
 
     saved: list[fx.Node] = []

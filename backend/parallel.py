@@ -23,7 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.layout import Layout
 from fxshard.placements import as_mesh_spec, layout_from_placements, user_layout
-from fxshard.planner import CostModel
+from fxshard.costs import CostModel
 
 from .capture import capture
 from .driver import compile_program

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.mesh import MeshSpec
 from fxshard.graph import output_layouts
 from fxshard.pipeline import shard_graph
-from fxshard.planner import CostModel
+from fxshard.costs import CostModel
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.lowering.collectives import _Emit, lower_step
 from fxshard.lowering.groups import MeshGroups
-from fxshard.planner import Plan, Step
+from fxshard.plans import Plan, Step
 
 from .simulate import fake_world, run_lockstep
 

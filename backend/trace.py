@@ -24,7 +24,7 @@ from fxshard.layout import Layout
 from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
-from fxshard.placements import as_mesh_spec, placements_to_str
+from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 
 class TraceError(RuntimeError):
@@ -133,7 +133,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _pin(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
         placements = tuple(placements)
-        layout = Layout.from_placements(self.mesh, x.shape, placements)
+        layout = layout_from_placements(self.mesh, x.shape, placements)
         if self.known.get(x) == layout:
             return x
         y = constrain_op(x, placements_to_str(placements))
@@ -173,7 +173,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _from_local(self, local: Any, device_mesh: Any = None, placements: Any = None, **_: Any) -> torch.Tensor:
         placements = tuple(placements or [Replicate()] * self.mesh.ndim)
-        layout = Layout.from_placements(self.mesh, local.shape, placements)
+        layout = layout_from_placements(self.mesh, local.shape, placements)
         view = self.local_views.get(local)
         if view == layout:
             out = torch.ops.aten.alias.default(local)  # a new object: the global value, no longer a local view
@@ -288,7 +288,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
             with fake_mode:
                 fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=local.device))
             spec = x._spec
-            layouts.append(Layout.from_placements(mesh, x.shape, x.placements,
+            layouts.append(layout_from_placements(mesh, x.shape, x.placements,
                                                   getattr(spec, "shard_order", None) if _has_explicit_order(spec) else None))
         elif isinstance(x, torch.Tensor):
             with fake_mode:

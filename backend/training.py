@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
+from fxshard.placements import placements_from_layout
 
 from .compile import _contiguous_stride
 from .joint import TrainingPlan
@@ -38,7 +39,7 @@ class TrainingCallable:
         program = plan.program
         self.positions = list(program.tensor_positions)
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
-        self.output_placements = [l.to_placements() for l in plan.output_layouts]
+        self.output_placements = [placements_from_layout(l) for l in plan.output_layouts]
         self.inductor = inductor
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dtensor_plans import dtensor_plans  # noqa: E402
 
 from fxshard import Layout, MeshSpec, lower_bound_bytes, plan_redistribute  # noqa: E402
-from fxshard.placements import placements_from_str  # noqa: E402
+from fxshard.placements import layout_from_placements, placements_from_str  # noqa: E402
 from fxshard.planner import clear_plan_cache  # noqa: E402
 
 ITEMSIZE = 4  # float32
@@ -148,8 +148,8 @@ def run_case(case: Case) -> Row:
     src_p, dst_p = placements_from_str(case.src), placements_from_str(case.dst)
     src_o = dict(case.src_order) if case.src_order else None
     dst_o = dict(case.dst_order) if case.dst_order else None
-    src = Layout.from_placements(mesh, case.shape, src_p, src_o)
-    dst = Layout.from_placements(mesh, case.shape, dst_p, dst_o)
+    src = layout_from_placements(mesh, case.shape, src_p, src_o)
+    dst = layout_from_placements(mesh, case.shape, dst_p, dst_o)
 
     def cold():
         clear_plan_cache()

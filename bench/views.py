@@ -55,7 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
-from fxshard.placements import placements_to_str
+from fxshard.placements import placements_from_layout, placements_to_str
 from fxshard.propagate import UnsupportedOpError
 
 WORLD_SIZE = 8
@@ -286,7 +286,7 @@ def run_fxshard(chain: Chain, x: torch.Tensor, mesh: DeviceMesh) -> Side:
         return Side(_short(exc), None)
     kinds = [f"{c.kind}({','.join(str(a) for a in c.axes)}){' @out' if _feeds_output(c.node) else ''}"
              for c in e.collectives]
-    out = e.output_layouts[0].to_placements()
+    out = placements_from_layout(e.output_layouts[0])
     return Side(_count(kinds) + note, float(e.bytes_per_rank), placements_to_str(out) if out is not None else "?")
 
 

@@ -1,15 +1,19 @@
 """fxshard: SPMD sharding of global-shape PyTorch programs as an FX pass (torch.compile backend "fxshard")."""
 from typing import Any
 
+from .costs import CostModel
 from .layout import Layout, LayoutError, Piece
-from .mesh import MeshAxis, MeshSpec
 from .load import ShardPlan, load_sharded, register_transform
 from .lower_bound import lower_bound_bytes
+from .mesh import MeshAxis, MeshSpec
 from .ops import constrain
-from .planner import CostModel, Plan, Step, plan_redistribute
+from .placements import layout_from_placements, placements_from_layout
+from .planner import plan_redistribute
+from .plans import Plan, Step
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile", "constrain", "explain",
-           "load_sharded", "lower_bound_bytes", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile",
+           "constrain", "explain", "layout_from_placements", "load_sharded", "lower_bound_bytes",
+           "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
 
 
 def __getattr__(name: str) -> Any:

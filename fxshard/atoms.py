@@ -7,21 +7,54 @@ that either layout uses is cut at each sub-axis boundary either one uses; an ato
 "tp/2" alone and moving "tp" as two atoms are the same kind of step. A chunked (uneven) piece
 holds the whole axis it was made with, which must then be one atom.
 
-A state is ``(dims, partial)``: ``dims[d]`` a tuple of ``(size, atom, chunked)`` pieces major
-to minor (``atom == -1`` for a local piece), ``partial`` a sorted tuple of ``(atom, op)``.
+A ``State`` is ``(dims, partial)``: ``dims[d]`` a tuple of ``AtomPiece(size, atom, chunked)``
+major to minor (``atom is LOCAL`` for a local piece), ``partial`` a sorted tuple of
+``PartialAtom(atom, op)``. They are named tuples: as cheap to hash and compare as tuples.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .layout import Layout, LayoutError, Piece
 from .mesh import MeshAxis, MeshSpec, Size, as_size, is_static
 
-PieceT = tuple  # (size, atom, chunked)
-Dim = tuple  # tuple[PieceT, ...]
-State = tuple  # (dims, partial)
-LOCAL = -1
+LOCAL = None  # the atom of a local piece
+
+
+class AtomPiece(NamedTuple):
+    size: Size
+    atom: int | None  # an atom id, or LOCAL
+    chunked: bool = False  # an uneven (torch.chunk) shard
+
+
+class PartialAtom(NamedTuple):
+    atom: int
+    op: str  # the pending reduction: sum, avg, max, min
+
+
+Dim = tuple  # tuple[AtomPiece, ...], major to minor
+
+
+class State(NamedTuple):
+    dims: tuple  # tuple[Dim, ...]
+    partial: tuple  # sorted tuple[PartialAtom, ...]
+
+
+UNEVEN = -1  # stride_of's mark for a chunked piece: no stride, its whole dim is its place
+
+
+class InDim(NamedTuple):
+    """Where an atom shards: dim ``dim``, ``stride`` elements per index (UNEVEN: the dim's pieces)."""
+
+    dim: int
+    stride: object
+
+
+class Pending(NamedTuple):
+    """An atom a partial ``op`` is pending over."""
+
+    op: str
 
 
 def _order_key(mesh: MeshSpec, axis: MeshAxis) -> tuple:
@@ -78,29 +111,29 @@ class Atoms:
     def state(self, layout: Layout) -> State:
         dims = []
         for pieces in layout.dims:
-            out: list[PieceT] = []
+            out: list[AtomPiece] = []
             for p in pieces:
                 if p.axis is None:
-                    out.append((p.size, LOCAL, False))
+                    out.append(AtomPiece(p.size, LOCAL))
                     continue
                 ids = self.split(p.axis)
                 if p.chunked:
                     if len(ids) != 1:
                         raise AtomError(f"uneven shard on {p.axis} while the other layout cuts that axis into sub-axes")
-                    out.append((p.size, ids[0], True))
+                    out.append(AtomPiece(p.size, ids[0], True))
                 else:
-                    out.extend((self.axes[i].size, i, False) for i in ids)
+                    out.extend(AtomPiece(self.axes[i].size, i) for i in ids)
             dims.append(canonical_dim(out))
         partial = []
         for axis, op in layout.partial:
-            partial.extend((i, op) for i in self.split(axis))
-        return tuple(dims), tuple(sorted(partial))
+            partial.extend(PartialAtom(i, op) for i in self.split(axis))
+        return State(tuple(dims), tuple(sorted(partial)))
 
     def layout(self, state: State, shape: Sequence[Size]) -> Layout:
-        dims, partial = state
         return Layout(self.mesh, shape,
-                      [[Piece(s, None if a == LOCAL else self.axes[a], c) for s, a, c in pieces] for pieces in dims],
-                      [(self.axes[a], op) for a, op in partial])
+                      [[Piece(p.size, None if p.atom is LOCAL else self.axes[p.atom], p.chunked) for p in pieces]
+                       for pieces in state.dims],
+                      [(self.axes[p.atom], p.op) for p in state.partial])
 
     def group(self, ids: Iterable[int]) -> tuple[MeshAxis, ...]:
         """A flattened group as mesh axes, adjacent atoms of one axis merged (fewest process groups)."""
@@ -121,16 +154,16 @@ class Atoms:
         return as_size(n)
 
 
-def canonical_dim(pieces: Iterable[PieceT]) -> Dim:
+def canonical_dim(pieces: Iterable[AtomPiece]) -> Dim:
     """Adjacent local pieces merged, local size-1 pieces dropped: one spelling per dim."""
-    out: list[PieceT] = []
+    out: list[AtomPiece] = []
     for p in pieces:
-        if p[1] == LOCAL:
-            if p[0] == 1:
+        if p.atom is LOCAL:
+            if p.size == 1:
                 continue
-            if out and out[-1][1] == LOCAL:
-                size = out[-1][0] * p[0]
-                out[-1] = (size if type(size) is int else as_size(size), LOCAL, False)
+            if out and out[-1].atom is LOCAL:
+                size = out[-1].size * p.size
+                out[-1] = AtomPiece(size if type(size) is int else as_size(size), LOCAL)
                 continue
         out.append(p)
     return tuple(out)
@@ -138,43 +171,44 @@ def canonical_dim(pieces: Iterable[PieceT]) -> Dim:
 
 def localized(pieces: Dim, ids: frozenset) -> Dim:
     """``pieces`` with the atoms ``ids`` gathered: their pieces become local."""
-    return canonical_dim((s, LOCAL, False) if a in ids else (s, a, c) for s, a, c in pieces)
+    return canonical_dim(AtomPiece(p.size, LOCAL) if p.atom in ids else p for p in pieces)
 
 
 def atoms_in(pieces: Dim) -> frozenset:
-    return frozenset(a for _, a, _ in pieces if a != LOCAL)
+    return frozenset(p.atom for p in pieces if p.atom is not LOCAL)
 
 
 def local_numel(state: State, shape: Sequence[Size], sizes: Sequence[Size]) -> Size:
     """Elements on the rank holding the most (coordinate 0 of every chunked piece)."""
     n: Size = 1
-    for pieces in state[0]:
-        for s, a, chunked in pieces:
-            if a == LOCAL:
-                n = n * s
-            elif chunked:
-                n = n * (-(-int(s) // int(sizes[a])))
+    for pieces in state.dims:
+        for p in pieces:
+            if p.atom is LOCAL:
+                n = n * p.size
+            elif p.chunked:
+                n = n * (-(-int(p.size) // int(sizes[p.atom])))
     return n if type(n) is int else as_size(n)
 
 
 def stride_of(pieces: Dim) -> dict[int, Size]:
-    """Atom -> product of the sizes of the pieces after it (where it sits in the dim)."""
+    """Atom -> product of the sizes of the pieces after it (where it sits in the dim); UNEVEN for a
+    chunked piece."""
     out: dict[int, Size] = {}
     inner: Size = 1
-    for s, a, chunked in reversed(pieces):
-        if a != LOCAL:
-            out[a] = -1 if chunked else inner
-        inner = as_size(inner * s)
+    for p in reversed(pieces):
+        if p.atom is not LOCAL:
+            out[p.atom] = UNEVEN if p.chunked else inner
+        inner = as_size(inner * p.size)
     return out
 
 
 def moving_atoms(state: State, target: State) -> list[int]:
     """Atoms whose place (dim and stride, uneven dim, or partial op) differs between two states."""
-    def places(st: State) -> dict:
-        out: dict = {a: ("p", op) for a, op in st[1]}
-        for d, pieces in enumerate(st[0]):
+    def places(st: State) -> dict[int, InDim | Pending]:
+        out: dict[int, InDim | Pending] = {p.atom: Pending(p.op) for p in st.partial}
+        for d, pieces in enumerate(st.dims):
             for a, stride in stride_of(pieces).items():
-                out[a] = ("d", d, stride if stride != -1 else pieces)
+                out[a] = InDim(d, stride if stride != UNEVEN else pieces)
         return out
 
     here, there = places(state), places(target)

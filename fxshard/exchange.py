@@ -18,16 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .atoms import LOCAL, State
 from .layout import Layout
-from .mesh import Coordinate, MeshAxis
+from .mesh import Coordinate, MeshAxis, Size
 
 
 def received_elements(src: Layout, dst: Layout) -> int:
     """Max over ranks of the elements of the ``dst`` block a rank does not hold in ``src``.
 
     Counted per dim (blocks are products of per-dim index sets), deduplicated over the mesh
-    coordinates each dim depends on. The planner has a closed form for even layouts
-    (``planner._received_even``), tested against this.
+    coordinates each dim depends on. ``received_even`` is its closed form for even layouts,
+    tested against this.
     """
     mesh = src.mesh
     cache: dict[tuple, tuple[int, int]] = {}
@@ -47,8 +48,66 @@ def received_elements(src: Layout, dst: Layout) -> int:
     return worst
 
 
-# ---- lowering tables --------------------------------------------------------------------------
+# ---- the same count in closed form, on the planner's atom states ----------------------------------
+def received_even(state: State, target: State) -> int | None:
+    """Elements of its target block the busiest rank lacks: ``received_elements`` in closed form, on
+    atom states (None where a dim is uneven or its sub-axes do not nest).
 
+    Atoms are the finest sub-axes of the search, so a digit fixed by two different atoms (or
+    two parts of one) in the two states is fixed differently on some rank.
+    """
+    need, both_free = 1, 1
+    for here, there in zip(state.dims, target.dims):
+        if any(p.chunked for p in here + there):
+            return None
+        s_spans, t_spans = spans(here), spans(there)
+        total = 1
+        for p in here:
+            total *= p.size
+        bounds = {1, total} | {b for _, lo, n in s_spans + t_spans for b in (lo, lo * n)}
+        if not all(isinstance(b, int) for b in bounds):
+            return None
+        edges = sorted(bounds)
+        if any(hi % lo for lo, hi in zip(edges, edges[1:])):
+            return None
+        for lo, hi in zip(edges, edges[1:]):
+            a, b = _digit(s_spans, lo, hi), _digit(t_spans, lo, hi)
+            if a is not None and b is not None and a != b:
+                return _dst_numel(target)
+            if b is None:
+                need *= hi // lo
+                if a is None:
+                    both_free *= hi // lo
+    return need - both_free
+
+
+def _digit(spans: list, lo: int, hi: int) -> tuple | None:
+    for atom, s_lo, n in spans:
+        if s_lo <= lo and hi <= s_lo * n:
+            return (atom, lo // s_lo, hi // lo)
+    return None
+
+
+def _dst_numel(state: State) -> int:
+    n = 1
+    for pieces in state.dims:
+        for p in pieces:
+            if p.atom is LOCAL:
+                n *= p.size
+    return n
+
+
+def spans(pieces: tuple) -> list[tuple[int, Size, Size]]:
+    """(atom, stride, size) of each sharded piece of an even dim."""
+    out, inner = [], 1
+    for p in reversed(pieces):
+        if p.atom is not LOCAL:
+            out.append((p.atom, inner, p.size))
+        inner = inner * p.size
+    return out
+
+
+# ---- lowering tables: the exchange's index tables ----------------------------------------------------
 @dataclass(frozen=True)
 class ExchangeTables:
     """What one rank does in an exchange (flat local positions, group order of peers)."""

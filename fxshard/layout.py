@@ -93,20 +93,6 @@ class Layout:
     def replicated(cls, mesh: MeshSpec, shape: Sequence[Any]) -> "Layout":
         return cls(mesh, shape)
 
-    @classmethod
-    def from_placements(cls, mesh: Any, shape: Sequence[Any], placements: Sequence[Any],
-                        shard_order: Any = None) -> "Layout":
-        """The layout of a DTensor with these placements (Shard, Replicate, Partial, _StridedShard)."""
-        from .placements import layout_from_placements
-
-        return layout_from_placements(mesh, shape, placements, shard_order)
-
-    def to_placements(self) -> tuple | None:
-        """DTensor placements (one per mesh axis) with this exact layout, or None if there are none."""
-        from .placements import placements_from_layout
-
-        return placements_from_layout(self)
-
     def with_dim(self, d: int, pieces: Sequence[Piece]) -> "Layout":
         dims = list(self.dims)
         dims[d] = tuple(pieces)

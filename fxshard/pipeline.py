@@ -11,7 +11,8 @@ from .graph import LOCALIZE
 from .layout import Layout
 from .local_regions import check_local_regions
 from .mesh import MeshSpec
-from .planner import CostModel
+from .costs import CostModel
+from .policies import DEFAULT_REFINEMENT, Refinement
 from .propagate import propagate
 from .redistribute import insert_redistributes
 from .refine import propagate_with_pins
@@ -20,7 +21,8 @@ from .registry import recipe_of
 
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
                 strict: bool = False, cost_model: CostModel | None = None,
-                output_layouts: Sequence[Layout | None] | None = None) -> fx.GraphModule:
+                output_layouts: Sequence[Layout | None] | None = None,
+                refinement: Refinement = DEFAULT_REFINEMENT) -> fx.GraphModule:
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``).
 
     ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do).
@@ -29,7 +31,7 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
     fallbacks: dict[str, str] = {}
     propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
                                                  pinned=pinned, output_layouts=output_layouts,
-                                                 fallbacks=fallbacks), gm, cost_model)
+                                                 fallbacks=fallbacks), gm, cost_model, refinement)
     for op, seen in fallbacks.items():
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); its inputs are replicated",
                       stacklevel=2)

@@ -20,9 +20,11 @@ from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, required_layouts, set_strategy
 from .layout import Layout, LayoutError
 from .mesh import MeshSpec
 from .op_kinds import Context, UnsupportedOpError
-from .placements import layout_from_placements
-from .planner import CostModel, redistribute_cost
-from .refine import REDUCE_SHARED, is_pinned
+from .placements import layout_from_placements, placements_from_layout
+from .costs import CostModel
+from .planner import redistribute_cost
+from .policies import Pin
+from .refine import is_pinned
 from .registry import lookup
 from .strategies import numeric_size
 
@@ -93,7 +95,7 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
     Candidates are every placement tuple (Replicate or Shard(d) per mesh axis; whole-axis
     partials kept); ties go to the one with the smaller local block.
     """
-    if layout.to_placements() is not None:
+    if placements_from_layout(layout) is not None:
         return layout
     mesh = layout.mesh
     partial = {a.name: op for a, op in layout.partial if a.is_whole}
@@ -132,7 +134,7 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
             price = redistribute_cost(in_layouts[i], dst, dtype_of(ins[i]), cost_model)
             return price * PIN_PENALTY if is_pinned(ins[i], pinned) else price
 
-        offered = reduce_shared(ins, in_layouts) if REDUCE_SHARED in pinned else in_layouts
+        offered = reduce_shared(ins, in_layouts) if Pin.REDUCE_SHARED in pinned else in_layouts
         ctx = Context(mesh, in_layouts, offered, move_cost,
                       lambda src, dst: redistribute_cost(src, dst, dtype_of(node), cost_model))
         decision = entry.kind(node, ctx)
@@ -143,7 +145,7 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
 
 
 def reduce_shared(ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> list[Layout]:
-    """The layouts a consumer may take its inputs in under ``REDUCE_SHARED``: a Partial value with
+    """The layouts a consumer may take its inputs in under ``Pin.REDUCE_SHARED``: a Partial value with
     several consumers is offered reduced only, so all of them share one reduction of it (kept
     Partial, each consumer's views of it would be reduced separately)."""
     return [l.with_partial(()) if l.partial and len(a.users) > 1 else l for a, l in zip(ins, layouts)]

@@ -12,7 +12,8 @@ from torch.utils import _pytree as pytree
 
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
-from .planner import CostModel, plan_redistribute
+from .costs import CostModel
+from .planner import plan_redistribute
 
 
 def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None) -> fx.GraphModule:

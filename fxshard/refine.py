@@ -9,7 +9,8 @@ The repair is a small search over one decision that matters globally: which valu
 layout they have. Each round pins some of the inputs the best plan so far redistributed, or
 every activation, so that moving them becomes very expensive (though still possible),
 propagates again, and keeps the new plan only if its total planned cost is lower. Programs whose plan moves
-no input (Megatron TP, sequence parallel) are propagated once, as before.
+no input (Megatron TP, sequence parallel) are propagated once, as before. Which rounds are
+tried is a policy (``fxshard.policies.Refinement``).
 """
 from __future__ import annotations
 
@@ -19,15 +20,11 @@ import torch.fx as fx
 
 from . import graph
 from .graph import PROPAGATED, requirements
+from .costs import CostModel
 from .layout import Layout
-from .planner import CostModel, redistribute_cost
+from .planner import redistribute_cost
+from .policies import DEFAULT_REFINEMENT, Pin, Refinement
 from .registry import RELABELS
-
-
-MAX_ROUNDS = 2
-MAX_SINGLES = 6  # inputs tried pinned alone per round, the smallest first
-ACTIVATIONS = "<activations>"  # a pin on every value that is not a view of an input
-REDUCE_SHARED = "<reduce shared partials>"  # a Partial value with several consumers is reduced once, where made
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
@@ -73,33 +70,32 @@ def _restore(gm: fx.GraphModule, snapshot: dict) -> None:
 
 
 def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModule,
-                        cost_model: CostModel | None = None) -> frozenset[str]:
+                        cost_model: CostModel | None = None,
+                        policy: Refinement = DEFAULT_REFINEMENT) -> frozenset[str]:
     """``run(pinned)`` propagates ``gm`` in place; leaves the cheapest plan found. Returns its pins.
 
-    First, where a Partial value has several consumers, the plan that reduces each such value
-    once where it is made (``REDUCE_SHARED``: Megatron's backward all-reduces each block's input
-    gradient once; kept Partial, every view of it a consumer needs is reduced on its own).
-    From the best plan so far each round then tries: every activation pinned (``ACTIVATIONS``: only
-    inputs move, FSDP's plan), each of the smallest inputs it moved pinned alone (the greedy
-    choice moves small operands, token ids say, and pays for it later), all of them pinned.
+    The plans tried are ``policy``'s (fxshard/policies.py): reducing shared partials once
+    (``Pin.REDUCE_SHARED``), every activation pinned (``Pin.ACTIVATIONS``), the smallest moved
+    inputs pinned one by one, all of them pinned.
     """
     run(frozenset())
     best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
     tried: set[frozenset[str]] = {frozenset()}
-    if _has_shared_partial(gm):
-        tried.add(frozenset({REDUCE_SHARED}))
-        run(frozenset({REDUCE_SHARED}))
+    if policy.reduce_shared and _has_shared_partial(gm):
+        tried.add(frozenset({Pin.REDUCE_SHARED}))
+        run(frozenset({Pin.REDUCE_SHARED}))
         cost = planned_cost(gm, cost_model)
         if cost < best[0]:
-            best = (cost, _snapshot(gm), frozenset({REDUCE_SHARED}), moved_inputs(gm))
-    for _ in range(MAX_ROUNDS):
+            best = (cost, _snapshot(gm), frozenset({Pin.REDUCE_SHARED}), moved_inputs(gm))
+    for _ in range(policy.rounds):
         _, _, pinned, moved = best
         free = {k: v for k, v in moved.items() if k not in pinned}
         if not free:
             break
-        singles = sorted(free, key=lambda k: (free[k], k))[:MAX_SINGLES]
+        singles = sorted(free, key=lambda k: (free[k], k))[:policy.max_singles]
         improved = False
-        for pins in [pinned | {ACTIVATIONS}] + [pinned | {k} for k in singles] + [pinned | set(free)]:
+        everything = [pinned | {Pin.ACTIVATIONS}] if policy.pin_activations else []
+        for pins in everything + [pinned | {k} for k in singles] + [pinned | set(free)]:
             if pins in tried:
                 continue
             tried.add(pins)
@@ -121,8 +117,8 @@ def _has_shared_partial(gm: fx.GraphModule) -> bool:
 
 def is_pinned(node: fx.Node, pinned: frozenset[str]) -> bool:
     """Whether moving ``node`` costs the pin penalty: a view of a pinned input, or an activation
-    (a value that is no view of an input) when ``ACTIVATIONS`` is pinned."""
+    (a value that is no view of an input) when ``Pin.ACTIVATIONS`` is pinned."""
     if not pinned:
         return False
     root = input_root(node)
-    return root.name in pinned if root is not None else ACTIVATIONS in pinned
+    return root.name in pinned if root is not None else Pin.ACTIVATIONS in pinned

@@ -14,19 +14,9 @@ from typing import Sequence
 
 import sympy
 
+from .hints import assume, at_hints
 from .layout import Layout, Piece, _merge_adjacent
-from .hints import at_hints
 from .mesh import Size, as_size, is_static
-
-_assumed: set[str] = set()
-
-
-def take_assumptions() -> list[str]:
-    """The divisibility facts symbolic cuts assumed since the last call (and forget them)."""
-    out = sorted(_assumed)
-    _assumed.clear()
-    return out
-
 
 def _divides(a: Size, b: Size) -> bool:
     """Whether ``a`` divides ``b``; for symbolic sizes, as proved by sympy, else as the hint says
@@ -38,7 +28,7 @@ def _divides(a: Size, b: Size) -> bool:
         return True
     at_hint = at_hints(q)
     if at_hint.is_integer and at_hint > 0:
-        _assumed.add(f"{a} divides {b}")
+        assume(f"{a} divides {b}")
         return True
     return False
 

@@ -3,17 +3,14 @@ for strided, sub-axis, uneven and partial layouts too, since it reads the layout
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .layout import Layout
 
 MAX_ELEMENTS = 4096
 
 
-def owners(layout: "Layout") -> list[list[int]]:
+def owners(layout: Any) -> list[list[int]]:
     """For each element (row-major), the ranks whose local block holds it."""
     shape = [int(s) for s in layout.shape]
     ids = torch.arange(math.prod(shape)).reshape(shape)
@@ -28,7 +25,7 @@ def owners(layout: "Layout") -> list[list[int]]:
     return held
 
 
-def visualize(layout: "Layout") -> str:
+def visualize(layout: Any) -> str:
     """One line per row of the last dim (leading dims flattened, labelled); each cell lists the ranks
     (row-major over the mesh axes) that hold that element."""
     if not layout.mesh.is_static or not all(isinstance(s, int) for s in layout.shape):

@@ -18,7 +18,7 @@ import torch.fx as fx
 from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.exchange import exchange_tables
 from fxshard.ops import REDISTRIBUTE
-from fxshard.planner import Step
+from fxshard.plans import Step
 
 from .digits import coordinate_of, in_group, lead_labels, step_digits
 from .localize import copy_graph_module, propagate_local_shapes

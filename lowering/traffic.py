@@ -3,7 +3,7 @@
 One classification serves both sides of a comparison: the functional collectives in a
 lowered local graph (fxshard's stage-5 output, sizes from ``meta["val"]``) and the
 collectives an eager program dispatches (DTensor under ``CommDebugMode``). Bytes are those
-one rank receives, by the planner's formula (``fxshard.planner.collective_bytes``), so a
+one rank receives, by the planner's formula (``fxshard.costs.collective_bytes``), so a
 ratio between the two counts the same thing.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.planner import collective_bytes
+from fxshard.costs import collective_bytes
 
 c10d = torch.ops._c10d_functional
 

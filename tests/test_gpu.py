@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from fxshard.placements import layout_from_placements
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 KERNEL_MARK = {"cpu": "cpp_fused", "cuda": "triton"}
 
@@ -97,8 +99,8 @@ def test_plans_on_device(device, sizes, shape, src, dst, steps):
     from fxshard.placements import placements_from_str
 
     mesh = fxshard.MeshSpec(list(zip("abc", sizes)))
-    a = fxshard.Layout.from_placements(mesh, shape, placements_from_str(src))
-    b = fxshard.Layout.from_placements(mesh, shape, placements_from_str(dst))
+    a = fxshard.layout_from_placements(mesh, shape, placements_from_str(src))
+    b = fxshard.layout_from_placements(mesh, shape, placements_from_str(dst))
     plan = fxshard.plan_redistribute(a, b)
     assert ", ".join(str(s) for s in plan.steps) == steps
     x = torch.randn(shape, device=device)

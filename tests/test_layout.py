@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fxshard import Layout, LayoutError, MeshSpec, Piece
+from fxshard.placements import layout_from_placements, placements_from_layout
 
 NAMES = ("a", "b", "c")
 
@@ -122,14 +123,14 @@ def holds_sum_value(placements, coord) -> bool:
 @pytest.mark.parametrize("sizes, shape, placements, order", PLACEMENTS)
 def test_to_placements_round_trips_dtensor_placements(sizes, shape, placements, order):
     """With a shard order, the expected placements are DTensor's own _StridedShard form of it."""
-    layout = Layout.from_placements(mesh(*sizes), shape, placements, order)
-    assert layout.to_placements() == dtensor_placements(sizes, placements, order)
+    layout = layout_from_placements(mesh(*sizes), shape, placements, order)
+    assert placements_from_layout(layout) == dtensor_placements(sizes, placements, order)
 
 
 @pytest.mark.parametrize("sizes, shape, placements, order", PLACEMENTS)
 def test_shard_is_what_dtensor_puts_on_each_rank(sizes, shape, placements, order):
     spec, t = mesh(*sizes), global_tensor(shape)
-    layout = Layout.from_placements(spec, shape, placements, order)
+    layout = layout_from_placements(spec, shape, placements, order)
     left_to_right = dtensor_placements(sizes, placements, order)
 
     def expected(coord):
@@ -143,7 +144,7 @@ def test_shard_is_what_dtensor_puts_on_each_rank(sizes, shape, placements, order
 @pytest.mark.parametrize("sizes, shape, placements, order", PLACEMENTS)
 def test_local_shape_is_the_shape_of_the_shard(sizes, shape, placements, order):
     spec, t = mesh(*sizes), global_tensor(shape)
-    layout = Layout.from_placements(spec, shape, placements, order)
+    layout = layout_from_placements(spec, shape, placements, order)
     wrong = [c for c in spec.coordinates() if layout.local_shape(c) != tuple(layout.shard(t, c).shape)]
     assert wrong == []
 
@@ -172,7 +173,7 @@ def distribute_per_rank(t, sizes, placements) -> dict[tuple[int, ...], torch.Ten
                          [c for c in DISTRIBUTABLE if not any(isinstance(p, Partial) for p in c.values[2])])
 def test_shard_matches_distribute_tensor(fake_world, sizes, shape, placements, order):
     spec, t = mesh(*sizes), global_tensor(shape)
-    layout = Layout.from_placements(spec, shape, placements)
+    layout = layout_from_placements(spec, shape, placements)
     per_rank = distribute_per_rank(t, sizes, placements)
     wrong = [c for c in spec.coordinates() if not torch.equal(layout.shard(t, c), per_rank[c])]
     assert wrong == []
@@ -182,7 +183,7 @@ def test_shard_matches_distribute_tensor(fake_world, sizes, shape, placements, o
 def test_unshard_reads_distribute_tensor(fake_world, sizes, shape, placements, order):
     """DTensor's R -> Partial(sum) holds value/n on every rank; it reduces to the same global tensor."""
     t = global_tensor(shape)
-    layout = Layout.from_placements(mesh(*sizes), shape, placements)
+    layout = layout_from_placements(mesh(*sizes), shape, placements)
     torch.testing.assert_close(layout.unshard(distribute_per_rank(t, sizes, placements)), t)
 
 
@@ -214,13 +215,13 @@ NO_DTENSOR_FORM = [
 
 @pytest.mark.parametrize("layout", NO_DTENSOR_FORM)
 def test_sub_axis_layouts_have_no_placements(layout):
-    assert layout.to_placements() is None
+    assert placements_from_layout(layout) is None
 
 
 # ---- unshard inverts shard -------------------------------------------------------------------------
 
 def _placement_layout(sizes, shape, placements, order):
-    return Layout.from_placements(mesh(*sizes), shape, placements, order)
+    return layout_from_placements(mesh(*sizes), shape, placements, order)
 
 
 ALL_LAYOUTS = [pytest.param(_placement_layout(*c.values), id=c.id) for c in PLACEMENTS] + NO_DTENSOR_FORM
@@ -251,14 +252,14 @@ SAME_LAYOUT = [
     pytest.param(Layout(TP8, (16,), [[Piece(2, TP8.sub_axis("tp", 2, 4)), Piece(4, TP8.sub_axis("tp", 4, 1)), Piece(2)]]),
                  Layout(TP8, (16,), [[Piece(8, TP8.axis("tp")), Piece(2)]]),
                  id="tp/4 then tp%4 merge into tp"),
-    pytest.param(Layout.from_placements(M14, (8,), [Shard(0), Shard(0)]),
-                 Layout.from_placements(M14, (8,), [Replicate(), Shard(0)]),
+    pytest.param(layout_from_placements(M14, (8,), [Shard(0), Shard(0)]),
+                 layout_from_placements(M14, (8,), [Replicate(), Shard(0)]),
                  id="size-1 mesh axis shards nothing"),
     pytest.param(Layout(M22, (8,), partial=[(B, "sum"), (A, "sum")]),
                  Layout(M22, (8,), partial={A: "sum", B: "sum"}),
                  id="partial axes are a set"),
-    pytest.param(Layout.from_placements(M22, (8,), [Shard(0), Shard(0)], {0: [1, 0]}),
-                 Layout.from_placements(M22, (8,), [SS(0, 2), Shard(0)]),
+    pytest.param(layout_from_placements(M22, (8,), [Shard(0), Shard(0)], {0: [1, 0]}),
+                 layout_from_placements(M22, (8,), [SS(0, 2), Shard(0)]),
                  id="shard order == _StridedShard"),
 ]
 
@@ -301,7 +302,7 @@ LOCAL_SIZES = [  # (mesh sizes, dim size, placements, local size of the dim on e
                          ids=[f"{c[1]} on {c[0]} {c[2]}" for c in LOCAL_SIZES])
 def test_local_size_follows_torch_chunk(sizes, size, placements, expected):
     spec = mesh(*sizes)
-    layout = Layout.from_placements(spec, (size,), placements)
+    layout = layout_from_placements(spec, (size,), placements)
     assert [layout.local_shape(c)[0] for c in spec.coordinates()] == expected
 
 
@@ -318,7 +319,7 @@ SYMBOLIC_LOCAL_SHAPES = [  # (global shape, placements, local shape)
 
 @pytest.mark.parametrize("shape, placements, expected", SYMBOLIC_LOCAL_SHAPES)
 def test_symbolic_local_shape(shape, placements, expected):
-    assert Layout.from_placements(SYMBOLIC, shape, placements).local_shape((0,)) == expected
+    assert layout_from_placements(SYMBOLIC, shape, placements).local_shape((0,)) == expected
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -330,15 +331,15 @@ ERRORS = [
                  r"mesh axis tp is used twice", id="overlapping axes"),
     pytest.param(lambda: Layout(M22, (8,), [[Piece(2, A)]], partial=[(A, "sum")]),
                  r"mesh axis a is used twice", id="sharded and partial on one axis"),
-    pytest.param(lambda: Layout.from_placements(M22, (8,), [Shard(0)]),
+    pytest.param(lambda: layout_from_placements(M22, (8,), [Shard(0)]),
                  r"1 placements .* with 2 axes; give one placement per mesh axis", id="wrong number of placements"),
     pytest.param(lambda: Layout(M4, (8,), partial=[(M4.axis("a"), "prod")]),
                  r"unknown partial reduce op 'prod'", id="unknown reduce op"),
-    pytest.param(lambda: Layout.from_placements(M4, (8,), [Partial("product")]),
+    pytest.param(lambda: layout_from_placements(M4, (8,), [Partial("product")]),
                  r"Partial\('product'\) is not supported", id="unsupported Partial"),
     pytest.param(lambda: Layout(M22, (8,), partial=[(A, "sum"), (B, "max")]),
                  r"partial with two reduce ops", id="two reduce ops"),
-    pytest.param(lambda: Layout.from_placements(M22, (8,), [Partial("sum"), Partial("max")]),
+    pytest.param(lambda: layout_from_placements(M22, (8,), [Partial("sum"), Partial("max")]),
                  r"partial with two reduce ops", id="two reduce ops from placements"),
     pytest.param(lambda: Layout(M4, (10,), [[Piece(4, M4.axis("a"))]]),
                  r"does not divide the remaining 10; uneven shards must be chunked", id="uneven without chunking"),
@@ -352,18 +353,18 @@ ERRORS = [
                  r"uses axis x that mesh .* does not have", id="axis not in mesh"),
     pytest.param(lambda: Layout(M4, (8,), [[Piece(8, TP)]]),
                  r"uses axis tp that mesh", id="axis of another mesh"),
-    pytest.param(lambda: Layout.from_placements(M4, (10,), [SS(0, 3)]),
+    pytest.param(lambda: layout_from_placements(M4, (10,), [SS(0, 3)]),
                  r"split factor does not align", id="uneven _StridedShard split factor"),
-    pytest.param(lambda: Layout.from_placements(MeshSpec(a=2, tp=4), (24,), [SS(0, 6), Shard(0)]),
+    pytest.param(lambda: layout_from_placements(MeshSpec(a=2, tp=4), (24,), [SS(0, 6), Shard(0)]),
                  r"strided block \[6 2@a 2\] .* split evenly in 4, but not on the block's pieces",
                  id="even shard of a strided block off its pieces"),
-    pytest.param(lambda: Layout.from_placements(MeshSpec(a=2, tp=4), (18,), [SS(0, 3), Shard(0)]),
+    pytest.param(lambda: layout_from_placements(MeshSpec(a=2, tp=4), (18,), [SS(0, 3), Shard(0)]),
                  r"uneven shard over tp of a strided block \[3 2@a 3\]", id="uneven shard of a strided block"),
-    pytest.param(lambda: Layout.from_placements(M22, (8,), [Shard(0), Replicate()], {0: [1]}),
+    pytest.param(lambda: layout_from_placements(M22, (8,), [Shard(0), Replicate()], {0: [1]}),
                  r"shard_order names mesh dim 1 for tensor dim 0", id="shard_order vs placements"),
-    pytest.param(lambda: Layout.from_placements(M4, (8,), [Shard(1)]),
+    pytest.param(lambda: layout_from_placements(M4, (8,), [Shard(1)]),
                  r"Shard\(1\) is out of range for a tensor with 1 dims", id="Shard dim out of range"),
-    pytest.param(lambda: Layout.from_placements(M4, (8,), [Shard(0)]).shard(torch.zeros(4), (0,)),
+    pytest.param(lambda: layout_from_placements(M4, (8,), [Shard(0)]).shard(torch.zeros(4), (0,)),
                  r"tensor of shape \[4\] does not match layout", id="shard a tensor of another shape"),
 ]
 
@@ -428,14 +429,14 @@ def test_split_axis_merges_back(outer):
 # ---- text notation (the examples of the fxshard.layout docstring) ----------------------------------
 
 TEXT = [
-    (Layout.from_placements(MeshSpec(tp=4), (2, 8, 64), [Shard(1)]), "[2] [4@tp 2] [64]"),
-    (Layout.from_placements(MeshSpec(dp=4), (8, 8), [SS(0, 2)]), "[2 4@dp] [8]"),
+    (layout_from_placements(MeshSpec(tp=4), (2, 8, 64), [Shard(1)]), "[2] [4@tp 2] [64]"),
+    (layout_from_placements(MeshSpec(dp=4), (8, 8), [SS(0, 2)]), "[2 4@dp] [8]"),
     (Layout(TP8, (2, 32), [[Piece(2, TP8.sub_axis("tp", 2, 4))], [Piece(4, TP8.sub_axis("tp", 4, 1)), Piece(8)]]),
      "[2@tp/4] [4@tp%4 8]"),
-    (Layout.from_placements(MeshSpec(tp=4), (10,), [Shard(0)]), "[~10@tp]"),
-    (Layout.from_placements(MeshSpec(tp=4), (8, 16), [Partial("sum")]), "[8] [16] P(sum@tp)"),
-    (Layout.from_placements(MeshSpec(dp=2, tp=2), (8,), [Partial("max"), Partial("max")]), "[8] P(max@dp,tp)"),
-    (Layout.from_placements(MeshSpec(dp=2, tp=2), (7,), [Shard(0), Shard(0)]), "[~7@dp ~4@tp]"),
+    (layout_from_placements(MeshSpec(tp=4), (10,), [Shard(0)]), "[~10@tp]"),
+    (layout_from_placements(MeshSpec(tp=4), (8, 16), [Partial("sum")]), "[8] [16] P(sum@tp)"),
+    (layout_from_placements(MeshSpec(dp=2, tp=2), (8,), [Partial("max"), Partial("max")]), "[8] P(max@dp,tp)"),
+    (layout_from_placements(MeshSpec(dp=2, tp=2), (7,), [Shard(0), Shard(0)]), "[~7@dp ~4@tp]"),
     (Layout.replicated(MeshSpec(tp=4), ()), "[]"),
 ]
 

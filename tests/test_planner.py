@@ -15,8 +15,8 @@ import fxshard
 from fxshard import CostModel, Layout, LayoutError, MeshSpec, Piece, lower_bound_bytes, plan_redistribute
 from fxshard.atoms import Atoms
 from fxshard.exchange import received_elements
-from fxshard.planner import _received_even
-from fxshard.placements import placements_to_str
+from fxshard.exchange import received_even
+from fxshard.placements import layout_from_placements, placements_to_str
 
 R = Replicate()
 
@@ -31,7 +31,7 @@ def P(op: str = "sum") -> Partial:
 
 def layouts(sizes: tuple, shape: tuple, src: tuple, dst: tuple, src_order=None, dst_order=None):
     mesh = MeshSpec(list(zip("abcd", sizes)))
-    return (Layout.from_placements(mesh, shape, src, src_order), Layout.from_placements(mesh, shape, dst, dst_order))
+    return (layout_from_placements(mesh, shape, src, src_order), layout_from_placements(mesh, shape, dst, dst_order))
 
 
 def case(sizes, shape, src, dst, expected, src_order=None, dst_order=None):
@@ -100,8 +100,8 @@ def test_symbolic_mesh_plans_with_symbolic_bytes():
 
     n = sympy.Symbol("n", positive=True, integer=True)
     mesh = MeshSpec(dp=2, tp=n)
-    a = Layout.from_placements(mesh, (8 * n, 16 * n), (S(0), S(0)))
-    b = Layout.from_placements(mesh, (8 * n, 16 * n), (S(1), S(1)))
+    a = layout_from_placements(mesh, (8 * n, 16 * n), (S(0), S(0)))
+    b = layout_from_placements(mesh, (8 * n, 16 * n), (S(1), S(1)))
     plan = plan_redistribute(a, b)
     assert [str(s) for s in plan.steps] == ["all_to_all(dp,tp dim 0->1)"]
     assert sympy.simplify(plan.bytes_per_rank - (256 * n - 128)) == 0  # (2n-1)/2n of 128n floats
@@ -171,7 +171,7 @@ def test_closed_form_received_matches_enumeration(sizes, data):
     except LayoutError:
         return
     atoms = Atoms.of([a, b])
-    closed = _received_even(atoms.state(a), atoms.state(b), [x.size for x in atoms.axes])
+    closed = received_even(atoms.state(a), atoms.state(b))
     assert closed == (received_elements(a, b) if a.is_even() and b.is_even() else None)
 
 

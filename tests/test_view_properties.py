@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 import fxshard
 from fxshard import Layout, LayoutError, MeshSpec, Piece
 from fxshard.ops import REDISTRIBUTE
+from fxshard.placements import layout_from_placements
 
 R = Replicate()
 MAX_NUMEL = 2048
@@ -225,7 +226,7 @@ def placement_inputs(draw, mesh: MeshSpec) -> Input:
     # some _StridedShard factors leave uneven or unfactorizable blocks (fxshard rejects those)
     assume(grids is not None and is_layout(grids, shape, mesh))
     try:
-        layout = Layout.from_placements(mesh, shape, placements)
+        layout = layout_from_placements(mesh, shape, placements)
     except LayoutError as e:
         raise AssertionError(f"DTensor shards {shape} evenly with {placements}, but fxshard has no layout: {e}")
     assert layout_grids(layout) == grids, f"fxshard's {layout} is not DTensor's {placements} of {shape}"

@@ -1,0 +1,60 @@
+"""Parallelism policies: the choices the generic passes leave to a strategy, named and documented.
+
+Propagation (fxshard/propagate.py) is greedy and exact per op; planning the joint graph and
+splitting it (backend/joint.py) is mechanical. What is a *policy* sits here: which second
+opinions refinement asks for (``Refinement``), and which gathered values the training split
+keeps between forward and backward instead of gathering again (``TrainingSplit``). A pass takes
+its policy as an argument; the defaults are the strategies the tests and benchmarks measure.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Pin(str, enum.Enum):
+    """Pins that are not one input: ``refine.py`` pins placeholders by name, and these."""
+
+    ACTIVATIONS = "<activations>"  # every value that is not a view of an input: only inputs may move (FSDP's plan)
+    REDUCE_SHARED = "<reduce shared partials>"  # a Partial value with several consumers is reduced once, where made
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """Which re-propagations refine.py tries, keeping the cheapest plan.
+
+    ``reduce_shared``: first, a plan that reduces a Partial value with several consumers once
+    where it is made (Megatron's backward all-reduces each block's input gradient once; kept
+    Partial, each view of it a consumer needs is reduced on its own). Then up to ``rounds``
+    rounds from the best plan so far: every activation pinned (``pin_activations``: FSDP's plan,
+    only inputs move), each of the ``max_singles`` smallest inputs the plan moved pinned alone
+    (the greedy choice moves small operands, token ids say, and pays for it at every later
+    layer), and all of them pinned. A round that finds nothing cheaper ends the search.
+    """
+
+    reduce_shared: bool = True
+    pin_activations: bool = True
+    max_singles: int = 6
+    rounds: int = 2
+
+
+@dataclass(frozen=True)
+class TrainingSplit:
+    """What the forward keeps for the backward among values the plan gathered.
+
+    A redistribution that grows a value (an all_gather of an FSDP weight or of a sequence-parallel
+    activation) is recomputed in the backward, so no rank holds a gathered value between the
+    passes, except: parameters gathered to a size ``keep_below_fraction`` times smaller than the
+    largest gathered one (a norm's weight: gathering it again costs a collective's latency to
+    save a few KiB), and, with ``keep_first_backward_gather``, the parameter the backward gathers
+    first (the output projection: it would be gathered again at once, while every saved
+    activation is alive, so keeping it raises no peak; FSDP2 keeps its root module unsharded
+    after forward for the same reason). Activations are never kept gathered.
+    """
+
+    keep_below_fraction: int = 64
+    keep_first_backward_gather: bool = True
+
+
+DEFAULT_REFINEMENT = Refinement()
+DEFAULT_TRAINING_SPLIT = TrainingSplit()
