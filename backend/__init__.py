@@ -37,7 +37,7 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                     mode: str | None = None) -> Callable:
     from .report import StageReporter
     from .sizes import per_size
-    from .trace import find_device_mesh
+    from .inputs import find_device_mesh
 
     options = dict(options or {})
     unknown = set(options) - _OPTIONS

@@ -1,21 +1,20 @@
-"""Capture a user function with Dynamo (fullgraph) for explain/simulate, and name its inputs.
+"""Capture a user function with Dynamo (fullgraph), for explain, simulate and fxshard.compile.
 
 Each capture compiles a fresh code object, so Dynamo's per-code cache never serves an
-earlier capture and never hits its recompile limit.
+earlier capture and never hits its recompile limit. ``fake_stand_in`` makes the global-shape
+stand-in of a DTensor (or any tensor) that fxshard.compile captures with: a fake tensor, so a
+model larger than one rank's memory is captured without allocating it.
 """
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-
-from fxshard.layout import Layout
-from fxshard.mesh import MeshSpec
-from fxshard.placements import user_layout
 
 
 @dataclass
@@ -65,43 +64,9 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
     return Captured(result["gm"], result["example_inputs"], result["objects"])
 
 
-def named_inputs(fn: Callable, args: Sequence[Any], captured: Captured) -> list[tuple[str, Any]]:
-    """(name, key) for each placeholder: argument index or parameter/buffer name (None for others)."""
-    named: dict[int, tuple[str, Any]] = {}
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)  # model or model.loss
-    if isinstance(module, torch.nn.Module):
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            named.setdefault(id(t), (name.replace(".", "_"), name))
-    for i, a in enumerate(args):
-        named.setdefault(id(a), (f"arg{i}", i))
-    out = []
-    for k, obj in enumerate(captured.objects):
-        out.append(named.get(id(obj), (f"input{k}", None)))
-    return out
-
-
-def input_layouts_by_position(fn: Callable, args: Sequence[Any], captured: Captured, mesh: MeshSpec,
-                              placements: Mapping[Any, Any] | None) -> tuple[dict[int, Layout], list[str]]:
-    """Layouts for plain-tensor inputs from the user's ``placements`` map, and input names."""
-    placements = dict(placements or {})
-    names = named_inputs(fn, args, captured)
-    known_keys = {key for _, key in names if key is not None}
-    unknown = [k for k in placements if k not in known_keys]
-    if unknown:
-        choices = sorted(str(k) for k in known_keys)
-        raise KeyError(f"placements names {unknown}, which are not inputs of the function; "
-                       f"use argument indices or parameter names: {choices}")
-    layouts: dict[int, Layout] = {}
-    for pos, ((_, key), obj) in enumerate(zip(names, captured.objects)):
-        if key not in placements or not isinstance(obj, torch.Tensor):
-            continue
-        if isinstance(obj, DTensor):
-            raise ValueError(f"input {key!r} is already a DTensor with placements {obj.placements}; "
-                             "do not also give it placements")
-        layouts[pos] = user_layout(_describe(key), placements[key], mesh, obj.shape)
-    return layouts, [n for n, _ in names]
-
-
-def _describe(key: Any) -> str:
-    """How an error names an input: ``argument 0`` or ``parameter 'up.weight'``."""
-    return f"argument {key}" if isinstance(key, int) else f"parameter {key!r}"
+def fake_stand_in(t: torch.Tensor, mode: FakeTensorMode, requires_grad: bool) -> torch.Tensor:
+    """A fake tensor of ``t``'s global shape, dtype and (local) device: what Dynamo traces in its place."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    with mode:
+        out = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+    return out.requires_grad_(requires_grad)

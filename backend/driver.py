@@ -1,62 +1,116 @@
-"""The one path from a captured graph to a runnable program: trace -> plan -> (split) -> runner.
+"""The one path every entry point takes: inputs -> layouts -> trace -> plan -> (split) -> runner.
 
-The backend and ``fxshard.compile`` both come here with Dynamo's graph, concrete example
-inputs and the layouts they know of plain-tensor inputs; each stage is timed and reported
-(``StageReporter``: ``on_graph``, ``debug_dir``, ``TORCH_LOGS``).
+``plan_program`` runs stages 1-3 on a captured graph with concrete example inputs (training:
+the joint graph, planned whole and split); ``compile_program`` adds stages 4-6 for this rank
+(the backend and ``fxshard.compile``); ``plan_function`` first captures a Python function with
+Dynamo and turns every way its inputs were given a sharding into layouts (``explain``,
+``simulate``, ``lowered_graphs``). Each stage is timed and reported (``StageReporter``:
+``on_graph``, ``debug_dir``, ``TORCH_LOGS``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
+import torch
 import torch.fx as fx
 
+from fxshard.costs import CostModel
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
-from fxshard.costs import CostModel
+from fxshard.placements import as_mesh_spec
 
-from .compile import ShardedCallable
-from .joint import plan_training
+from .capture import Captured, capture
+from .inference import InferenceProgram
+from .inputs import find_device_mesh, input_layouts, named_inputs
+from .joint import TrainingPlan, plan_training
 from .report import StageReporter
-from .trace import trace_global
-from .training import TrainingCallable
+from .trace import TracedProgram, trace_global
+from .training import TrainingProgram
 
 
-def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
-                    mesh: MeshSpec | None = None, extra_layouts: dict[int, Layout] | None = None,
-                    names: Sequence[str] | None = None, strict: bool = False, cost_model: CostModel | None = None,
-                    inductor: bool = True, reporter: StageReporter | None = None) -> ShardedCallable | TrainingCallable:
-    """Stages 1-6 of ``gm`` for ``inputs`` (concrete sizes): the callable that runs this rank's program.
+@dataclass
+class PlannedProgram:
+    """Stages 1-3 of one program: its trace (names, positions, input layouts) and its planned graph."""
 
-    ``training``: the joint forward+backward program (gradients as DTensors), else the forward.
-    ``device_mesh`` defaults to the one of the DTensor inputs.
-    """
+    program: TracedProgram  # the forward trace, or the joint one for training
+    graph: fx.GraphModule  # the planned global graph (training: the planned joint graph)
+    training: TrainingPlan | None = None  # the forward and backward cut from the joint graph
+
+    @property
+    def forward(self) -> fx.GraphModule:
+        return self.training.forward if self.training is not None else self.graph
+
+
+def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None = None,
+                 layouts: Mapping[int, Layout] | None = None, names: Sequence[str] | None = None,
+                 strict: bool = False, cost_model: CostModel | None = None,
+                 reporter: StageReporter | None = None) -> PlannedProgram:
+    """Stages 1-3 of ``gm`` for ``inputs`` (concrete sizes). ``layouts``: by input position (default:
+    DTensors bring theirs, plain tensors are replicated); ``training``: the joint program."""
     reporter = reporter or StageReporter()
     if training:
         with reporter.timed("tracing and planning the joint forward+backward graph"):
-            plan = plan_training(gm, inputs, mesh=mesh, extra_layouts=extra_layouts, names=names, strict=strict,
+            plan = plan_training(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict,
                                  cost_model=cost_model)
         reporter("plan", plan.joint)
         reporter("plan_forward", plan.forward)
         reporter("plan_backward", plan.backward)
-        with reporter.timed("lowering the forward and backward"):
-            runner: Any = TrainingCallable(plan, device_mesh or plan.program.device_mesh, inductor=inductor,
-                                           reporter=reporter)
-        reporter("lower", runner.forward_graph)
-        reporter("lower_backward", runner.backward_graph)
-        reporter.summarize(plan.forward)
-        reporter.summarize(plan.backward)
-        return runner
+        return PlannedProgram(plan.program, plan.joint, plan)
     with reporter.timed("tracing"):
-        program = trace_global(gm, inputs, mesh=mesh, extra_layouts=extra_layouts, names=names)
+        program = trace_global(gm, inputs, mesh=mesh, layouts=layouts, names=names)
     reporter("trace", program.gm)
     with reporter.timed("planning"):
         planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
     reporter("plan", planned)
+    return PlannedProgram(program, planned)
+
+
+def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
+                    inductor: bool = True, reporter: StageReporter | None = None,
+                    **plan_options: Any) -> InferenceProgram | TrainingProgram:
+    """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
+    ``device_mesh`` defaults to the one of the DTensor inputs."""
+    reporter = reporter or StageReporter()
+    planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
+    device_mesh = device_mesh or planned.program.device_mesh
+    if planned.training is not None:
+        with reporter.timed("lowering the forward and backward"):
+            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, reporter=reporter)
+        reporter("lower", runner.forward_graph)
+        reporter("lower_backward", runner.backward_graph)
+        reporter.summarize(planned.training.forward)
+        reporter.summarize(planned.training.backward)
+        return runner
+    program = planned.program
     with reporter.timed("lowering"):
-        runner = ShardedCallable(planned, device_mesh or program.device_mesh, program.tensor_positions,
-                                 [program.input_layouts[n] for n in program.input_names], inductor=inductor,
-                                 reporter=reporter)
+        runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
+                                  [program.input_layouts[n] for n in program.input_names], inductor=inductor,
+                                  reporter=reporter)
     reporter("lower", runner.local_graph)
-    reporter.summarize(planned)
+    reporter.summarize(planned.graph)
     return runner
+
+
+def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
+                  training: bool = False, strict: bool = False, cost_model: CostModel | None = None,
+                  reporter: StageReporter | None = None) -> tuple[Captured, PlannedProgram]:
+    """Capture ``fn(*args)`` with Dynamo and plan it: ``mesh`` (a MeshSpec, DeviceMesh or {axis: size};
+    default: the DTensor arguments' and parameters') and ``placements`` (argument index or parameter
+    name -> placements) say how it is sharded."""
+    captured = capture(fn, args)
+    if mesh is None:
+        device_mesh = find_device_mesh(captured.example_inputs)
+        if device_mesh is None:
+            raise ValueError("give mesh= (a MeshSpec, DeviceMesh or {axis: size}) unless the function's parameters "
+                             "or arguments are DTensors")
+        mesh = device_mesh
+    spec = as_mesh_spec(mesh)
+    names = named_inputs(fn, args, captured.objects)
+    layouts = input_layouts(captured.objects, spec, [key for _, key in names], placements)
+    if training and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in captured.objects):
+        raise ValueError("grad=True but no input of the function requires grad")
+    planned = plan_program(captured.gm, captured.example_inputs, training=training, mesh=spec, layouts=layouts,
+                           names=[n for n, _ in names], strict=strict, cost_model=cost_model, reporter=reporter)
+    return captured, planned

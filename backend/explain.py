@@ -13,15 +13,13 @@ from fxshard.layout import Layout
 from fxshard.memory import MemoryReport, memory_report
 from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.graph import output_layouts
-from fxshard.pipeline import shard_graph
-from fxshard.placements import as_mesh_spec
 from fxshard.costs import CostModel
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
 from fxshard.hints import assumptions, describe, size_hints
 
-from .capture import capture, input_layouts_by_position
-from .trace import TracedProgram, trace_global
+from .driver import plan_function
+from .report import StageReporter
 
 
 @dataclass(frozen=True)
@@ -107,25 +105,25 @@ def collectives_of(gm: fx.GraphModule) -> list[Collective]:
     return out
 
 
-def trace_function(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None) -> TracedProgram:
-    spec = as_mesh_spec(mesh)
-    captured = capture(fn, args)
-    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
-    return trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
-
-
-def explain(fn: Callable, *args: Any, mesh: Any, placements: Mapping[Any, Any] | None = None,
+def explain(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None,
             hints: Mapping[str, int] | None = None) -> Explanation:
-    """Shard ``fn(*args)`` over ``mesh`` (a MeshSpec, DeviceMesh or {axis: size}) and explain the result.
+    """Shard ``fn(*args)`` over ``mesh`` (a MeshSpec, DeviceMesh or {axis: size}; default: the DTensor
+    arguments' and parameters') and explain the result.
 
     ``placements`` maps an argument index or a parameter/buffer name to DTensor placements or a
     Layout; DTensor arguments bring their own; everything else is replicated. ``hints`` gives
     symbolic mesh sizes a number where a decision needs one (default 8; fxshard/hints.py).
     """
-    program = trace_function(fn, args, mesh, placements)
-    traced = format_graph(program.gm)
+    traced: list[str] = []  # the stage-1 graph as printed before planning annotates it
+
+    def keep_trace(stage: str, gm: fx.GraphModule) -> None:
+        if stage == "trace":
+            traced.append(format_graph(gm))
+
     with size_hints(hints), assumptions() as assumed:
-        gm = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
-        return Explanation(gm, traced, dict(program.input_layouts), output_layouts(gm), collectives_of(gm),
-                           sorted(assumed), describe())
+        _, planned = plan_function(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
+                                   reporter=StageReporter(keep_trace))
+        gm = planned.graph
+        return Explanation(gm, traced[0], dict(planned.program.input_layouts), output_layouts(gm),
+                           collectives_of(gm), sorted(assumed), describe())

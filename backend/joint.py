@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -60,18 +60,18 @@ class TrainingPlan:
 
 
 def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
-                  extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None,
+                  layouts: Mapping[int, Layout] | None = None, names: Sequence[str] | None = None,
                   strict: bool = False, cost_model: CostModel | None = None,
                   split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> TrainingPlan:
     """Stages 1-3 for training: trace the joint graph in global shapes, plan it, split it (``split``
     says which gathered values the forward keeps for the backward)."""
-    forward_only = trace_global(gm, example_inputs, mesh=mesh, extra_layouts=extra_layouts, names=names)
+    forward_only = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names)
     planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,
                                   cost_model=cost_model)
     # outputs leave reduced: the tangent of a Partial output would be Replicate, not Partial
     out_layouts = tuple(l.with_partial(()) for l in output_layouts(planned_forward))
     values = [n.meta["val"] for n in _outputs(planned_forward)]
-    program = trace_global(gm, example_inputs, mesh=mesh, extra_layouts=extra_layouts, names=names,
+    program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names,
                            tangents=values)
     signature = program.joint
     assert signature is not None

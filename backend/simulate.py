@@ -17,18 +17,15 @@ import torch.fx as fx
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
 
-from fxshard.mesh import MeshSpec
-from fxshard.graph import output_layouts
-from fxshard.pipeline import shard_graph
 from fxshard.costs import CostModel
+from fxshard.graph import output_layouts
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
+from fxshard.mesh import MeshSpec
 
-from .capture import capture, input_layouts_by_position, named_inputs
-from .joint import plan_training
-from .trace import find_device_mesh, trace_global
-from fxshard.placements import as_mesh_spec
+from .driver import plan_function
+from .inputs import named_inputs
 
 
 @contextlib.contextmanager
@@ -163,11 +160,9 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     With ``grad`` the joint forward+backward program runs (backend/joint.py): gradients of
     the inputs that require grad, seeded with ``grad_outputs`` (default ones), come back too.
     """
-    if grad:
-        captured, training = _planned_training(fn, args, mesh, placements, strict, cost_model)
-        program, gm = training.program, training.forward
-    else:
-        captured, program, gm = _planned(fn, args, mesh, placements, strict, cost_model)
+    captured, planned = plan_function(fn, args, mesh=mesh, placements=placements, training=grad, strict=strict,
+                                      cost_model=cost_model)
+    program, gm, training = planned.program, planned.forward, planned.training
     spec = program.mesh
     objects = [captured.objects[p] for p in program.tensor_positions]
     in_layouts = [program.input_layouts[n] for n in program.input_names]
@@ -188,32 +183,9 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         tangents = [{c: layout.shard(t, c) for c in coords} for t, layout in zip(seeds, training.output_layouts)]
         backward = [lower(localize(training.backward, c), c, groups) for c in coords]
         grads = run_lockstep(backward, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
-    names = named_inputs(fn, args, captured)
+    names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
     return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys)
-
-
-def _planned(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None, strict: bool,
-             cost_model: CostModel | None) -> tuple:
-    """Stages 1-4: (captured, traced program, planned global graph)."""
-    captured = capture(fn, args)
-    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
-    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
-    program = trace_global(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts, names=names)
-    return captured, program, shard_graph(program.gm, spec, program.input_layouts, strict=strict,
-                                          cost_model=cost_model)
-
-
-def _planned_training(fn: Callable, args: tuple, mesh: Any, placements: Mapping[Any, Any] | None, strict: bool,
-                      cost_model: CostModel | None) -> tuple:
-    """Stages 1-3 of the joint program, split: (captured, TrainingPlan)."""
-    captured = capture(fn, args)
-    spec = as_mesh_spec(mesh) if mesh is not None else _mesh_of(captured.example_inputs)
-    layouts, names = input_layouts_by_position(fn, args, captured, spec, placements)
-    if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in captured.objects):
-        raise ValueError("grad=True but no input of the function requires grad")
-    return captured, plan_training(captured.gm, captured.example_inputs, mesh=spec, extra_layouts=layouts,
-                                   names=names, strict=strict, cost_model=cost_model)
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,
@@ -224,19 +196,13 @@ def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mappi
     With ``grad`` each value is the pair (forward, backward) of the training program.
     """
     groups = MeshGroups(device_mesh)
+    _, planned = plan_function(fn, args, mesh=device_mesh, placements=placements, training=grad, strict=strict,
+                               cost_model=cost_model)
+    coords = planned.program.mesh.coordinates()
     if grad:
-        _, training = _planned_training(fn, args, device_mesh, placements, strict, cost_model)
-        return {c: (lower(localize(training.forward, c), c, groups), lower(localize(training.backward, c), c, groups))
-                for c in training.program.mesh.coordinates()}
-    _, program, gm = _planned(fn, args, device_mesh, placements, strict, cost_model)
-    return {c: lower(localize(gm, c), c, groups) for c in program.mesh.coordinates()}
-
-
-def _mesh_of(example_inputs: Sequence[Any]) -> MeshSpec:
-    device_mesh = find_device_mesh(example_inputs)
-    if device_mesh is None:
-        raise ValueError("simulate needs mesh= unless the program's parameters or arguments are DTensors")
-    return as_mesh_spec(device_mesh)
+        return {c: (lower(localize(planned.training.forward, c), c, groups),
+                    lower(localize(planned.training.backward, c), c, groups)) for c in coords}
+    return {c: lower(localize(planned.graph, c), c, groups) for c in coords}
 
 
 def _rank_blocks(x: DTensor, coords: Sequence[tuple[int, ...]], name: str) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from fxshard.layout import Layout
 from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
+
+from . import inputs
+from .inputs import find_device_mesh, is_from_local
 from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 
@@ -88,37 +91,12 @@ class TensorMap:
         return self._items[id(t)][1]
 
 
-def _is_from_local(target: Any) -> bool:
-    return getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", "")
-
-
 def _pretty_name(dynamo_name: str) -> str:
     name = re.sub(r"^L_", "", dynamo_name).rstrip("_")
     name = re.sub(r"^self_modules_", "", name)
     name = re.sub(r"^self_parameters_", "", name)
     name = name.replace("_modules_", "_").replace("_parameters_", "_").replace("_buffers_", "_")
     return name or "arg"
-
-
-def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = None) -> Any:
-    """The one DeviceMesh the program uses (from DTensor inputs or mesh inputs), or None."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    meshes = [x.device_mesh for x in example_inputs if isinstance(x, DTensor)]
-    meshes += [x for x in example_inputs if isinstance(x, DeviceMesh)]
-    if gm is not None:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and _is_from_local(node.target) and len(node.args) > 1 and \
-                    isinstance(node.args[1], DeviceMesh):
-                meshes.append(node.args[1])
-    unique = []
-    for m in meshes:
-        if not any(m == u for u in unique):
-            unique.append(m)
-    if len(unique) > 1:
-        raise TraceError(f"fxshard compiles programs on one DeviceMesh; this one uses {len(unique)}: "
-                         + ", ".join(str(m) for m in unique) + ". Put all DTensors on the same mesh.")
-    return unique[0] if unique else None
 
 
 class _GlobalInterpreter(fx.Interpreter):
@@ -145,7 +123,7 @@ class _GlobalInterpreter(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if _is_from_local(target):
+        if is_from_local(target):
             return self._from_local(*args, **kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
                                      args, kwargs)
@@ -253,15 +231,15 @@ def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
-                 extra_layouts: dict[int, Layout] | None = None, names: Sequence[str] | None = None,
+                 layouts: Mapping[int, Layout] | None = None, names: Sequence[str] | None = None,
                  tangents: Sequence[torch.Tensor] | None = None) -> TracedProgram:
-    """Stage 1. ``extra_layouts`` gives layouts of plain-tensor inputs by position (explain/simulate).
+    """Stage 1. ``layouts`` gives the inputs' layouts by position (``inputs.input_layouts``; by default
+    DTensors bring their own and plain tensors are replicated).
 
     With ``tangents`` (one example per output of the forward program: its shape and dtype)
     the graph is the joint forward+backward program (``TracedProgram.joint`` says how it splits):
     autograd runs over the functionalized forward inside the trace, as AOTAutograd's joint does.
     """
-    extra_layouts = dict(extra_layouts or {})
     device_mesh = find_device_mesh(example_inputs, gm)
     if mesh is None:
         if device_mesh is None:
@@ -269,6 +247,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         mesh = as_mesh_spec(device_mesh)
     elif device_mesh is not None and as_mesh_spec(device_mesh) != mesh:
         raise TraceError(f"the program's DeviceMesh {as_mesh_spec(device_mesh)} is not the given mesh {mesh}")
+    if layouts is None:
+        layouts = inputs.input_layouts(example_inputs, mesh)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
@@ -276,27 +256,19 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes: list[torch.Tensor] = []
     positions: list[int] = []
-    layouts: list[Layout] = []
+    tensor_layouts: list[Layout] = []
     pretty: list[str] = []
     constants: dict[int, Any] = {}
     needs_grad: list[bool] = []
     for i, (ph, x) in enumerate(zip(placeholders, example_inputs)):
-        if isinstance(x, torch.Tensor):
-            needs_grad.append(tangents is not None and x.requires_grad and x.dtype.is_floating_point)
-        if isinstance(x, DTensor):
-            local = x._local_tensor
-            with fake_mode:
-                fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=local.device))
-            spec = x._spec
-            layouts.append(layout_from_placements(mesh, x.shape, x.placements,
-                                                  getattr(spec, "shard_order", None) if _has_explicit_order(spec) else None))
-        elif isinstance(x, torch.Tensor):
-            with fake_mode:
-                fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device))
-            layouts.append(extra_layouts.get(i) or Layout.replicated(mesh, x.shape))
-        else:
+        if not isinstance(x, torch.Tensor):
             constants[i] = x
             continue
+        needs_grad.append(tangents is not None and x.requires_grad and x.dtype.is_floating_point)
+        device = x._local_tensor.device if isinstance(x, DTensor) else x.device
+        with fake_mode:
+            fakes.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device))
+        tensor_layouts.append(layouts.get(i) or Layout.replicated(mesh, x.shape))
         positions.append(i)
         pretty.append(names[i] if names is not None else _pretty_name(ph.target))
 
@@ -306,7 +278,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
         known = TensorMap()
-        for pos, t, layout in zip(positions, tensors, layouts):
+        for pos, t, layout in zip(positions, tensors, tensor_layouts):
             env[pos] = t
             known[t] = layout
         for pos, c in constants.items():
@@ -335,13 +307,13 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
                              decomposition_table=decomposition_table(training=True))(*fakes, *tangent_fakes)
         tangent_names = tuple(f"tangent_{k}" for k in range(len(tangent_fakes)))
         pretty += list(tangent_names)
-        layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
+        tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
         joint = JointSignature(len(tangent_fakes), grad_inputs, tangent_names)
     eliminate_common_subexpressions(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
     input_layouts: dict[str, Layout] = {}
     used: set[str] = set()
-    for node, name, layout in zip(traced_ph, pretty, layouts):
+    for node, name, layout in zip(traced_ph, pretty, tensor_layouts):
         unique = name
         k = 1
         while unique in used:
@@ -385,7 +357,3 @@ def _tracing_coordinate(device_mesh: Any, mesh: MeshSpec) -> tuple[int, ...]:
     if coordinate is None or not dist.is_initialized() or dist.get_backend() == "fake":
         return (0,) * mesh.ndim
     return tuple(int(c) for c in coordinate)
-
-
-def _has_explicit_order(spec: Any) -> bool:
-    return bool(getattr(spec, "shard_order", None)) and not getattr(spec, "use_strided_shard_as_shard_order", True)

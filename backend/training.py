@@ -12,19 +12,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
 
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
-from fxshard.placements import placements_from_layout
+from fxshard.placements import as_dtensor, placements_from_layout
 
-from .compile import _contiguous_stride
+from .inputs import local_shards
 from .joint import TrainingPlan
 from .report import StageReporter
 
 
-class TrainingCallable:
+class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
     def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True,
@@ -45,22 +44,11 @@ class TrainingCallable:
         self._forward: Callable | None = None
         self._backward: Callable | None = None
 
-    def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
-        out = []
-        for pos, layout in zip(self.positions, self.input_layouts):
-            x = args[pos]
-            if isinstance(x, DTensor):
-                out.append(x.to_local())  # differentiable: the gradient comes back with x's placements
-            else:
-                out.append(x if layout.is_replicated else layout.shard(x, self.coordinate))
-        return out
-
     def __call__(self, *args: Any) -> tuple:
-        outs = _TrainingStep.apply(self, *self._local_inputs(args))
-        return tuple(
-            DTensor.from_local(o, self.device_mesh, placements, run_check=False, shape=torch.Size(layout.shape),
-                               stride=_contiguous_stride(layout.shape))
-            for o, layout, placements in zip(outs, self.plan.output_layouts, self.output_placements))
+        local = local_shards(args, self.positions, self.input_layouts, self.coordinate, differentiable=True)
+        outs = _TrainingStep.apply(self, *local)
+        return tuple(as_dtensor(o, self.device_mesh, placements, layout.shape)
+                     for o, layout, placements in zip(outs, self.plan.output_layouts, self.output_placements))
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._run("forward", inputs)
@@ -86,7 +74,7 @@ class TrainingCallable:
 
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, runner: TrainingCallable, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, runner: TrainingProgram, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
         results = runner.run_forward(inputs)
         n = runner.plan.num_outputs
         outs, saved = results[:n], results[n:]
@@ -98,7 +86,7 @@ class _TrainingStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:  # type: ignore[override]
-        runner: TrainingCallable = ctx.runner
+        runner: TrainingProgram = ctx.runner
         tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                     for g, (shape, dtype, device) in zip(grad_outputs, ctx.out_meta)]
         grads = runner.run_backward(list(ctx.saved_tensors) + tangents)

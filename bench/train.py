@@ -15,7 +15,7 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
 Per system: compile time (the first step, which compiles), step time (median of the later steps),
 collectives and bytes one rank receives per step. fxshard's are read from its lowered forward and
 backward programs; DTensor's are recorded by ``CommDebugMode`` around one eager step (Inductor does not
-change which collectives DTensor issues). Bytes use one formula for both (``fxshard.lowering.traffic``).
+change which collectives DTensor issues). Bytes use one formula for both (``fxshard.backend.traffic``).
 fxshard plans with a bandwidth-only cost model (``CostModel(default_latency=0)``): bytes decide.
 Inductor's caches are off, so both systems compile from scratch. The machine is small and noisy:
 read the ratios, not the absolute times.
@@ -47,7 +47,7 @@ CASES = ("tp", "fsdp", "fsdp_tp")
 
 
 def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
-    from fxshard.lowering.traffic import summarize
+    from fxshard.backend.traffic import summarize
 
     return summarize(calls)
 
@@ -119,7 +119,7 @@ def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, A
 def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict:
     import fxshard  # noqa: F401 (registers the op library on this rank)
     from comm import CommBytesMode
-    from fxshard.lowering.traffic import collective_calls
+    from fxshard.backend.traffic import collective_calls
     from models.llama import LlamaConfig
 
     config = LlamaConfig(**LLAMA)

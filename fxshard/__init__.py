@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return simulate
     if name == "compile":
-        from .backend.parallel import compile
+        from .backend.compile_function import compile
 
         return compile
     if name == "simulate_plan":

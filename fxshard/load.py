@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from .layout import Layout, LayoutError
 from .mesh import Coordinate
-from .placements import as_mesh_spec, layout_from_placements, placements_from_str, placements_to_str
+from .placements import as_dtensor, as_mesh_spec, layout_from_placements, placements_from_str, placements_to_str
 
 
 class LoadError(ValueError):
@@ -378,9 +378,7 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
     for name, block in blocks.items():
         shape = tuple(targets[name].shape)
         block = block.to(device_mesh.device_type)
-        value = block if name in plain else DTensor.from_local(
-            block, device_mesh, specs[name].placements, run_check=False, shape=torch.Size(shape),
-            stride=_contiguous(shape))
+        value = block if name in plain else as_dtensor(block, device_mesh, specs[name].placements, shape)
         _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
     return module
 
@@ -390,7 +388,6 @@ def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
               strict: bool, plain: set[str]) -> torch.nn.Module:
     """A torch.distributed.checkpoint directory: DCP itself reads (and reshards) into empty DTensors."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing = sorted(set(targets) - set(metadata))
@@ -416,20 +413,11 @@ def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
                             "the DTensor as it is")
         layout = layout_from_placements(spec, shape, placements)
         local = torch.empty([int(s) for s in layout.local_shape(coordinate)], dtype=metadata[name].properties.dtype)
-        state[name] = local if name in plain else DTensor.from_local(
-            local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
+        state[name] = local if name in plain else as_dtensor(local, device_mesh, placements, shape)
     dcp.load(state, checkpoint_id=str(path))
     for name, value in state.items():
         _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
     return module
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def _assign(module: torch.nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:

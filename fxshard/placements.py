@@ -241,3 +241,25 @@ def placements_from_str(text: str) -> tuple[Placement, ...]:
         else:
             raise LayoutError(f"cannot parse placement {part!r}")
     return tuple(out)
+
+
+def contiguous_strides(shape: Sequence[Any]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``."""
+    stride, acc = [], 1
+    for s in reversed([int(x) for x in shape]):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def as_dtensor(local: Any, device_mesh: Any, placements: Sequence[Placement], shape: Sequence[Any]) -> Any:
+    """The DTensor of global ``shape`` whose block on this rank is ``local``, with no communication.
+
+    The global shape and (contiguous) strides are given, never inferred: DTensor would infer them
+    from the local block assuming even shards, which uneven layouts are not.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size([int(s) for s in shape]),
+                              stride=contiguous_strides(shape))

@@ -118,9 +118,9 @@ def test_unknown_backend_option_is_an_error():
 
 
 def test_traffic_of_the_lowered_program_is_what_explain_planned():
-    """lowering/traffic.py reads the collectives back from every rank's lowered program."""
+    """backend/traffic.py reads the collectives back from every rank's lowered program."""
     from fxshard.backend.simulate import fake_world, lowered_graphs
-    from fxshard.lowering.traffic import collective_calls, summarize
+    from fxshard.backend.traffic import collective_calls, summarize
 
     def f(x, w1, w2):
         return torch.relu(x @ w1) @ w2

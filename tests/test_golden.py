@@ -282,7 +282,7 @@ communication: none""")
 def test_mlp_training_forward_and_backward_megatron():
     """Training a column/row-parallel MLP: the forward all-reduces the row-parallel output once, the
     backward the input's gradient once; each weight's gradient is computed in its own layout."""
-    from fxshard.backend.simulate import _planned_training
+    from fxshard.backend.driver import plan_function
 
     torch.manual_seed(0)
     x = torch.randn(4, 8, requires_grad=True)
@@ -292,8 +292,9 @@ def test_mlp_training_forward_and_backward_megatron():
     def loss(x, w1, w2):
         return torch.relu(x @ w1.t()) @ w2.t()
 
-    _, plan = _planned_training(lambda x, w1, w2: loss(x, w1, w2).sum(), (x, w1, w2), MeshSpec(tp=4),
-                                {1: (Shard(0),), 2: (Shard(1),)}, False, None)
+    _, planned = plan_function(lambda x, w1, w2: loss(x, w1, w2).sum(), (x, w1, w2), mesh=MeshSpec(tp=4),
+                               placements={1: (Shard(0),), 2: (Shard(1),)}, training=True)
+    plan = planned.training
     assert_expected_inline("== forward\n" + format_graph(plan.forward) + "\n== backward\n" + format_graph(plan.backward),
                            """\
 == forward

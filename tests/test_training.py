@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import fxshard
 from fxshard.backend.simulate import fake_world, lowered_graphs
-from fxshard.lowering.traffic import collective_calls
+from fxshard.backend.traffic import collective_calls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import (  # noqa: E402
@@ -170,7 +170,7 @@ def test_no_rank_keeps_a_gathered_value_between_the_passes():
     the one the backward needs first are kept, the others are gathered again in the backward."""
     from fxshard.backend.joint import grows
     from fxshard.refine import input_root
-    from fxshard.backend.simulate import _planned_training
+    from fxshard.backend.driver import plan_function
     from fxshard.registry import RELABELS as RELABEL_OPS
 
     torch.manual_seed(3)
@@ -178,8 +178,9 @@ def test_no_rank_keeps_a_gathered_value_between_the_passes():
     x, y = data(8, 32)
     batch = (Shard(0), Replicate())
     placements = {**fsdp_tp_placements(model), 0: batch, 1: batch}
-    _, plan = _planned_training(model.loss, (x, y), fxshard.MeshSpec(dp=2, tp=2), placements, False,
-                                BANDWIDTH_BOUND)
+    _, planned = plan_function(model.loss, (x, y), mesh=fxshard.MeshSpec(dp=2, tp=2), placements=placements,
+                               training=True, cost_model=BANDWIDTH_BOUND)
+    plan = planned.training
     out = next(n for n in plan.forward.graph.nodes if n.op == "output")
     saved = list(out.args[0][plan.num_outputs:])
     assert saved, "the backward reads nothing from the forward?"

@@ -1,4 +1,4 @@
-"""Stage 6: this rank's lowered local graph -> Inductor, behind a callable that speaks DTensor.
+"""Stage 6 for inference: this rank's lowered local program behind a callable that speaks DTensor.
 
 Inductor compiles on the first call, with that call's real local tensors as examples, so
 no fake-tensor mode of Dynamo's leaks into it.
@@ -10,20 +10,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
 
+from fxshard.graph import output_layouts
 from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
-from fxshard.graph import output_layouts
-from fxshard.placements import placements_from_layout
+from fxshard.placements import as_dtensor, placements_from_layout
 
+from .inputs import local_shards
 from .report import StageReporter
 
 
-
-class ShardedCallable:
+class InferenceProgram:
     """Calls the compiled local program of this rank on the local shards of the inputs."""
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
@@ -41,34 +40,21 @@ class ShardedCallable:
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
 
-    def _local_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
-        out = []
-        for pos, layout in zip(self.positions, self.input_layouts):
-            x = args[pos]
-            if isinstance(x, DTensor):
-                local = x._local_tensor
-            else:
-                local = x if layout.is_replicated else layout.shard(x, self.coordinate)
-            if local.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
-                self._warned_grad = True
-                warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
-                              "required grad, or under torch.no_grad()): its outputs carry no gradient",
-                              stacklevel=3)
-            out.append(local.detach())
-        return out
-
     def __call__(self, *args: Any) -> tuple:
-        local = self._local_inputs(args)
+        if not self._warned_grad and torch.is_grad_enabled() and any(
+                isinstance(args[p], torch.Tensor) and args[p].requires_grad for p in self.positions):
+            self._warned_grad = True
+            warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
+                          "required grad, or under torch.no_grad()): its outputs carry no gradient", stacklevel=2)
+        local = local_shards(args, self.positions, self.input_layouts, self.coordinate, differentiable=False)
         if self._run is None:
             self._run = self._compile(local)
         with torch.no_grad():
             outs = self._run(*local)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
-        return tuple(
-            DTensor.from_local(o, self.device_mesh, placements, run_check=False, shape=torch.Size(layout.shape),
-                               stride=_contiguous_stride(layout.shape))
-            for o, layout, placements in zip(outs, self.output_layouts, self.output_placements))
+        return tuple(as_dtensor(o, self.device_mesh, placements, layout.shape)
+                     for o, layout, placements in zip(outs, self.output_layouts, self.output_placements))
 
     def _compile(self, local_inputs: list[torch.Tensor]) -> Callable:
         if not self.inductor:
@@ -78,11 +64,3 @@ class ShardedCallable:
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
             compiled = compile_fx(self.local_graph, local_inputs)
         return compiled
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed([int(x) for x in shape]):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))

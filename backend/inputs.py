@@ -1,0 +1,118 @@
+"""A program's inputs: their names, the one mesh they live on, their layouts, and each rank's shards.
+
+Users say how inputs are sharded in several ways: DTensor arguments and parameters (made by
+``distribute_tensor``, ``parallelize_module`` or ``fxshard.load_sharded``), a ``placements=`` map
+of plain tensors (argument index or parameter name -> placements, their text, a bare placement on a
+one-axis mesh, or a ``Layout``). ``input_layouts`` turns all of them into layouts, for every
+entry point (the backend, ``fxshard.compile``, ``explain``, ``simulate``); ``fxshard.constrain``
+pins layouts inside the program. Everything else is replicated.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from fxshard.layout import Layout
+from fxshard.mesh import Coordinate, MeshSpec
+from fxshard.placements import layout_from_placements, user_layout
+
+
+class InputError(ValueError):
+    """Inputs that do not say one consistent sharding: several meshes, unknown names, two placements."""
+
+
+def one_mesh(meshes: Iterable[Any], what: str) -> Any:
+    """The one DeviceMesh among ``meshes`` (None if there is none); several are an error."""
+    unique: list[Any] = []
+    for m in meshes:
+        if not any(m == u for u in unique):
+            unique.append(m)
+    if len(unique) > 1:
+        raise InputError(f"fxshard compiles programs on one DeviceMesh; {what} uses {len(unique)}: "
+                         + ", ".join(str(m) for m in unique) + ". Put all DTensors on the same mesh.")
+    return unique[0] if unique else None
+
+
+def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = None) -> Any:
+    """The one DeviceMesh a program uses (from DTensor inputs, mesh inputs, or its from_local calls), or None."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = [x.device_mesh for x in example_inputs if isinstance(x, DTensor)]
+    meshes += [x for x in example_inputs if isinstance(x, DeviceMesh)]
+    if gm is not None:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and is_from_local(node.target) and len(node.args) > 1 and \
+                    isinstance(node.args[1], DeviceMesh):
+                meshes.append(node.args[1])
+    return one_mesh(meshes, "this program")
+
+
+def is_from_local(target: Any) -> bool:
+    return getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", "")
+
+
+def named_inputs(fn: Callable, args: Sequence[Any], objects: Sequence[Any]) -> list[tuple[str, Any]]:
+    """(name, key) for each of ``objects`` (a captured program's inputs): the key is the argument
+    index or the parameter/buffer name, None for anything else."""
+    named: dict[int, tuple[str, Any]] = {}
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)  # model or model.loss
+    if isinstance(module, torch.nn.Module):
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            named.setdefault(id(t), (name.replace(".", "_"), name))
+    for i, a in enumerate(args):
+        named.setdefault(id(a), (f"arg{i}", i))
+    return [named.get(id(obj), (f"input{k}", None)) for k, obj in enumerate(objects)]
+
+
+def describe(key: Any) -> str:
+    """How an error names an input: ``argument 0`` or ``parameter 'up.weight'``."""
+    return f"argument {key}" if isinstance(key, int) else f"parameter {key!r}"
+
+
+def input_layouts(objects: Sequence[Any], mesh: MeshSpec, keys: Sequence[Any] | None = None,
+                  placements: Mapping[Any, Any] | None = None) -> dict[int, Layout]:
+    """The layout of each tensor among ``objects``, by position: a DTensor's own placements; a plain
+    tensor's from ``placements`` (keyed as ``keys`` names the objects), else replicated."""
+    placements = dict(placements or {})
+    keys = list(keys) if keys is not None else [None] * len(objects)
+    known = {k for k in keys if k is not None}
+    unknown = [k for k in placements if k not in known]
+    if unknown:
+        raise KeyError(f"placements names {unknown}, which are not inputs of the function; "
+                       f"use argument indices or parameter names: {sorted(str(k) for k in known)}")
+    layouts: dict[int, Layout] = {}
+    for pos, (key, obj) in enumerate(zip(keys, objects)):
+        if not isinstance(obj, torch.Tensor):
+            continue
+        if isinstance(obj, DTensor):
+            if key in placements:
+                raise InputError(f"{describe(key)} is already a DTensor with placements {obj.placements}; "
+                                 "do not also give it placements")
+            spec = obj._spec
+            explicit = bool(getattr(spec, "shard_order", None)) and \
+                not getattr(spec, "use_strided_shard_as_shard_order", True)
+            layouts[pos] = layout_from_placements(mesh, obj.shape, obj.placements,
+                                                  spec.shard_order if explicit else None)
+        elif key in placements:
+            layouts[pos] = user_layout(describe(key), placements[key], mesh, obj.shape)
+        else:
+            layouts[pos] = Layout.replicated(mesh, obj.shape)
+    return layouts
+
+
+def local_shards(args: Sequence[Any], positions: Sequence[int], layouts: Sequence[Layout],
+                 coordinate: Coordinate, differentiable: bool) -> list[torch.Tensor]:
+    """This rank's block of each tensor input: a DTensor's local tensor (through ``to_local()``, so
+    its gradient comes back with its placements, when ``differentiable``), a plain tensor's block."""
+    out = []
+    for pos, layout in zip(positions, layouts):
+        x = args[pos]
+        if isinstance(x, DTensor):
+            out.append(x.to_local() if differentiable else x._local_tensor.detach())
+        else:
+            local = x if layout.is_replicated else layout.shard(x, coordinate)
+            out.append(local if differentiable else local.detach())
+    return out
