@@ -28,7 +28,7 @@ from fxshard.placements import as_mesh_spec
 from .capture import capture, fake_stand_in
 from .driver import compile_program
 from .inputs import input_layouts, one_mesh
-from .report import StageReporter
+from .report import StageReporter, label_of
 
 
 class CompiledFunction:
@@ -74,7 +74,7 @@ class CompiledFunction:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         stand_ins = {name: fake_stand_in(t, mode, training and t.requires_grad) for name, t in state.items()}
         arg_stand_ins = [fake_stand_in(a, mode, False) if isinstance(a, torch.Tensor) else a for a in args]
-        reporter = StageReporter()
+        reporter = StageReporter(label=label_of(self.fn))
         with reporter.timed("capturing the function with Dynamo"):
             if self.module is not None:
                 with _reparametrize_module(self.module, stand_ins):

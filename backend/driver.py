@@ -25,7 +25,7 @@ from .capture import Captured, capture
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
 from .joint import TrainingPlan, plan_training
-from .report import StageReporter
+from .report import StageReporter, label_of
 from .trace import TracedProgram, trace_global
 from .training import TrainingProgram
 
@@ -99,6 +99,7 @@ def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placem
     """Capture ``fn(*args)`` with Dynamo and plan it: ``mesh`` (a MeshSpec, DeviceMesh or {axis: size};
     default: the DTensor arguments' and parameters') and ``placements`` (argument index or parameter
     name -> placements) say how it is sharded."""
+    reporter = reporter or StageReporter(label=label_of(fn))
     captured = capture(fn, args)
     if mesh is None:
         device_mesh = find_device_mesh(captured.example_inputs)

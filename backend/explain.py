@@ -19,7 +19,7 @@ from fxshard.redistribute import redistribution_reason
 from fxshard.hints import assumptions, describe, size_hints
 
 from .driver import plan_function
-from .report import StageReporter
+from .report import StageReporter, label_of
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def explain(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any,
 
     with size_hints(hints), assumptions() as assumed:
         _, planned = plan_function(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
-                                   reporter=StageReporter(keep_trace))
+                                   reporter=StageReporter(keep_trace, label=label_of(fn)))
         gm = planned.graph
         return Explanation(gm, traced[0], dict(planned.program.input_layouts), output_layouts(gm),
                            collectives_of(gm), sorted(assumed), describe())

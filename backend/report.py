@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import logging
 import pathlib
+import re
 import time
 from typing import Callable, Iterator
 
@@ -21,15 +22,15 @@ log = logging.getLogger("fxshard")
 # what each stage did and how long it took (INFO); when a stage starts (DEBUG, with
 # extra={"fxshard_stage": ...}): a launcher enables DEBUG here alone to say what a rank is busy with
 progress = logging.getLogger("fxshard.progress")
-_graph_ids = itertools.count()
 
 
 class StageReporter:
     """Called as ``reporter(stage, gm)`` for each stage; passes it on to the user's ``on_graph``."""
 
     def __init__(self, on_graph: Callable[[str, fx.GraphModule], None] | None = None,
-                 debug_dir: str | pathlib.Path | None = None):
-        self.on_graph, self.graph_id = on_graph, next(_graph_ids)
+                 debug_dir: str | pathlib.Path | None = None, label: str | None = None):
+        self.on_graph = on_graph
+        self.graph_id = label if label is not None else dynamo_compile_id()
         self.debug_dir = pathlib.Path(debug_dir) if debug_dir is not None else None
         self.stage_index = itertools.count()
 
@@ -40,21 +41,21 @@ class StageReporter:
         if not wants_text:
             return
         text = format_graph(gm)
-        log.debug("fxshard graph %d, stage %s:\n%s", self.graph_id, stage, text)
+        log.debug("fxshard graph %s, stage %s:\n%s", self.graph_id, stage, text)
         _trace(f"fxshard_{stage}", text)
         if self.debug_dir is not None:
             self.debug_dir.mkdir(parents=True, exist_ok=True)
-            path = self.debug_dir / f"graph{self.graph_id}_{next(self.stage_index)}_{stage}.txt"
+            path = self.debug_dir / f"graph{re.sub(r'[^A-Za-z0-9.]+', '-', self.graph_id)}_{next(self.stage_index)}_{stage}.txt"
             path.write_text(text + "\n")
 
     @contextlib.contextmanager
     def timed(self, doing: str) -> Iterator[None]:
         """Logs ``fxshard graph N: <doing> took X s`` (INFO on ``fxshard.progress``) once the block ran."""
-        progress.debug("fxshard graph %d: %s ...", self.graph_id, doing,
+        progress.debug("fxshard graph %s: %s ...", self.graph_id, doing,
                        extra={"fxshard_stage": f"{doing} (fxshard graph {self.graph_id})"})
         start = time.perf_counter()
         yield
-        progress.info("fxshard graph %d: %s took %.1f s", self.graph_id, doing, time.perf_counter() - start)
+        progress.info("fxshard graph %s: %s took %.1f s", self.graph_id, doing, time.perf_counter() - start)
 
     def summarize(self, planned: fx.GraphModule) -> None:
         """One INFO line per compiled graph: its collectives and memory per rank."""
@@ -69,8 +70,22 @@ class StageReporter:
                 counts[key] = counts.get(key, 0) + 1
                 total = total + step.bytes_per_rank
         comm = ", ".join(f"{n} x {k}" for k, n in counts.items()) or "none"
-        log.info("fxshard graph %d: communication %s; %s B received per rank; %s", self.graph_id, comm, total,
+        log.info("fxshard graph %s: communication %s; %s B received per rank; %s", self.graph_id, comm, total,
                  memory_report(planned))
+
+
+def label_of(fn: Callable) -> str:
+    """How logs name the program of a function: its qualified name (``Llama.loss``)."""
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def dynamo_compile_id() -> str:
+    """Dynamo's id of the graph being compiled (``0/0``: frame 0, its first compile), as TORCH_LOGS
+    prefixes its lines with it; ``-`` outside a Dynamo compile."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else "-"
 
 
 def _tracing() -> bool:

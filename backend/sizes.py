@@ -25,7 +25,7 @@ MANY_SIZES = 8
 
 
 def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
-             graph_id: int) -> Callable:
+             graph_id: str) -> Callable:
     """``compile_for(example_inputs)`` for a graph of static sizes (guarded on its DTensors' global
     shapes); else a ``PerSizePrograms``."""
     if not _has_dynamic_sizes(gm, example_inputs):
@@ -43,7 +43,7 @@ class PerSizePrograms:
     """Calls the program compiled for the sizes of its arguments, compiling one per new set of sizes."""
 
     def __init__(self, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
-                 graph_id: int):
+                 graph_id: str):
         self.compile_for = compile_for
         self.graph_id = graph_id
         self.programs: dict[Hashable, Callable] = {}
@@ -60,7 +60,7 @@ class PerSizePrograms:
 
     def _compile(self, key: Hashable, inputs: Sequence[Any]) -> Callable:
         if self.programs:
-            log.info("fxshard graph %d: new input sizes %s, compiling program %d for them",
+            log.info("fxshard graph %s: new input sizes %s, compiling program %d for them",
                      self.graph_id, _sizes_text(key), len(self.programs) + 1)
         if len(self.programs) == MANY_SIZES:
             warnings.warn(
