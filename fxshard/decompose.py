@@ -1,11 +1,11 @@
-"""Which composite ATen ops stage 1 decomposes, and common-subexpression elimination.
+"""How stage 1 decomposes the composite ops the registry marks, and common-subexpression elimination.
 
-An op is decomposed when its parts shard better than the whole: softmax over a sharded dim
-becomes amax/sum with a small all_reduce each instead of a gather of the tensor;
-cross-entropy becomes log_softmax + gather, so vocab-parallel logits never gather
-[tokens, vocab]; layer/RMS norm become reductions over their last dim; the elementwise losses
-(MSE, Huber, BCE) become pointwise ops and a mean. Everything else
-stays whole, so Inductor still sees the ops it knows how to fuse.
+An op is decomposed when its parts shard better than the whole (``registry.DECOMPOSED`` lists
+them and why): softmax over a sharded dim becomes amax/sum with a small all_reduce each instead
+of a gather of the tensor; cross-entropy becomes log_softmax + gather, so vocab-parallel logits
+never gather [tokens, vocab]. Everything else stays whole, so Inductor still sees the ops it
+knows how to fuse. Two decompositions are fxshard's own: random ``*_like`` ops drawn in global
+shape, and nll_loss's backward as a comparison against a class arange.
 """
 from __future__ import annotations
 
@@ -15,26 +15,9 @@ import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
 
+from .registry import DECOMPOSED, FORWARD
+
 aten = torch.ops.aten
-
-DECOMPOSED = [
-    aten._softmax,
-    aten._log_softmax,
-    aten._safe_softmax,
-    aten.nll_loss_forward,
-    aten.native_layer_norm,
-    aten._fused_rms_norm,
-    aten.rms_norm,
-    aten.native_dropout,
-    # losses: pointwise ops and a mean, so a batch-sharded loss is a local sum and one all_reduce
-    aten.mse_loss,
-    aten.smooth_l1_loss,
-    aten.huber_loss,
-    aten.binary_cross_entropy,
-    aten.binary_cross_entropy_with_logits,
-    aten.soft_margin_loss,
-]
-
 
 def _draw_whole(factory: Any) -> Any:
     """rand_like(x) -> rand(x.shape): a random tensor is drawn in global shape on every rank.
@@ -48,30 +31,6 @@ def _draw_whole(factory: Any) -> Any:
              generator=None) -> torch.Tensor:
         return factory(x.shape, dtype=dtype or x.dtype, device=device or x.device, generator=generator)
     return draw
-
-
-# backward formulas of a joint graph: each becomes pointwise ops, reductions and scatters that
-# have rules (the attention backward kernels keep a rule of their own and stay whole)
-BACKWARD_DECOMPOSED = [
-    aten._softmax_backward_data,
-    aten._log_softmax_backward_data,
-    aten.native_layer_norm_backward,
-    aten._fused_rms_norm_backward,
-    aten.embedding_dense_backward,
-    aten.slice_backward,
-    aten.select_backward,
-    aten.silu_backward,
-    aten.gelu_backward,
-    aten.threshold_backward,
-    aten.tanh_backward,
-    aten.sigmoid_backward,
-    aten.native_dropout_backward,
-    aten.mse_loss_backward,
-    aten.smooth_l1_loss_backward,
-    aten.huber_loss_backward,
-    aten.binary_cross_entropy_backward,
-    aten.soft_margin_loss_backward,
-]
 
 
 def _nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, weight: Any,
@@ -100,8 +59,9 @@ def _nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: to
 
 
 def decomposition_table(training: bool = False) -> dict[Any, Any]:
-    ops = DECOMPOSED + (BACKWARD_DECOMPOSED if training else [])
-    table = get_decompositions([op for op in ops if op is not None])
+    """torch's decompositions of the ops the registry marks decomposed (backward formulas: training)."""
+    ops = [op for op, when in DECOMPOSED.items() if training or when == FORWARD]
+    table = get_decompositions(ops)
     if training:
         table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten.rand_like.default] = _draw_whole(torch.rand)

@@ -169,6 +169,51 @@ OPS: dict[Any, Op] = {
     REDISTRIBUTE: Op(None, LocalShape(3)),
 }
 
+# ops stage 1 decomposes into ops with entries above, because their parts shard better than the
+# whole (fxshard/decompose.py says how): FORWARD ones in every program, TRAINING ones (backward
+# formulas) in joint graphs
+FORWARD, TRAINING = "forward", "training"
+DECOMPOSED: dict[Any, str] = {
+    # softmax over a sharded dim: a max and a sum all-reduced instead of a gathered tensor
+    aten._softmax: FORWARD,
+    aten._log_softmax: FORWARD,
+    aten._safe_softmax: FORWARD,
+    # cross-entropy: log_softmax + gather, so vocab-parallel logits never gather [tokens, vocab]
+    aten.nll_loss_forward: FORWARD,
+    # norms: reductions over their last dim
+    aten.native_layer_norm: FORWARD,
+    aten._fused_rms_norm: FORWARD,
+    aten.rms_norm: FORWARD,
+    aten.native_dropout: FORWARD,
+    # losses: pointwise ops and a mean, so a batch-sharded loss is a local sum and one all_reduce
+    aten.mse_loss: FORWARD,
+    aten.smooth_l1_loss: FORWARD,
+    aten.huber_loss: FORWARD,
+    aten.binary_cross_entropy: FORWARD,
+    aten.binary_cross_entropy_with_logits: FORWARD,
+    aten.soft_margin_loss: FORWARD,
+    # backward formulas: pointwise ops, reductions and scatters (the attention backward kernels keep
+    # an entry of their own and stay whole; nll_loss_backward has fxshard's own decomposition)
+    aten._softmax_backward_data: TRAINING,
+    aten._log_softmax_backward_data: TRAINING,
+    aten.native_layer_norm_backward: TRAINING,
+    aten._fused_rms_norm_backward: TRAINING,
+    aten.embedding_dense_backward: TRAINING,
+    aten.slice_backward: TRAINING,
+    aten.select_backward: TRAINING,
+    aten.silu_backward: TRAINING,
+    aten.gelu_backward: TRAINING,
+    aten.threshold_backward: TRAINING,
+    aten.tanh_backward: TRAINING,
+    aten.sigmoid_backward: TRAINING,
+    aten.native_dropout_backward: TRAINING,
+    aten.mse_loss_backward: TRAINING,
+    aten.smooth_l1_loss_backward: TRAINING,
+    aten.huber_loss_backward: TRAINING,
+    aten.binary_cross_entropy_backward: TRAINING,
+    aten.soft_margin_loss_backward: TRAINING,
+}
+
 _POINTWISE = signature_op(rules.pointwise())
 _NO_TENSOR_INPUTS = Op(FACTORY)
 
