@@ -35,9 +35,9 @@ _OPTIONS = {"strict", "inductor", "cost_model", "on_graph", "debug_dir"}
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
                     mode: str | None = None) -> Callable:
+    from .inputs import find_device_mesh
     from .report import StageReporter
     from .sizes import per_size
-    from .inputs import find_device_mesh
 
     options = dict(options or {})
     unknown = set(options) - _OPTIONS

@@ -9,14 +9,14 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
+from fxshard.costs import CostModel
+from fxshard.graph import PLAN, output_layouts
+from fxshard.hints import assumptions, describe, size_hints
 from fxshard.layout import Layout
 from fxshard.memory import MemoryReport, memory_report
 from fxshard.mesh import MeshAxis, Size, as_size
-from fxshard.graph import output_layouts
-from fxshard.costs import CostModel
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
-from fxshard.hints import assumptions, describe, size_hints
 
 from .driver import plan_function
 from .report import StageReporter, label_of
@@ -97,7 +97,7 @@ class Explanation:
 def collectives_of(gm: fx.GraphModule) -> list[Collective]:
     out = []
     for node in gm.graph.nodes:
-        plan = node.meta.get("plan")
+        plan = node.meta.get(PLAN)
         if plan is None:
             continue
         for step in plan.collectives:

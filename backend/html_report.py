@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from fxshard.graph import LAYOUT
 from fxshard.layout import Layout
 from fxshard.ops import REDISTRIBUTE
 from fxshard.printing import format_graph
@@ -36,7 +37,7 @@ def _graph_rows(gm: fx.GraphModule) -> list[str]:
     rows = []
     for node, line in zip(nodes, lines):
         cls = "redistribute" if node.target is REDISTRIBUTE else "input" if node.op == "placeholder" else ""
-        layout = node.meta.get("layout")
+        layout = node.meta.get(LAYOUT)
         local = "[" + ", ".join(str(s) for s in layout.max_local_shape()) + "]" if isinstance(layout, Layout) else ""
         rows.append(_row([f"<pre>{html.escape(line)}</pre>", f"<pre>{html.escape(local)}</pre>"], cls))
     return rows

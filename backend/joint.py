@@ -25,12 +25,12 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.costs import CostModel
+from fxshard.graph import LAYOUT, SRC_LAYOUT, output_layouts
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
-from fxshard.graph import output_layouts
 from fxshard.pipeline import shard_graph
-from fxshard.costs import CostModel
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
@@ -109,11 +109,11 @@ def grows(node: fx.Node) -> bool:
     """A planned redistribution whose result is larger per rank than its input (it gathers)."""
     if node.target is not REDISTRIBUTE:
         return False
-    return _local_numel(node.meta["layout"]) > _local_numel(node.meta["src_layout"])
+    return _local_numel(node.meta[LAYOUT]) > _local_numel(node.meta[SRC_LAYOUT])
 
 
 def _local_bytes(node: fx.Node) -> int:
-    return _local_numel(node.meta["layout"]) * node.meta["val"].element_size()
+    return _local_numel(node.meta[LAYOUT]) * node.meta["val"].element_size()
 
 
 def small_gathers(gm: fx.GraphModule, forward: set[fx.Node], keep_below_fraction: int) -> set[fx.Node]:
@@ -149,13 +149,13 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
         return None if count is None else count % 2
 
     def held_as(f: fx.Node, odd: int) -> Layout:
-        layout = f.meta["layout"]
+        layout = f.meta[LAYOUT]
         return Layout(layout.mesh, layout.shape[::-1], layout.dims[::-1], layout.partial) if odd else layout
 
     gathers = [n for n in gm.graph.nodes if grows(n) and parity(n) is not None]
     pairs = [(b, f) for b in gathers if b not in forward for f in gathers if f in forward
-             and input_root(f.args[0]) is input_root(b.args[0]) and not b.meta["layout"].partial
-             and held_as(f, (parity(b) - parity(f)) % 2) == b.meta["layout"]]
+             and input_root(f.args[0]) is input_root(b.args[0]) and not b.meta[LAYOUT].partial
+             and held_as(f, (parity(b) - parity(f)) % 2) == b.meta[LAYOUT]]
     if not pairs:
         return set()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -165,7 +165,7 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
     if odd:
         with gm.graph.inserting_after(b):
             replacement = gm.graph.call_function(aten.t.default, (f,))
-        replacement.meta.update(val=b.meta["val"], layout=b.meta["layout"])
+        replacement.meta.update({"val": b.meta["val"], LAYOUT: b.meta[LAYOUT]})
     b.replace_all_uses_with(replacement)
     gm.graph.erase_node(b)
     return {f}
@@ -230,7 +230,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
     benv: dict[fx.Node, fx.Node] = {}
     for n in saved:
         p = bwd_graph.placeholder(f"saved_{n.name}")
-        p.meta.update({k: v for k, v in n.meta.items() if k in ("val", "layout", "tensor_meta")})
+        p.meta.update({k: v for k, v in n.meta.items() if k in ("val", LAYOUT, "tensor_meta")})
         benv[n] = p
     for t in tangents:
         benv[t] = bwd_graph.node_copy(t)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch.fx as fx
 
+from fxshard.graph import PLAN
 from fxshard.memory import memory_report
 from fxshard.printing import format_graph
 
@@ -64,7 +65,7 @@ class StageReporter:
         counts: dict[str, int] = {}
         total = 0
         for node in planned.graph.nodes:
-            plan = node.meta.get("plan")
+            plan = node.meta.get(PLAN)
             for step in plan.collectives if plan is not None else ():
                 key = f"{step.kind}({','.join(str(a) for a in step.axes)})"
                 counts[key] = counts.get(key, 0) + 1

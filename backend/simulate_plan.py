@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxshard.lowering.collectives import _Emit, lower_step
 from fxshard.lowering.groups import MeshGroups

@@ -20,14 +20,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
-from fxshard.layout import Layout
 from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
+from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 from . import inputs
 from .inputs import find_device_mesh, is_from_local
-from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 
 class TraceError(RuntimeError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph import LOCAL_REGION, requirements
+from .graph import ARG_LAYOUTS, LAYOUT, LOCAL_REGION, requirements
 from .layout import Layout
 from .localization import LocalArange, LocalShape
 from .op_kinds import FACTORY
@@ -22,7 +22,7 @@ def _wanted(node: fx.Node) -> set[Layout | None]:
     """The layouts the consumers of ``node`` require of it."""
     wanted: set[Layout | None] = set()
     for user in node.users:
-        if user.meta.get("arg_layouts") is None:
+        if user.meta.get(ARG_LAYOUTS) is None:
             return {None}  # a consumer without a layout (not propagated): leave the factory alone
         wanted.update(want for a, want in requirements(user) if a is node)
     return wanted
@@ -46,7 +46,7 @@ def shard_factories(gm: fx.GraphModule) -> int:
         entry = OPS.get(node.target) if node.op == "call_function" else None
         if entry is None or entry.kind is not FACTORY or not isinstance(entry.localize, (LocalShape, LocalArange)):
             continue
-        have = node.meta.get("layout")
+        have = node.meta.get(LAYOUT)
         if LOCAL_REGION in node.meta or not isinstance(have, Layout) or not have.is_replicated or not node.users:
             continue
         wanted = _wanted(node)
@@ -58,6 +58,6 @@ def shard_factories(gm: fx.GraphModule) -> int:
         if isinstance(entry.localize, LocalArange) and not (contiguous_blocks(want) and
                                                             all(type(a) is int for a in node.args)):
             continue  # float ranges: a local arange might round its length differently
-        node.meta["layout"] = want
+        node.meta[LAYOUT] = want
         changed += 1
     return changed

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT, tensor_inputs
+from .graph import ARG_LAYOUTS, EAGER_SHAPE, LAYOUT, LOCAL_REGION, REGION_EXIT, tensor_inputs
 from .layout import Layout
 
 _ADVICE = ("That code runs on each rank's shard in eager mode; fxshard reads it as a global program and the two "
@@ -34,7 +34,7 @@ def check_local_regions(gm: fx.GraphModule) -> None:
             continue
         _check_inputs(node, where)
         eager = node.meta.get(EAGER_SHAPE)
-        layout = node.meta.get("layout")
+        layout = node.meta.get(LAYOUT)
         if eager is not None and isinstance(layout, Layout):
             coordinate, shape = eager
             local = tuple(int(s) for s in layout.local_shape(coordinate))
@@ -45,9 +45,9 @@ def check_local_regions(gm: fx.GraphModule) -> None:
 
 
 def _check_inputs(node: fx.Node, where: str) -> None:
-    required: Sequence = node.meta.get("arg_layouts", ())
+    required: Sequence = node.meta.get(ARG_LAYOUTS, ())
     for a, want in zip(tensor_inputs(node), required):
-        have = a.meta.get("layout")
+        have = a.meta.get(LAYOUT)
         if isinstance(want, Layout) and have != want:
             what = "from_local() declares" if node.meta.get(REGION_EXIT) else f"{node.target} needs"
             raise LocalRegionError(f"{where}: {what} {want} but the value computed from local shards is laid out as "

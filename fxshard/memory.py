@@ -13,6 +13,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .graph import LAYOUT
 from .layout import Layout
 from .mesh import Size, as_size
 from .registry import SHARES_STORAGE
@@ -38,7 +39,7 @@ class MemoryReport:
 
 def local_bytes(node: fx.Node) -> Size:
     """Bytes of ``node``'s value on the busiest rank (0 for non-tensors)."""
-    layout, val = node.meta.get("layout"), node.meta.get("val")
+    layout, val = node.meta.get(LAYOUT), node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
     numel: Size = 1

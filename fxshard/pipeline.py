@@ -6,12 +6,12 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
+from .costs import CostModel
 from .factories import shard_factories
 from .graph import LOCALIZE
 from .layout import Layout
 from .local_regions import check_local_regions
 from .mesh import MeshSpec
-from .costs import CostModel
 from .policies import DEFAULT_REFINEMENT, Refinement
 from .propagate import propagate
 from .redistribute import insert_redistributes

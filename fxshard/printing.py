@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .graph import LAYOUT, PLAN
+
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}
 
@@ -49,7 +51,7 @@ def format_graph(gm: fx.GraphModule, layouts: bool = True) -> str:
         typ = _type(node.meta.get("val"))
         if typ:
             head += f": {typ}"
-        layout = node.meta.get("layout") if layouts else None
+        layout = node.meta.get(LAYOUT) if layouts else None
         if layout is not None and not isinstance(layout, tuple):
             head += f" {layout}"
         if node.op == "placeholder":
@@ -59,7 +61,7 @@ def format_graph(gm: fx.GraphModule, layouts: bool = True) -> str:
         elif node.op == "output":
             lines.append("return " + _arg(node.args[0]))
         else:
-            plan = node.meta.get("plan")
+            plan = node.meta.get(PLAN)
             if plan is not None and layouts:
                 steps = ", ".join(str(s) for s in plan.steps) or "no-op"
                 lines.append(f"{head} = redistribute(%{node.args[0].name}) from {node.meta['src_layout']}: {steps}")

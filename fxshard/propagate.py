@@ -16,12 +16,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .costs import CostModel
 from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, required_layouts, set_strategy, tensor_inputs, value
 from .layout import Layout, LayoutError
 from .mesh import MeshSpec
 from .op_kinds import Context, UnsupportedOpError
 from .placements import layout_from_placements, placements_from_layout
-from .costs import CostModel
 from .planner import redistribute_cost
 from .policies import Pin
 from .refine import is_pinned
@@ -41,7 +41,7 @@ class _Requested:
 
     def add(self, node: fx.Node, layouts: Sequence[Layout]) -> None:
         for a, want in zip(tensor_inputs(node), layouts):
-            if isinstance(want, Layout) and a.meta.get("layout") != want:
+            if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
                 self._seen.setdefault(a, set()).add(want)
 
     def has(self, a: fx.Node, want: Layout) -> bool:

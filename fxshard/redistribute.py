@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .costs import CostModel
+from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
-from .costs import CostModel
 from .planner import plan_redistribute
 
 
@@ -21,22 +22,22 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     graph = gm.graph
     made: dict[tuple[fx.Node, Layout], fx.Node] = {}
     for node in list(graph.nodes):
-        required = node.meta.get("arg_layouts")
+        required = node.meta.get(ARG_LAYOUTS)
         if required is None:
             continue
         queue = list(required)
 
         def fix(a):
-            if not (isinstance(a, fx.Node) and "layout" in a.meta and isinstance(a.meta.get("val"), torch.Tensor)):
+            if not (isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(a.meta.get("val"), torch.Tensor)):
                 return a
             want = queue.pop(0)
-            have = a.meta["layout"]
+            have = a.meta[LAYOUT]
             if have == want:
                 return a
             key = (a, want)
             if key not in made:
                 made[key] = _redistribute_node(graph, a, have, want, cost_model)
-            made[key].meta["needed_by"].append(_consumer(node))
+            made[key].meta[NEEDED_BY].append(_consumer(node))
             return made[key]
 
         if node.op == "output":
@@ -57,13 +58,13 @@ def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, co
     plan = plan_redistribute(src, dst, dtype=val.dtype, cost_model=cost_model)
     with graph.inserting_after(x):
         node = graph.call_function(REDISTRIBUTE, (x, str(src), str(dst), list(val.shape)))
-    node.meta.update(val=val, layout=dst, src_layout=src, plan=plan, needed_by=[])
+    node.meta.update({"val": val, LAYOUT: dst, SRC_LAYOUT: src, PLAN: plan, NEEDED_BY: []})
     return node
 
 
 def redistribution_reason(node: fx.Node) -> str:
     """Why stage 3 inserted this redistribution: which consumers need which layout of what."""
-    users = ", ".join(node.meta.get("needed_by", ())) or "the output"
+    users = ", ".join(node.meta.get(NEEDED_BY, ())) or "the output"
     return f"{users} needs %{node.args[0].name} as {node.meta['layout']}, it is {node.meta['src_layout']}"
 
 

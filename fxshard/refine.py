@@ -19,8 +19,8 @@ from typing import Callable
 import torch.fx as fx
 
 from . import graph
-from .graph import PROPAGATED, requirements
 from .costs import CostModel
+from .graph import LAYOUT, PROPAGATED, requirements
 from .layout import Layout
 from .planner import redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
@@ -32,7 +32,7 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> flo
     total, seen = 0.0, set()
     for node in gm.graph.nodes:
         for a, want in requirements(node):
-            have = a.meta["layout"]
+            have = a.meta[LAYOUT]
             if isinstance(want, Layout) and have != want and (a, want) not in seen:
                 seen.add((a, want))
                 total += redistribute_cost(have, want, a.meta["val"].dtype, cost_model)
@@ -52,7 +52,7 @@ def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
             continue
         for a, want in requirements(node):
             root = input_root(a)
-            if root is not None and a.meta["layout"] != want:
+            if root is not None and a.meta[LAYOUT] != want:
                 val = root.meta["val"]
                 moved[root.name] = val.numel() * val.element_size()
     return moved
@@ -111,7 +111,7 @@ def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModul
 
 def _has_shared_partial(gm: fx.GraphModule) -> bool:
     """Whether some Partial value has several consumers (the greedy plan may reduce views of it twice)."""
-    return any(isinstance(n.meta.get("layout"), Layout) and n.meta["layout"].partial and len(n.users) > 1
+    return any(isinstance(n.meta.get(LAYOUT), Layout) and n.meta[LAYOUT].partial and len(n.users) > 1
                for n in gm.graph.nodes)
 
 

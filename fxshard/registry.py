@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import rules
-from .localization import (LocalArange, LocalShape, MaskedLookup, Recipe, SelectIndex, SliceRange, SplitSizes)
+from .localization import LocalArange, LocalShape, MaskedLookup, Recipe, SelectIndex, SliceRange, SplitSizes
 from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, Declared, Kind, Ranges
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .rules import LINEAR_OPS, einsum

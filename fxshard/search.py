@@ -20,8 +20,22 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .atoms import (LOCAL, UNEVEN, AtomPiece, Atoms, InDim, PartialAtom, Pending, State, atoms_in, local_numel,
-                    canonical_dim, localized, moving_atoms, stride_of)
+from .atoms import (
+    LOCAL,
+    UNEVEN,
+    AtomPiece,
+    Atoms,
+    InDim,
+    PartialAtom,
+    Pending,
+    State,
+    atoms_in,
+    canonical_dim,
+    local_numel,
+    localized,
+    moving_atoms,
+    stride_of,
+)
 from .costs import CostModel, collective_bytes, dtype_size
 from .exchange import received_elements, received_even, spans
 from .layout import Layout

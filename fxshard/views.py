@@ -18,6 +18,7 @@ from .hints import assume, at_hints
 from .layout import Layout, Piece, _merge_adjacent
 from .mesh import Size, as_size, is_static
 
+
 def _divides(a: Size, b: Size) -> bool:
     """Whether ``a`` divides ``b``; for symbolic sizes, as proved by sympy, else as the hint says
     (then recorded: the result holds for mesh sizes that make this division exact)."""

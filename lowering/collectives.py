@@ -15,13 +15,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.exchange import exchange_tables
+from fxshard.graph import PLAN, copy_graph_module
+from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.ops import REDISTRIBUTE
 from fxshard.plans import Step
 
 from .digits import coordinate_of, in_group, lead_labels, step_digits
-from .localize import copy_graph_module, propagate_local_shapes
+from .localize import propagate_local_shapes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -271,11 +272,11 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
         val = x.meta.get("val")
         e = _Emit(out, node, val.device if isinstance(val, torch.Tensor) else "cpu")
         is_bool = isinstance(val, torch.Tensor) and val.dtype == torch.bool
-        if is_bool and node.meta["plan"].collectives:  # masks travel as bytes (gloo and Inductor lack bool collectives)
+        if is_bool and node.meta[PLAN].collectives:  # masks travel as bytes (gloo and Inductor lack bool collectives)
             x = e(aten._to_copy.default, x, dtype=torch.uint8)
-        for step in node.meta["plan"].steps:
+        for step in node.meta[PLAN].steps:
             x = lower_step(e, x, step, coordinate, group_name)
-        if is_bool and node.meta["plan"].collectives:
+        if is_bool and node.meta[PLAN].collectives:
             x = e(aten._to_copy.default, x, dtype=torch.bool)
         node.replace_all_uses_with(x)
         graph.erase_node(node)

@@ -11,7 +11,6 @@ wrong thing.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,7 +55,7 @@ def _is_masked(src: Layout, out: Layout) -> bool:
 
 def _localize_masked(node: fx.Node, coordinate: Coordinate, d: int, start: int, end: int, drop_dim: bool) -> None:
     """This rank's rows of [start, end) where they lie in the range, zeros elsewhere (slice + pad)."""
-    src = node.args[0].meta["layout"]
+    src = node.args[0].meta[LAYOUT]
     held = src.local_indices(d, coordinate).tolist()
     g0 = held[0] if held else 0
     lo, hi = max(start, g0), min(end, g0 + len(held))
@@ -79,7 +78,7 @@ def _localize_masked(node: fx.Node, coordinate: Coordinate, d: int, start: int, 
 
 
 def _localize_slice(node: fx.Node, recipe: SliceRange, coordinate: Coordinate) -> None:
-    src, out = node.args[0].meta["layout"], node.meta["layout"]
+    src, out = node.args[0].meta[LAYOUT], node.meta[LAYOUT]
     d = _dim_arg(node, 1, src.ndim)
     step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
     if step != 1:  # stage 2 made the sliced dim local: the global arguments are the local ones
@@ -104,9 +103,9 @@ def _global_start(node: fx.Node, src: Layout, d: int) -> int:
 
 
 def _localize_select(node: fx.Node, recipe: SelectIndex, coordinate: Coordinate) -> None:
-    src = node.args[0].meta["layout"]
+    src = node.args[0].meta[LAYOUT]
     d = _dim_arg(node, 1, src.ndim)
-    if _is_masked(src, node.meta["layout"]):
+    if _is_masked(src, node.meta[LAYOUT]):
         i = int(node.args[2]) % int(src.shape[d])
         _localize_masked(node, coordinate, d, i, i + 1, drop_dim=True)
         return
@@ -115,7 +114,7 @@ def _localize_select(node: fx.Node, recipe: SelectIndex, coordinate: Coordinate)
 
 
 def _localize_split(node: fx.Node, recipe: SplitSizes, coordinate: Coordinate) -> None:
-    src, outs = node.args[0].meta["layout"], node.meta["layout"]
+    src, outs = node.args[0].meta[LAYOUT], node.meta[LAYOUT]
     d = _dim_arg(node, recipe.dim_index, src.ndim)
     sizes, offset, end = [], 0, 0
     for out in outs:
@@ -234,7 +233,7 @@ def local_fake_inputs(gm: fx.GraphModule, coordinate: Coordinate, mode: FakeTens
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        val, layout = node.meta["val"], node.meta["layout"]
+        val, layout = node.meta["val"], node.meta[LAYOUT]
         with mode:
             fakes.append(torch.empty([int(s) for s in layout.local_shape(coordinate)], dtype=val.dtype,
                                      device=val.device))
@@ -248,7 +247,7 @@ def propagate_local_shapes(gm: fx.GraphModule, coordinate: Coordinate, check: bo
     if not check:
         return
     for node in gm.graph.nodes:
-        layout, val = node.meta.get("layout"), node.meta.get("val")
+        layout, val = node.meta.get(LAYOUT), node.meta.get("val")
         if isinstance(layout, Layout) and isinstance(val, torch.Tensor):
             want = tuple(int(s) for s in layout.local_shape(coordinate))
             if tuple(val.shape) != want:
