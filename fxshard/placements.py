@@ -117,12 +117,9 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
     todo = list(pieces)
     # 1. split off `skip` elements of local extent, major first
     while skip != 1:
-        if not todo:
+        p = _next_local(todo, out)
+        if p is None:
             raise LayoutError(f"split factor larger than the dim ({dim_size})")
-        p = todo.pop(0)
-        if p.axis is not None:
-            out.append(p)
-            continue
         if divides(p.size, skip):
             out.append(p)
             skip = exact_div(skip, p.size)
@@ -136,12 +133,9 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
     rest: MeshAxis | None = axis
     while rest is not None:
         local_left = [p for p in todo if p.axis is None]
-        if not local_left:
+        p = _next_local(todo, out)
+        if p is None:
             raise LayoutError(f"nothing left to shard over {axis} in a dim of size {dim_size}")
-        p = todo.pop(0)
-        if p.axis is not None:
-            out.append(p)
-            continue
         n = rest.size
         if divides(n, p.size):
             out.append(Piece(n, rest))
@@ -170,6 +164,16 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
         else:
             raise LayoutError(f"mesh axis {axis} does not split evenly over a dim of size {dim_size}")
     return out + todo
+
+
+def _next_local(todo: list[Piece], out: list[Piece]) -> Piece | None:
+    """The next local piece of ``todo`` (taken off it); sharded pieces before it pass to ``out``."""
+    while todo:
+        p = todo.pop(0)
+        if p.axis is None:
+            return p
+        out.append(p)
+    return None
 
 
 def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
