@@ -1,0 +1,108 @@
+"""The layering docs/design.md promises, read from the installed package's source: no import cycles
+between its modules (function-level imports included), and lowering knows no op."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+
+PACKAGES = ("fxshard", "fxshard.backend", "fxshard.lowering")
+# what knows ops: the registry and everything it is made of
+OP_KNOWLEDGE = {"fxshard.registry", "fxshard.op_kinds", "fxshard.rules", "fxshard.strategies", "fxshard.views",
+                "fxshard.slicing", "fxshard.decompose", "fxshard.factories", "fxshard.propagate"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for pkg in PACKAGES:
+        spec = importlib.util.find_spec(pkg)
+        for folder in spec.submodule_search_locations:
+            for f in pathlib.Path(folder).glob("*.py"):
+                out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+def imports() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its source."""
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m if f.stem == "__init__" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                subs = [f"{target}.{a.name}" for a in node.names]
+                targets = subs + ([target] if node.module and not any(s in mods for s in subs) else [])
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges[m] |= {t for t in targets if t in mods and t != m}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(imports()) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_lowering_knows_no_op():
+    edges = imports()
+    lowering = {m for m in edges if m.startswith("fxshard.lowering")}
+    reached = set()
+    todo = list(lowering)
+    while todo:  # everything lowering imports, directly or not
+        m = todo.pop()
+        for t in edges[m]:
+            if t not in reached:
+                reached.add(t)
+                todo.append(t)
+    assert not reached & OP_KNOWLEDGE, sorted(reached & OP_KNOWLEDGE)
+    assert not any(m.startswith("fxshard.backend") for m in reached)
+
+
+def test_fxshard_core_knows_no_process_group():
+    edges = imports()
+    for m in edges:
+        if m.startswith(("fxshard.backend", "fxshard.lowering")) or m == "fxshard":
+            continue
+        assert not any(t.startswith(("fxshard.backend", "fxshard.lowering")) for t in edges[m]), (m, edges[m])
