@@ -13,6 +13,7 @@ major to minor (``atom is LOCAL`` for a local piece), ``partial`` a sorted tuple
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
@@ -42,6 +43,10 @@ class State(NamedTuple):
 
 
 UNEVEN = -1  # stride_of's mark for a chunked piece: no stride, its whole dim is its place
+
+# the search makes these by the hundred thousand: skip the named tuples' Python-level __new__
+make_piece = functools.partial(tuple.__new__, AtomPiece)  # make_piece((size, atom, chunked))
+make_state = functools.partial(tuple.__new__, State)  # make_state((dims, partial))
 
 
 class InDim(NamedTuple):
@@ -157,25 +162,30 @@ class Atoms:
 def canonical_dim(pieces: Iterable[AtomPiece]) -> Dim:
     """Adjacent local pieces merged, local size-1 pieces dropped: one spelling per dim."""
     out: list[AtomPiece] = []
+    after_local = False
     for p in pieces:
-        if p.atom is LOCAL:
-            if p.size == 1:
-                continue
-            if out and out[-1].atom is LOCAL:
-                size = out[-1].size * p.size
-                out[-1] = AtomPiece(size if type(size) is int else as_size(size), LOCAL)
-                continue
+        size, atom, _ = p
+        if atom is not LOCAL:
+            after_local = False
+        elif size == 1:
+            continue
+        elif after_local:
+            size = out[-1][0] * size
+            out[-1] = make_piece((size if type(size) is int else as_size(size), LOCAL, False))
+            continue
+        else:
+            after_local = True
         out.append(p)
     return tuple(out)
 
 
 def localized(pieces: Dim, ids: frozenset) -> Dim:
     """``pieces`` with the atoms ``ids`` gathered: their pieces become local."""
-    return canonical_dim(AtomPiece(p.size, LOCAL) if p.atom in ids else p for p in pieces)
+    return canonical_dim(make_piece((p[0], LOCAL, False)) if p[1] in ids else p for p in pieces)
 
 
 def atoms_in(pieces: Dim) -> frozenset:
-    return frozenset(p.atom for p in pieces if p.atom is not LOCAL)
+    return frozenset(atom for _, atom, _ in pieces if atom is not LOCAL)
 
 
 def local_numel(state: State, shape: Sequence[Size], sizes: Sequence[Size]) -> Size:
@@ -195,10 +205,12 @@ def stride_of(pieces: Dim) -> dict[int, Size]:
     chunked piece."""
     out: dict[int, Size] = {}
     inner: Size = 1
-    for p in reversed(pieces):
-        if p.atom is not LOCAL:
-            out[p.atom] = UNEVEN if p.chunked else inner
-        inner = as_size(inner * p.size)
+    for size, atom, chunked in reversed(pieces):
+        if atom is not LOCAL:
+            out[atom] = UNEVEN if chunked else inner
+        inner = inner * size
+        if type(inner) is not int:
+            inner = as_size(inner)
     return out
 
 

@@ -132,6 +132,7 @@ class MeshSpec:
                 raise ValueError(f"mesh axis {n!r} has size {s}; sizes must be >= 1")
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "_static", all(is_static(s) for s in sizes))  # asked once per plan lookup
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> "MeshSpec":
@@ -143,7 +144,7 @@ class MeshSpec:
 
     @property
     def is_static(self) -> bool:
-        return all(is_static(s) for s in self.sizes)
+        return self._static
 
     @property
     def world_size(self) -> Size:

@@ -29,7 +29,7 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int] | None = No
     if src.shape != dst.shape or src.mesh != dst.mesh:
         raise LayoutError(f"cannot redistribute between different shapes or meshes: {src} ({list(src.shape)}, "
                           f"{src.mesh}) -> {dst} ({list(dst.shape)}, {dst.mesh})")
-    hints = current_hints() if not (src.mesh.is_static and dst.mesh.is_static) else ()
+    hints = () if src.mesh.is_static else current_hints()  # dst has the same mesh
     return _plan_cached(src, dst, dtype, cost_model or DEFAULT_COST_MODEL, hints)
 
 

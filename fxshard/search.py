@@ -33,6 +33,7 @@ from .atoms import (
     canonical_dim,
     local_numel,
     localized,
+    make_state,
     moving_atoms,
     stride_of,
 )
@@ -79,10 +80,10 @@ class Search:
         classes: dict[tuple, list[int]] = {}
         for a in range(len(self.sizes)):
             here, there = where.get(a), self.goal_where.get(a)
-            if here == there and (here is None or isinstance(here, Pending) or
-                                  self._in_place(state, strides[here.dim], a, here.dim)):
+            here_kind, there_kind = type(here), type(there)  # InDim, Pending, or NoneType (a free atom)
+            if here == there and (here_kind is not InDim or self._in_place(state, strides[here.dim], a, here.dim)):
                 continue
-            key = (_kind(here), _kind(there), here.op if isinstance(here, Pending) else None)
+            key = (here_kind, there_kind, here.op if here_kind is Pending else None)
             classes.setdefault(key, []).append(a)
         for (src_kind, dst_kind, _), members in classes.items():
             for ids in _groups(members, self.atoms.axes):
@@ -94,42 +95,41 @@ class Search:
             return state.dims[d] == self.goal.dims[d]
         return dim_strides[a] == self.goal_strides[d].get(a)
 
-    def _moves_for(self, state: State, where: dict, src_kind: type | None, dst_kind: type | None,
-                   ids: frozenset) -> Iterator[Move]:
+    def _moves_for(self, state: State, where: dict, src_kind: type, dst_kind: type, ids: frozenset) -> Iterator[Move]:
         dims, partial = state
         if src_kind is Pending:
             op = where[next(iter(ids))].op
             rest = tuple(p for p in partial if p.atom not in ids)
-            yield Move("all_reduce", ids, State(dims, rest), op)
+            yield Move("all_reduce", ids, make_state((dims, rest)), op)
             if dst_kind is InDim:
                 new = self._insert(dims, ids, padded_reduce=True)
                 if new is not None:
-                    yield Move("reduce_scatter", ids, State(new, rest), op)
+                    yield Move("reduce_scatter", ids, make_state((new, rest)), op)
             for e in range(len(dims)):  # reduce early into any dim: later steps move 1/n of the data
                 parked = self._park(dims, ids, e)
                 if parked is not None:
-                    yield Move("reduce_scatter", ids, State(parked, rest), op)
+                    yield Move("reduce_scatter", ids, make_state((parked, rest)), op)
             return
         if src_kind is InDim:
             if any(self._chunked(dims, a) for a in ids) and not self._gatherable_chunk(dims, ids):
                 return
             gathered = tuple(localized(p, ids) for p in dims)
-            yield Move("all_gather", ids, State(gathered, partial))
+            yield Move("all_gather", ids, make_state((gathered, partial)))
             if dst_kind is InDim and not any(self._chunked(dims, a) for a in ids):
                 new = self._insert(gathered, ids, even_only=True)
                 if new is not None and _disjoint_places(dims, new, ids):
-                    yield Move("all_to_all", ids, State(new, partial))
+                    yield Move("all_to_all", ids, make_state((new, partial)))
             return
         # free atoms: shard locally toward the target, or make them partial
         if dst_kind is InDim:
             new = self._insert(dims, ids, local_chunk=True)
             if new is not None:
-                yield Move("local_shard", ids, State(new, partial))
+                yield Move("local_shard", ids, make_state((new, partial)))
         elif dst_kind is Pending:
             op = self.goal_where[next(iter(ids))].op
             if all(p.op == op for p in partial):
                 pending = tuple(sorted(partial + tuple(PartialAtom(a, op) for a in ids)))
-                yield Move("local_partial", ids, State(dims, pending), op)
+                yield Move("local_partial", ids, make_state((dims, pending)), op)
 
     def _insert(self, dims: tuple, ids: frozenset, even_only: bool = False, local_chunk: bool = False,
                 padded_reduce: bool = False) -> tuple | None:
@@ -195,7 +195,8 @@ class Search:
         for d, pieces in enumerate(state.dims):
             strides = stride_of(pieces)
             for a in strides:
-                if self.goal_where.get(a) != InDim(d, None) or not self._in_place(state, strides, a, d):
+                there = self.goal_where.get(a)
+                if type(there) is not InDim or there.dim != d or not self._in_place(state, strides, a, d):
                     return self._min_latency
         return 0.0
 
@@ -236,7 +237,7 @@ class Search:
         """The goal's dims with ``state``'s partial axes, if no reduction is pending (then local_partial ends)."""
         if not set(state.partial) <= set(self.goal.partial):
             return None
-        return State(self.goal.dims, state.partial)
+        return make_state((self.goal.dims, state.partial))
 
     def exchange(self, state: State, target: State) -> tuple[tuple, Size, float] | None:
         """(group, bytes, cost) of one exchange from ``state`` to ``target``, when possible."""
@@ -260,16 +261,13 @@ def _where(state: State) -> dict[int, InDim | Pending]:
     """Atom -> the dim it shards (stride left out) or the reduction pending over it; free atoms are absent."""
     out: dict[int, InDim | Pending] = {}
     for d, pieces in enumerate(state.dims):
-        for p in pieces:
-            if p.atom is not LOCAL:
-                out[p.atom] = InDim(d, None)
-    for p in state.partial:
-        out[p.atom] = Pending(p.op)
+        for _, atom, _ in pieces:
+            if atom is not LOCAL:
+                out[atom] = InDim(d, None)
+    for atom, op in state.partial:
+        out[atom] = Pending(op)
     return out
 
-
-def _kind(where: InDim | Pending | None) -> type | None:
-    return None if where is None else type(where)
 
 
 def _disjoint_places(before: tuple, after: tuple, ids: frozenset) -> bool:
