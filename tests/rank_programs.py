@@ -88,9 +88,13 @@ def threads_and_slow_exit(rank: int, world_size: int, device: str = "cpu", exit_
 
     import torch._inductor.config as inductor_config
 
+    from fxshard.backend.report import StageReporter
+
     if exit_delay:
         multiprocessing.util.Finalize(None, time.sleep, args=(exit_delay,), exitpriority=100)
-    return {"threads": torch.get_num_threads(), "compile_threads": inductor_config.compile_threads}
+    with StageReporter(label="toy").timed("counting threads"):  # progress the parent prints (rank 0's)
+        threads = torch.get_num_threads()
+    return {"threads": threads, "compile_threads": inductor_config.compile_threads}
 
 
 def busy_in_a_stage(rank: int, world_size: int, device: str = "cpu", seconds: float = 60.0) -> dict:

@@ -24,11 +24,14 @@ def ranks():
         sys.path.remove(str(HERE))
 
 
-def test_each_rank_gets_one_thread_and_may_take_its_time_to_leave(ranks):
+def test_each_rank_gets_one_thread_says_what_it_does_and_may_take_its_time_to_leave(ranks, capfd):
     launcher, programs = ranks
     # 11 s: longer than the 10 s after which the launcher used to kill a rank that had already returned
     results = launcher.spawn(programs.threads_and_slow_exit, 2, timeout=120, exit_delay=11.0)
     assert results == {r: {"threads": 1, "compile_threads": 1} for r in range(2)}
+    err = capfd.readouterr().err
+    assert "[rank 0, " in err and "fxshard graph toy: counting threads took" in err, err[-2000:]
+    assert "[rank 1, " not in err  # rank 0's progress only
 
 
 def test_a_rank_stuck_on_its_way_out_is_reported_not_hidden(ranks):
