@@ -49,9 +49,9 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
                                "graph (fullgraph) without data-dependent control flow")
         objects = [n.meta["grapharg"].example for n in gm.graph.nodes if n.op == "placeholder"]
         result.update(gm=gm, example_inputs=list(example_inputs), objects=objects)
-        return gm.forward
+        return _outputs_on_meta(gm)
 
-    # capturing runs fn once; it must not advance the caller's random streams (dropout)
+    # Dynamo calls what the backend returns once; it must not advance the caller's random streams
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         try:
             torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
@@ -62,6 +62,18 @@ def capture(fn: Callable, args: Sequence[Any]) -> Captured:
     if not result:
         raise RuntimeError("Dynamo produced no graph for the function (it may contain no tensor ops)")
     return Captured(result["gm"], result["example_inputs"], result["objects"])
+
+
+def _outputs_on_meta(gm: fx.GraphModule) -> Callable:
+    """What the captured frame returns instead of running ``gm``: its outputs as meta tensors.
+
+    Capturing only needs the graph; running it would compute the whole program at global size.
+    """
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in out.args[0]]
+    meta = tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v for v in values)
+    return lambda *args: meta
 
 
 def fake_stand_in(t: torch.Tensor, mode: FakeTensorMode, requires_grad: bool) -> torch.Tensor:
