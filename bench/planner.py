@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dtensor_plans import dtensor_plans  # noqa: E402
 
-from fxshard import Layout, MeshSpec, lower_bound_bytes, plan_redistribute  # noqa: E402
+from fxshard import MeshSpec, lower_bound_bytes, plan_redistribute  # noqa: E402
 from fxshard.placements import layout_from_placements, placements_from_str  # noqa: E402
 from fxshard.planner import clear_plan_cache  # noqa: E402
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from fxshard.placements import layout_from_placements
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 KERNEL_MARK = {"cpu": "cpp_fused", "cuda": "triton"}
