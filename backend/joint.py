@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
-from fxshard.graph import LAYOUT, SRC_LAYOUT, output_layouts
+from fxshard.graph import LAYOUT, SRC_LAYOUT, output_layouts, outputs
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
@@ -56,7 +56,7 @@ class TrainingPlan:
 
     @property
     def num_saved(self) -> int:
-        return len(_outputs(self.forward)) - self.num_outputs
+        return len(outputs(self.forward)) - self.num_outputs
 
 
 def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None = None,
@@ -70,7 +70,7 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
                                   cost_model=cost_model)
     # outputs leave reduced: the tangent of a Partial output would be Replicate, not Partial
     out_layouts = tuple(l.with_partial(()) for l in output_layouts(planned_forward))
-    values = [n.meta["val"] for n in _outputs(planned_forward)]
+    values = [n.meta["val"] for n in outputs(planned_forward)]
     program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names,
                            tangents=values)
     signature = program.joint
@@ -83,10 +83,6 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
     forward, backward = partition(joint, signature, split)
     return TrainingPlan(forward, backward, joint, program, signature.num_forward_outputs, signature.grad_inputs,
                         out_layouts, grad_layouts)
-
-
-def _outputs(gm: fx.GraphModule) -> list[fx.Node]:
-    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
 
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
@@ -196,7 +192,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
     placeholders = [n for n in nodes if n.op == "placeholder"]
     num_tangents = len(signature.tangent_names)
     primals, tangents = placeholders[:len(placeholders) - num_tangents], placeholders[len(placeholders) - num_tangents:]
-    outs = _outputs(joint)
+    outs = outputs(joint)
     forward_outs, grads = outs[:signature.num_forward_outputs], outs[signature.num_forward_outputs:]
     forward = _ancestors(forward_outs) | set(primals)
     # every output of a multi-output forward op is the forward's (the backward reads logsumexp, say)

@@ -48,24 +48,6 @@ PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py sna
 
 
 # ---- typed accessors -------------------------------------------------------------------------------
-def layout_of(node: fx.Node) -> Layout:
-    """The layout of a tensor-valued node (a ``LayoutError``-free KeyError when it has none)."""
-    layout = node.meta[LAYOUT]
-    if not isinstance(layout, Layout):
-        raise TypeError(f"%{node.name} has {len(layout)} outputs; its layouts are layouts_of(node)")
-    return layout
-
-
-def has_layout(node: fx.Node) -> bool:
-    return isinstance(node.meta.get(LAYOUT), Layout)
-
-
-def layouts_of(node: fx.Node) -> tuple[Layout | None, ...]:
-    """The layouts of a multi-output node's outputs (a one-output node: its one layout)."""
-    layout = node.meta.get(LAYOUT)
-    return tuple(layout) if isinstance(layout, tuple) else (layout,)
-
-
 def required_layouts(node: fx.Node) -> tuple[Any, ...] | None:
     """What a propagated node requires of its tensor arguments (None: not propagated)."""
     return node.meta.get(ARG_LAYOUTS)
@@ -87,10 +69,6 @@ def dtype_of(node: fx.Node) -> torch.dtype:
     return v.dtype if isinstance(v, torch.Tensor) else torch.float32
 
 
-def shape_of(node: Any) -> tuple[int, ...] | None:
-    """The shape of a tensor-valued node, None for anything else."""
-    v = value(node)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 # ---- graph questions -------------------------------------------------------------------------------
@@ -123,8 +101,6 @@ def output_layouts(gm: fx.GraphModule) -> tuple[Layout, ...]:
     return tuple(a.meta[LAYOUT] for a in outputs(gm))
 
 
-def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def input_root(node: fx.Node, relabels: Any) -> fx.Node | None:
