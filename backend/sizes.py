@@ -3,11 +3,12 @@
 fxshard plans communication for concrete sizes: which rank holds which rows, whether a view
 moves data and which collective is cheapest all depend on them. Dynamo compiles a graph with
 symbolic sizes once a size changes (automatic dynamic shapes) or from the start
-(``dynamic=True``), and serves it for every later size. ``PerSizePrograms`` is what the backend
-returns: a graph with static sizes runs its one program; a graph with dynamic sizes finds the
-program compiled for the sizes of each call, and compiles one (all six stages) for sizes it has
-not seen. So a data-parallel loop whose last batch is short compiles twice, and no program ever
-runs on sizes it was not planned for.
+(``dynamic=True``), and serves it for every later size. ``per_size`` is what the backend calls: a
+graph with static sizes gets its one program, plus a Dynamo guard on its DTensor inputs' global
+shapes (``guard_global_shapes``); a graph with dynamic sizes gets a ``PerSizePrograms``, which
+finds the program compiled for the sizes of each call and compiles one (all six stages) for sizes
+it has not seen. So a data-parallel loop whose last batch is short compiles two or three
+programs, and no program ever runs on sizes it was not planned for.
 """
 from __future__ import annotations
 

@@ -42,11 +42,11 @@ def launch(run: Callable, world_size: int, timeout: float = 900.0, device: str =
     """
     if "RANK" in os.environ:
         return _as_torchrun_rank(run, device, setup, kwargs)
-    with tempfile.TemporaryDirectory(prefix="fxshard-") as workdir:
-        if setup is not None:
-            setup(workdir)
-            kwargs = dict(kwargs, workdir=workdir)
+    if setup is None:
         return spawn(run, world_size, timeout, device, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="fxshard-") as workdir:
+        setup(workdir)
+        return spawn(run, world_size, timeout, device, workdir=workdir, **kwargs)
 
 
 def _as_torchrun_rank(run: Callable, device: str, setup: Callable[[str], None] | None,
