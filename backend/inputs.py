@@ -58,13 +58,35 @@ def named_inputs(fn: Callable, args: Sequence[Any], objects: Sequence[Any]) -> l
     """(name, key) for each of ``objects`` (a captured program's inputs): the key is the argument
     index or the parameter/buffer name, None for anything else."""
     named: dict[int, tuple[str, Any]] = {}
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)  # model or model.loss
-    if isinstance(module, torch.nn.Module):
+    for module in modules_of(fn):
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             named.setdefault(id(t), (name.replace(".", "_"), name))
     for i, a in enumerate(args):
         named.setdefault(id(a), (f"arg{i}", i))
     return [named.get(id(obj), (f"input{k}", None)) for k, obj in enumerate(objects)]
+
+
+def modules_of(fn: Callable) -> list[torch.nn.Module]:
+    """The modules whose parameter names name ``fn``'s inputs: ``fn`` itself, the module of a bound
+    method (``model.loss``), or the modules a closure or ``functools.partial`` holds
+    (``lambda ids: model(input_ids=ids).logits``)."""
+    if isinstance(fn, torch.nn.Module):
+        return [fn]
+    if isinstance(getattr(fn, "__self__", None), torch.nn.Module):
+        return [fn.__self__]
+    held = list(getattr(fn, "args", ())) + list(getattr(fn, "keywords", {}).values())  # functools.partial
+    held += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    found = [m for m in held if isinstance(m, torch.nn.Module)]
+    inner = getattr(fn, "func", None)
+    return found + (modules_of(inner) if callable(inner) else [])
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def describe(key: Any) -> str:

@@ -15,7 +15,7 @@ from .graph import ARG_LAYOUTS, LAYOUT, LOCAL_REGION, requirements
 from .layout import Layout
 from .localization import LocalArange, LocalShape
 from .op_kinds import FACTORY
-from .registry import OPS
+from .registry import entry_of
 
 
 def _wanted(node: fx.Node) -> set[Layout | None]:
@@ -43,7 +43,7 @@ def shard_factories(gm: fx.GraphModule) -> int:
     """Give replicated factories their consumers' common sharded layout (in place); how many changed."""
     changed = 0
     for node in gm.graph.nodes:
-        entry = OPS.get(node.target) if node.op == "call_function" else None
+        entry = entry_of(node.target) if node.op == "call_function" else None
         if entry is None or entry.kind is not FACTORY or not isinstance(entry.localize, (LocalShape, LocalArange)):
             continue
         have = node.meta.get(LAYOUT)

@@ -268,6 +268,8 @@ def _reduce(values: list[torch.Tensor], op: str | None) -> torch.Tensor:
 
 
 def _local_size(size: Size, pieces: tuple[Piece, ...], coord: Mapping[str, int]) -> Size:
+    if is_static(size) and int(size) == 0:  # an empty dim (q[..., rotary_dim:] with full rotary) is empty everywhere
+        return 0
     rows, cols = 1, size
     for p in pieces:
         if p.axis is None:

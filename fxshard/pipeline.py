@@ -33,7 +33,8 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
                                                  pinned=pinned, output_layouts=output_layouts,
                                                  fallbacks=fallbacks), gm, cost_model, refinement)
     for op, seen in fallbacks.items():
-        warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); its inputs are replicated",
+        warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
+                      "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",
                       stacklevel=2)
     shard_factories(gm)
     check_local_regions(gm)

@@ -159,17 +159,17 @@ def _fallback(node: fx.Node, in_layouts: Sequence[Layout], mesh: MeshSpec, stric
         out: Any = Layout.replicated(mesh, val.shape)
     else:
         out = tuple(Layout.replicated(mesh, v.shape) if isinstance(v, torch.Tensor) else None for v in val)
-    if tuple(in_layouts) == required:  # replicated already: replicating moves nothing, so nothing to say
-        set_strategy(node, required, out)
-        return
     name = str(node.target)
     seen = ", ".join(str(l) for l in in_layouts) or "no tensor inputs"
+    if fallbacks is not None:  # replicated already or not: without a rule it would replicate whatever it gets
+        fallbacks.setdefault(name, seen)
+    if tuple(in_layouts) == required:  # replicated already: nothing moves, so strict has nothing to refuse
+        set_strategy(node, required, out)
+        return
     if strict:
         raise UnsupportedOpError(
             f"fxshard has no sharding rule for {name} (input layouts: {seen}). Add an entry for it to the op registry "
             "(fxshard.registry.OPS; docs/design.md says how), or pin a layout next to it with "
             "fxshard.constrain(x, placements) (x.redistribute for DTensors), or run without strict=True to "
             "replicate its inputs.")
-    if fallbacks is not None:
-        fallbacks.setdefault(name, seen)
     set_strategy(node, required, out)

@@ -81,6 +81,8 @@ OPS: dict[Any, Op] = {
     aten.mm.default: einsum_op("m k, k n -> m n", partial_groups=[(0,), (1,)]),
     aten.bmm.default: einsum_op("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
     aten.addmm.default: signature_op(rules.addmm),
+    aten.baddbmm.default: signature_op(rules.baddbmm),
+    aten.convolution.default: signature_op(rules.convolution),
     # permutes
     aten.t.default: _transpose,
     aten.transpose.int: _transpose,
@@ -96,6 +98,13 @@ OPS: dict[Any, Op] = {
     aten._softmax.default: signature_op(rules.softmax),
     aten._log_softmax.default: signature_op(rules.softmax),
     aten.cumsum.default: signature_op(rules.scan),
+    aten.histc.default: signature_op(rules.histc),
+    aten.all.default: signature_op(rules.reduce_whole),
+    aten.all.dim: signature_op(rules.reduce_whole),
+    aten.all.dims: signature_op(rules.reduce_whole),
+    aten.any.default: signature_op(rules.reduce_whole),
+    aten.any.dim: signature_op(rules.reduce_whole),
+    aten.any.dims: signature_op(rules.reduce_whole),
     aten.topk.default: signature_op(rules.select_along),
     aten.sort.default: signature_op(rules.select_along),
     # pointwise ops whose partial sums need care (other pointwise ops: by their torch tag)
@@ -104,12 +113,15 @@ OPS: dict[Any, Op] = {
     aten.mul.Tensor: signature_op(rules.mul_like),
     aten.div.Tensor: signature_op(rules.div_like),
     aten.neg.default: signature_op(rules.pointwise(lambda n: [(0,)])),
+    aten.floor_divide.default: signature_op(rules.pointwise()),  # pointwise, untagged
     aten._to_copy.default: signature_op(rules.to_copy, recomputed_with_input=True),
     aten.view_as_complex.default: signature_op(rules.view_as_complex),
     aten.view_as_real.default: signature_op(rules.view_as_real),
     aten.triu.default: signature_op(rules.triangle),
     aten.tril.default: signature_op(rules.triangle),
     aten.clone.default: signature_op(rules.identity, recomputed_with_input=True),
+    aten.lift_fresh_copy.default: signature_op(rules.identity, recomputed_with_input=True),
+    aten.copy.default: signature_op(rules.copy),
     aten.alias.default: signature_op(rules.identity, relabels=True),
     aten.detach.default: signature_op(rules.identity, relabels=True),
     aten.contiguous.default: _identity,
@@ -143,7 +155,9 @@ OPS: dict[Any, Op] = {
     aten.slice_scatter.default: signature_op(rules.slice_scatter),
     aten.select_scatter.default: signature_op(rules.slice_scatter),
     aten.index_put.default: signature_op(rules.index_put_accumulate),
+    aten.index_copy.default: signature_op(rules.index_copy),
     aten._unsafe_masked_index_put_accumulate.default: signature_op(rules.index_put_accumulate),
+    aten._grouped_mm.default: signature_op(rules.grouped_mm),
     # attention kernels: batch and heads independent
     **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
     **{op.default: signature_op(rules.attention_backward) for op in rules.ATTENTION_BACKWARD_OPS},
@@ -168,6 +182,20 @@ OPS: dict[Any, Op] = {
     CONSTRAIN: Op(PIN),
     REDISTRIBUTE: Op(None, LocalShape(3)),
 }
+
+# ops of other libraries, by schema name: they exist only once that library is imported
+NAMED_OPS: dict[str, Op] = {
+    "transformers::grouped_mm_fallback": signature_op(rules.grouped_mm),  # MoE experts of fp32 models
+}
+
+
+def entry_of(target: Any) -> Op | None:
+    """The registry's entry for an op (ATen's by the op, other libraries' by schema name)."""
+    entry = OPS.get(target)
+    if entry is None and isinstance(target, torch._ops.OpOverload):
+        entry = NAMED_OPS.get(target._schema.name)
+    return entry
+
 
 # ops stage 1 decomposes into ops with entries above, because their parts shard better than the
 # whole (fxshard/decompose.py says how): FORWARD ones in every program, TRAINING ones (backward
@@ -221,7 +249,7 @@ _NO_TENSOR_INPUTS = Op(FACTORY)
 def lookup(node: fx.Node, has_tensor_inputs: bool) -> Op | None:
     """The entry for ``node``'s op: its own, else a factory when it has no tensor inputs, else
     pointwise by torch's tag; None when fxshard knows nothing of it."""
-    entry = OPS.get(node.target)
+    entry = entry_of(node.target)
     if entry is not None:
         return entry
     if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -235,7 +263,7 @@ def lookup(node: fx.Node, has_tensor_inputs: bool) -> Op | None:
 
 
 def recipe_of(node: fx.Node) -> Recipe | None:
-    entry = OPS.get(node.target) if node.op == "call_function" else None
+    entry = entry_of(node.target) if node.op == "call_function" else None
     return entry.localize if entry is not None else None
 
 

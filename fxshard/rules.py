@@ -144,6 +144,69 @@ def addmm(node: Any) -> Signature:
     return Signature((bias_f, ("m", "k"), ("k", "n")), ("m", "n"), "sum", ((0, 1), (0, 2)), addends=(0,))
 
 
+def baddbmm(node: Any) -> Signature:
+    """beta * self + alpha * (b1 @ b2), batched (ALiBi attention scores): bmm with self as an addend."""
+    b, m, n = _out_shape(node)
+    names = {"d0": "b", "d1": "m", "d2": "n"}
+    bias_f = tuple(names[f] if f else None for f in broadcast([_shape(node.args[0])], (b, m, n)).inputs[0])
+    return Signature((bias_f, ("b", "m", "k"), ("b", "k", "n")), ("b", "m", "n"), "sum", ((0, 1), (0, 2)),
+                     addends=(0,))
+
+
+def convolution(node: Any) -> Signature | None:
+    """A convolution (not transposed, one group): batch and output channels are independent, input
+    channels contract (Partial(sum), the bias an addend); spatial dims stay whole (halos: no rule)."""
+    x, w = _shape(node.args[0]), _shape(node.args[1])
+    transposed, groups = node.args[6], node.args[8]
+    if x is None or w is None or transposed or groups != 1:
+        return None
+    spatial = len(x) - 2
+    x_f = ("n", "c") + tuple(f"x{i}" for i in range(spatial))
+    w_f = ("o", "c") + tuple(f"k{i}" for i in range(spatial))
+    out = ("n", "o") + tuple(f"y{i}" for i in range(spatial))
+    ins = [x_f, w_f] + ([("o",)] if _shape(node.args[2]) is not None else [])
+    addends = (2,) if len(ins) == 3 else ()
+    return Signature(tuple(ins), out, "sum", ((0,) + addends, (1,) + addends), addends=addends,
+                     whole=frozenset(x_f[2:] + w_f[2:]))
+
+
+def histc(node: Any) -> Signature:
+    """Counts of values in fixed bins: a sum over every element, so a sharded input counts its part
+    (Partial(sum)); with min == max the range is the data's own, and the input stays whole."""
+    ndim = len(_shape(node.args[0]) or ())
+    names = tuple(_letters(ndim))
+    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+    whole = frozenset(names) if lo == hi else frozenset()
+    return Signature((names,), ("bins",), "sum", whole=whole)
+
+
+def reduce_whole(node: Any) -> Signature:
+    """A reduction whose partial results fxshard does not combine (all, any: booleans): the reduced
+    dims stay whole, the others are independent."""
+    ndim = len(_shape(node.args[0]) or ())
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = [dims] if isinstance(dims, int) else dims
+    sig = reduction(ndim, dims, keepdim, "sum", partial_ops=())
+    return Signature(sig.inputs, sig.output, whole=frozenset(sig.contracted))
+
+
+def index_copy(node: Any) -> Signature:
+    """x.index_copy(dim, index, source) (a static KV cache's write): dim ``dim`` and the index stay
+    whole, every other dim of x and source is independent (a cache sharded on heads writes its heads)."""
+    x = _shape(node.args[0])
+    d = node.args[1] % len(x)
+    names = tuple(_letters(len(x)))
+    source = tuple("i" if k == d else f for k, f in enumerate(names))
+    return Signature((names, ("i",), source), names, whole=frozenset({names[d], "i"}))
+
+
+def copy(node: Any) -> Signature:
+    """copy(self, src): src broadcast into self's shape (self's values are overwritten)."""
+    return broadcast([_shape(node.args[0]), _shape(node.args[1])], _out_shape(node))
+
+
 def softmax(node: Any) -> Signature:
     ndim = len(_out_shape(node))
     dim = node.args[1] % max(ndim, 1)
@@ -198,7 +261,8 @@ def index(node: Any) -> Signature | None:
         out = [x_names[d] for d in range(at[0])] + b + [x_names[d] for d in range(at[-1] + 1, ndim)]
     else:
         out = b + rest
-    return Signature((tuple(x_names),) + index_inputs, tuple(out), partial_ops=(),
+    # picking elements moves data: a Partial x (of any reduce op) stays Partial, its shares picked alike
+    return Signature((tuple(x_names),) + index_inputs, tuple(out), partial_groups=((0,),), partial_ops=ALL_OPS,
                      whole=frozenset(x_names[d] for d in at))
 
 
@@ -281,8 +345,10 @@ def attention(node: Any) -> Signature | None:
     extra output (RNG seeds, debug masks, sizes) is replicated.
     """
     q, k, v = (_shape(a) for a in node.args[:3])
-    if q is None or k is None or v is None or len(q) != 4 or q[1] != k[1] or k[1] != v[1]:
-        return None  # grouped-query calls with fewer k/v heads replicate (no rule)
+    if q is None or k is None or v is None or len(q) != 4 or k[1] != v[1] or q[1] % k[1]:
+        return None
+    # grouped-query attention (fewer k/v heads): q head i reads k/v head i // (q heads / k heads), so
+    # the heads factor shards both with the same pieces, each rank holding whole groups
     is_causal = _attention_flag(node, "is_causal")
     tensors = [a for a in list(node.args[3:]) + list(node.kwargs.values()) if _shape(a) is not None]
     whole = {"t", "d", "e"}
@@ -308,6 +374,22 @@ def attention(node: Any) -> Signature | None:
             extra.append(names)
             whole.update(names)
     return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole), extra_outputs=tuple(extra))
+
+
+def grouped_mm(node: Any) -> Signature | None:
+    """A grouped matmul of token rows sorted by expert, ``x [S, K] @ w[e] [E, K, N] -> [S, N]`` with
+    ``offs [E]`` the groups' end rows (MoE experts: ``aten._grouped_mm``, transformers' fallback op).
+
+    Rows and experts stay whole (the offsets are global row numbers of every expert); K and N
+    shard as in mm: Megatron's column- and row-parallel experts. Other forms: no rule.
+    """
+    x, w = _shape(node.args[0]), _shape(node.args[1])
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    extra = [a for a in list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "offs"] if _shape(a)]
+    if x is None or w is None or len(x) != 2 or len(w) != 3 or _shape(offs) is None or extra:
+        return None
+    return Signature((("s", "k"), ("e", "k", "n"), ("e",)), ("s", "n"), partial_groups=((0,), (1,)),
+                     whole=frozenset({"s", "e"}))
 
 
 def _attention_flag(node: Any, name: str) -> bool:
@@ -384,7 +466,7 @@ def index_put_accumulate(node: Any) -> Signature | None:
     indices = node.args[2] if masked else node.args[1]
     values = node.args[3] if masked else node.args[2]
     if not masked and not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
-        return None
+        return index_put_write(node)
     if x is None or len(indices) != 1 or _shape(indices[0]) is None or _shape(values) is None:
         return None
     idx = _shape(indices[0])
@@ -403,6 +485,25 @@ def index_put_accumulate(node: Any) -> Signature | None:
     ins = [x_names] + mask + [rows, rows + rest]
     value_pos = len(ins) - 1
     return Signature(tuple(ins), x_names, "sum", ((0, value_pos),), addends=(0,), whole=frozenset({"rows"}))
+
+
+def index_put_write(node: Any) -> Signature | None:
+    """x.index_put((i,), v) (no accumulate) on dim 0: rows written by index, so the rows and the
+    index stay whole; x's other dims and v's trailing dims are independent."""
+    x, indices, values = _shape(node.args[0]), node.args[1], node.args[2]
+    if x is None or len(indices) != 1 or _shape(indices[0]) is None or _shape(values) is None:
+        return None
+    idx = _shape(indices[0])
+    rest = tuple(_letters(len(x) - 1, 1))
+    rows = tuple(f"i{j}" for j in range(len(idx)))
+    v = _shape(values)
+    full = rows + rest
+    if len(v) > len(full):
+        return None
+    v_names = tuple(None if s == 1 and full[len(full) - len(v) + k] is not None and
+                    (idx + tuple(x[1:]))[len(full) - len(v) + k] != 1 else full[len(full) - len(v) + k]
+                    for k, s in enumerate(v))
+    return Signature((("rows",) + rest, rows, v_names), ("rows",) + rest, whole=frozenset(("rows",) + rows))
 
 
 def attention_backward(node: Any) -> Signature | None:

@@ -183,23 +183,32 @@ def _stack_candidates(ins: Sequence[Layout], d: int | None) -> list[Layout]:
 
 
 def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ...], Any]:
-    """cat: inputs share a layout; equal sizes with equal pieces on the cat dim stack as an outer piece."""
-    ndim = ins[0].ndim
-    d = _dim(_arg(node, 1, "dim", 0), ndim)
+    """cat: inputs share a layout; equal sizes with equal pieces on the cat dim stack as an outer piece.
+
+    torch.cat skips 1-D empty inputs whatever the others' rank (a KV cache that starts as
+    ``torch.tensor([])``): they stay as they are and take no part in the decision.
+    """
     out_shape = list(node.meta["val"].shape)
+    ndim = len(out_shape)
+    skipped = [x.ndim == 1 and x.shape[0] == 0 and ndim != 1 for x in ins]
+    kept = [x for x, skip in zip(ins, skipped) if not skip]
+    if not kept:
+        return tuple(ins), Layout.replicated(ins[0].mesh, out_shape)
+    d = _dim(_arg(node, 1, "dim", 0), ndim)
     best = None
-    for t in _stack_candidates(ins, d):
-        equal = all(x.shape[d] == t.shape[d] for x in ins)
+    for t in _stack_candidates(kept, d):
+        equal = all(x.shape[d] == t.shape[d] for x in kept)
         cat_pieces = t.dims[d] if equal else ()
         required = tuple(Layout(x.mesh, x.shape, [cat_pieces if k == d else t.dims[k] for k in range(ndim)],
-                                t.partial) for x in ins)
-        cat_out = (Piece(len(ins)),) + tuple(cat_pieces) if equal else ()
+                                t.partial) for x in kept)
+        cat_out = (Piece(len(kept)),) + tuple(cat_pieces) if equal else ()
         out_dims = [cat_out if k == d else t.dims[k] for k in range(ndim)]
         out = Layout(t.mesh, out_shape, out_dims, t.partial)
-        c = sum(cost(x, r) for x, r in zip(ins, required))
+        c = sum(cost(x, r) for x, r in zip(kept, required))
         if best is None or c < best[0]:
             best = (c, required, out)
-    return best[1], best[2]
+    chosen = iter(best[1])
+    return tuple(x if skip else next(chosen) for x, skip in zip(ins, skipped)), best[2]
 
 
 def stack_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ...], Any]:

@@ -50,14 +50,22 @@ def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str
             if f is None:
                 continue
             options = cands.setdefault(f, [])
-            pieces = layout.dims[d]
-            if f not in sig.whole and any(p.axis is not None for p in pieces) and pieces not in options:
+            pieces = _sharded_prefix(layout.dims[d])
+            if f not in sig.whole and pieces and pieces not in options:
                 options.append(pieces)
     for f in set(sig.output) - {None}:
         cands.setdefault(f, [])
     for options in cands.values():
         options.append(())  # local: always possible
     return cands
+
+
+def _sharded_prefix(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    """The pieces up to the last sharded one: the trailing local piece is whatever the dim's size
+    leaves, so one factor may span dims of different sizes (grouped-query attention's q heads are
+    k's heads times the group: the same pieces over k's heads, each of fewer local heads)."""
+    last = max((i for i, p in enumerate(pieces) if p.axis is not None), default=-1)
+    return pieces[:last + 1]
 
 
 def _partial_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> list[tuple[tuple[int, ...], tuple]]:

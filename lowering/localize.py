@@ -156,8 +156,8 @@ def _localize_lookup(node: fx.Node, recipe: MaskedLookup, coordinate: Coordinate
     table, index = node.args[recipe.table], node.args[recipe.index]
     layout = table.meta[LAYOUT]
     d = recipe.dim if recipe.dim is not None else node.args[recipe.dim_index] % layout.ndim
-    if not layout.dims[d]:
-        return
+    if not layout.dim_is_sharded(d):
+        return  # every rank holds the whole looked-up dim: a plain lookup
     lo, hi = _held_run(layout, d, coordinate, node.format_node())
     graph = node.graph
     with graph.inserting_before(node):
@@ -172,8 +172,10 @@ def _localize_lookup(node: fx.Node, recipe: MaskedLookup, coordinate: Coordinate
 
 def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
     graph = node.graph
+    val = node.meta.get("val")
+    zero = 0.0 if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex else 0
     with graph.inserting_after(node):
-        zeroed = graph.call_function(aten.where.ScalarOther, (mask, node, 0.0))
+        zeroed = graph.call_function(aten.where.ScalarOther, (mask, node, zero))  # keeps an integer lookup integer
     node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
     zeroed.meta.update(node.meta)
 
