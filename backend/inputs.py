@@ -69,13 +69,15 @@ def named_inputs(fn: Callable, args: Sequence[Any], objects: Sequence[Any]) -> l
 def modules_of(fn: Callable) -> list[torch.nn.Module]:
     """The modules whose parameter names name ``fn``'s inputs: ``fn`` itself, the module of a bound
     method (``model.loss``), or the modules a closure or ``functools.partial`` holds
-    (``lambda ids: model(input_ids=ids).logits``)."""
+    (``lambda ids: model(input_ids=ids).logits``), or the module-level modules its code names."""
     if isinstance(fn, torch.nn.Module):
         return [fn]
     if isinstance(getattr(fn, "__self__", None), torch.nn.Module):
         return [fn.__self__]
     held = list(getattr(fn, "args", ())) + list(getattr(fn, "keywords", {}).values())  # functools.partial
     held += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    held += [scope[n] for n in (code.co_names if code else ()) if n in scope]  # a module-level model
     found = [m for m in held if isinstance(m, torch.nn.Module)]
     inner = getattr(fn, "func", None)
     return found + (modules_of(inner) if callable(inner) else [])

@@ -11,7 +11,8 @@ inputs, or refuses under ``strict``). The kinds:
   when it is a row-major view;
 - ``Ranges(fn)``: slices, selects, splits, concatenations (fxshard/slicing.py);
 - ``LIKE``, ``NEW``, ``FACTORY``, ``PIN``: ``*_like`` factories take their input's sharding, ``new_*``
-  ones and plain factories are replicated, ``fxshard.constrain`` pins the layout it names.
+  ones and plain factories are replicated, ``fxshard.constrain`` pins the layout it names;
+- ``WRITE_INTO``: ``copy_`` into a mutated input keeps that input's layout.
 """
 from __future__ import annotations
 
@@ -133,6 +134,19 @@ class _Factory(Kind):
         return (), Layout.replicated(ctx.mesh, node.meta["val"].shape)
 
 
+class _WriteInto(Kind):
+    """``self.copy_(src)``, the write-back of a mutated input (a static KV cache): the write must land
+    in ``self``'s own storage, so ``self`` keeps its layout and ``src`` comes in that layout."""
+
+    name = "write_into"
+
+    def __call__(self, node: fx.Node, ctx: Context) -> Decision | None:
+        dst = ctx.layouts[0]
+        if dst.partial or len(ctx.layouts) != 2 or ctx.layouts[1].shape != dst.shape:
+            return None
+        return (dst, dst), dst
+
+
 class _Pin(Kind):
     name = "pin"
 
@@ -147,3 +161,4 @@ LIKE: Kind = _Like()
 NEW: Kind = _New()
 FACTORY: Kind = _Factory()
 PIN: Kind = _Pin()
+WRITE_INTO: Kind = _WriteInto()

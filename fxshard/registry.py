@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from . import rules
 from .localization import LocalArange, LocalShape, MaskedLookup, Recipe, SelectIndex, SliceRange, SplitSizes
-from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, Declared, Kind, Ranges
+from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, WRITE_INTO, Declared, Kind, Ranges
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .rules import LINEAR_OPS, einsum
 from .slicing import concat_rule, select_rule, slice_rule, split_rule, stack_rule, unbind_rule
@@ -122,6 +122,7 @@ OPS: dict[Any, Op] = {
     aten.clone.default: signature_op(rules.identity, recomputed_with_input=True),
     aten.lift_fresh_copy.default: signature_op(rules.identity, recomputed_with_input=True),
     aten.copy.default: signature_op(rules.copy),
+    aten.copy_.default: Op(WRITE_INTO),  # a mutated input written back (functionalization's epilogue)
     aten.alias.default: signature_op(rules.identity, relabels=True),
     aten.detach.default: signature_op(rules.identity, relabels=True),
     aten.contiguous.default: _identity,

@@ -1,0 +1,37 @@
+"""Hugging Face architectures no one here wrote, called as their users call them (tests/zoo.py).
+
+Each is exact against one device on simulated ranks under its Megatron TP placements, with no
+op falling back to replication (a missing rule warns even where the inputs are replicated), and
+reduces exactly as often as a hand-written Megatron implementation. With the residual stream
+pinned to the sequence (sequence parallelism), each of those reductions becomes a
+reduce-scatter and its gather an all-gather, except where zoo.SP_GAPS records what fxshard does
+instead and why.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from zoo import ZOO, run  # noqa: E402
+
+TOLERANCE = 1e-4  # float32 sums in another order; T5's unscaled attention logits are the largest
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_megatron_tensor_parallel(name, world):
+    arch = ZOO[name]
+    r = run(arch, world)
+    assert r.warnings == []
+    assert r.max_error < TOLERANCE
+    assert r.collectives == {"all_reduce": arch.megatron_all_reduces}
+
+
+@pytest.mark.parametrize("name", [n for n, a in ZOO.items() if a.stream])
+def test_tensor_and_sequence_parallel(name):
+    arch = ZOO[name]
+    r = run(arch, 2, sequence_parallel=True)
+    assert r.warnings == []
+    assert r.max_error < TOLERANCE
+    assert r.collectives == arch.sequence_parallel_collectives  # Megatron-SP's, or zoo.SP_GAPS says why not
