@@ -60,16 +60,10 @@ def received_even(state: State, target: State) -> int | None:
     for here, there in zip(state.dims, target.dims):
         if any(p.chunked for p in here + there):
             return None
+        edges = digit_edges(here, there)
+        if edges is None:
+            return None
         s_spans, t_spans = spans(here), spans(there)
-        total = 1
-        for p in here:
-            total *= p.size
-        bounds = {1, total} | {b for _, lo, n in s_spans + t_spans for b in (lo, lo * n)}
-        if not all(isinstance(b, int) for b in bounds):
-            return None
-        edges = sorted(bounds)
-        if any(hi % lo for lo, hi in zip(edges, edges[1:])):
-            return None
         for lo, hi in zip(edges, edges[1:]):
             a, b = _digit(s_spans, lo, hi), _digit(t_spans, lo, hi)
             if a is not None and b is not None and a != b:
@@ -79,6 +73,38 @@ def received_even(state: State, target: State) -> int | None:
                 if a is None:
                     both_free *= hi // lo
     return need - both_free
+
+
+def digit_edges(here: tuple, there: tuple) -> list[int] | None:
+    """Where two states' sharded pieces cut one even dim (strides, ascending, 1 and the dim's size
+    included); None where they do not nest or are symbolic.
+
+    Each edge must divide the next for the dim to be a product of digits each whole on both
+    sides: ``[2@tp 5] -> [5 2@tp]`` cuts 10 at 2 and 5, and no digit is fixed by tp on both.
+    """
+    bounds = {1, _numel(here)} | {b for _, lo, n in spans(here) + spans(there) for b in (lo, lo * n)}
+    if not all(isinstance(b, int) for b in bounds):
+        return None
+    edges = sorted(bounds)
+    return None if any(hi % lo for lo, hi in zip(edges, edges[1:])) else edges
+
+
+def cuts_nest(here: tuple, there: tuple) -> bool:
+    """Whether one even dim's cuts in two states nest (symbolic sizes: where one state's cuts are
+    among the other's, as one layout's always nest)."""
+    mine, theirs = _cuts(here), _cuts(there)
+    return mine <= theirs or theirs <= mine or digit_edges(here, there) is not None
+
+
+def _cuts(pieces: tuple) -> set:
+    return {b for _, lo, n in spans(pieces) for b in (lo, lo * n)}
+
+
+def _numel(pieces: tuple) -> Size:
+    total: Size = 1
+    for p in pieces:
+        total = total * p.size
+    return total
 
 
 def _digit(spans: list, lo: int, hi: int) -> tuple | None:

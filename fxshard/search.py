@@ -38,7 +38,7 @@ from .atoms import (
     stride_of,
 )
 from .costs import CostModel, collective_bytes, dtype_size
-from .exchange import received_elements, received_even, spans
+from .exchange import cuts_nest, received_elements, received_even, spans
 from .layout import Layout
 from .mesh import MeshAxis, Size, as_size
 from .plans import Plan, Step
@@ -117,7 +117,7 @@ class Search:
             yield Move("all_gather", ids, make_state((gathered, partial)))
             if dst_kind is InDim and not any(self._chunked(dims, a) for a in ids):
                 new = self._insert(gathered, ids, even_only=True)
-                if new is not None and _disjoint_places(dims, new, ids):
+                if new is not None and _structured_all_to_all(dims, new, ids):
                     yield Move("all_to_all", ids, make_state((new, partial)))
             return
         # free atoms: shard locally toward the target, or make them partial
@@ -270,13 +270,20 @@ def _where(state: State) -> dict[int, InDim | Pending]:
 
 
 
-def _disjoint_places(before: tuple, after: tuple, ids: frozenset) -> bool:
-    """An all_to_all gathers some index digits and scatters others: the two sets must not overlap.
+def _structured_all_to_all(before: tuple, after: tuple, ids: frozenset) -> bool:
+    """Whether an all_to_all (equal blocks, one per peer) carries ``before`` to ``after``.
 
-    (Where an atom leaves a digit that another atom of the group takes, ranks swap whole blocks:
-    that is a permutation, which the exchange does, not an all_to_all.)
+    It gathers some index digits and scatters others, so every dim must be a product of digits
+    whole on both sides (its cuts nest: lowering views the block as them, and each rank keeps
+    exactly 1/n of its block, as ``collective_bytes`` counts), and the gathered and scattered
+    digits must not overlap (where an atom leaves a digit that another atom of the group takes,
+    ranks swap whole blocks: a permutation, which the exchange does). Where the cuts do not
+    nest, ranks keep unequal parts of their blocks: only the exchange moves that, at its real
+    count.
     """
     for b, a in zip(before, after):
+        if not cuts_nest(b, a):
+            return False
         left = [(s, s * n) for x, s, n in spans(b) if x in ids]
         taken = [(s, s * n) for x, s, n in spans(a) if x in ids]
         try:

@@ -18,6 +18,10 @@ from fxshard.mesh import MeshAxis, MeshSpec
 Label = tuple  # (axis name, inner, size): one sub-axis
 
 
+class DigitError(ValueError):
+    """A step whose layouts cut a dim where no structured collective can see digits."""
+
+
 @dataclass(frozen=True)
 class Digit:
     size: int
@@ -65,6 +69,9 @@ def step_digits(before: Layout, after: Layout, group: Sequence[MeshAxis],
                     if int(axis.inner) < c < int(axis.inner) * int(axis.size):
                         bounds.add(lo * c // int(axis.inner))
             edges = sorted(bounds, reverse=True)
+            if any(hi % lo for hi, lo in zip(edges, edges[1:])):
+                raise DigitError(f"{before} -> {after}: dim {d} is cut at {sorted(bounds)}, which do not nest: "
+                                 "no digit is whole on both sides, so no structured collective moves it")
             dims.append([Digit(hi // lo, digit_label(sb, lo, hi), digit_label(sa, lo, hi)) for hi, lo in zip(edges, edges[1:])])
         new = {n: set(c) for n, c in cuts.items()}
         for digits in dims:

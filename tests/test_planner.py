@@ -69,6 +69,11 @@ PLANS = [
     case((4,), (10, 8), (S(0),), (R,), "all_gather(a dim 0)"),
     case((4,), (10, 8), (S(0),), (S(1),), "exchange(a)"),
     case((2, 2), (10, 6), (S(0), S(0)), (R, R), "exchange(a,b)"),
+    # a fused q|k|v of multi-query attention regrouped by head: where the two layouts' cuts do not
+    # nest (no digit is whole on both sides), no all_to_all moves it; one exchange moves what each lacks
+    case((2,), (10,), (S(0),), (_StridedShard(0, split_factor=5),), "exchange(a)"),  # Falcon-7B at tp=2: cuts 2, 5
+    case((4,), (80,), (S(0),), (_StridedShard(0, split_factor=10),), "exchange(a)"),  # GPTBigCode at tp=4: 2, 8, 20
+    case((2,), (80,), (S(0),), (_StridedShard(0, split_factor=10),), "all_to_all(a dim 0->0)"),  # at tp=2: they nest
 ]
 
 
@@ -256,3 +261,64 @@ def test_random_sub_axis_plans_reconstruct_the_tensor(sizes, data):
     torch.testing.assert_close(run.result, x)
     assert run.received == [s.bytes_per_rank for s in plan.steps], str(plan)
     assert plan.bytes_per_rank == lower_bound_bytes(a, b), str(plan)
+
+
+# ---- 5. cuts that do not nest: DTensor says what the target layout holds ------------------------
+
+def dtensor_blocks(sizes: tuple, x: torch.Tensor, dst: tuple) -> dict:
+    """Each rank's block of ``x`` in placements ``dst``, by DTensor: distributed as Shard(0), then
+    redistributed (under LocalTensorMode, distribute_tensor cuts a _StridedShard as for rank 0 on
+    every rank; redistribute from Shard(0) does not)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import distribute_tensor
+
+    from fxshard.backend.simulate import fake_world
+
+    mesh = MeshSpec(list(zip("abcd", sizes)))
+    with fake_world(mesh) as device_mesh, LocalTensorMode(int(mesh.world_size)):
+        local = distribute_tensor(x, device_mesh, [S(0)] * len(sizes)).redistribute(device_mesh, dst).to_local()
+    return {c: local._local_tensors[r] for r, c in enumerate(mesh.coordinates())}
+
+
+REGROUPINGS = [p for p in PLANS if isinstance(p.values[3][0], _StridedShard) and len(p.values[1]) == 1]
+
+
+@pytest.mark.parametrize("sizes, shape, src, dst, src_order, dst_order, expected", REGROUPINGS)
+def test_regrouping_holds_what_dtensor_holds(sizes, shape, src, dst, src_order, dst_order, expected):
+    a, b = layouts(sizes, shape, src, dst)
+    x = torch.randn(shape)
+    run = fxshard.simulate_plan(plan_redistribute(a, b), x)
+    want = dtensor_blocks(sizes, x, dst)
+    assert all(torch.equal(run.outputs[c], want[c]) for c in want)
+
+
+def strided(sf: int):
+    return R if sf == 0 else S(0) if sf == 1 else _StridedShard(0, split_factor=sf)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.sampled_from([2, 3, 4]), data=st.data())
+def test_random_strided_regroupings_are_built_at_the_lower_bound(n, data):
+    """Dim 0 cut by one axis at two strides (split factors, 1: Shard(0), 0: replicated): the plan
+    lowers, holds DTensor's blocks, and moves exactly what the lower bound says, nesting or not."""
+    sf_src, sf_dst = data.draw(st.sampled_from([0, 1, 2, 3, 5, 10])), data.draw(st.sampled_from([1, 2, 3, 5, 10]))
+    shape = (n * max(sf_src, 1) * sf_dst * data.draw(st.sampled_from([1, 2])),) + data.draw(st.sampled_from([(), (3,)]))
+    a, b = layouts((n,), shape, (strided(sf_src),), (strided(sf_dst),))
+    plan = plan_redistribute(a, b)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
+    run = fxshard.simulate_plan(plan, x)
+    want = dtensor_blocks((n,), x, (strided(sf_dst),))
+    assert all(torch.equal(run.outputs[c], want[c]) for c in want), str(plan)
+    assert run.received == [s.bytes_per_rank for s in plan.steps], str(plan)
+    assert plan.bytes_per_rank == lower_bound_bytes(a, b), str(plan)
+
+
+def test_lowering_refuses_an_all_to_all_whose_cuts_do_not_nest():
+    """What the planner used to emit for Falcon-7B: lowering says why, instead of a reshape error."""
+    from fxshard.lowering.digits import DigitError
+    from fxshard.plans import Plan, Step
+
+    a, b = layouts((2,), (10,), (S(0),), (_StridedShard(0, split_factor=5),))
+    step = Step("all_to_all", (a.mesh.axis("a"),), a, b, 0, 0, bytes_per_rank=20)
+    with pytest.raises(DigitError, match="do not nest"):
+        fxshard.simulate_plan(Plan(a, b, (step,), 0.0), torch.randn(10))
