@@ -27,6 +27,7 @@ from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 from . import inputs
+from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
 from .inputs import find_device_mesh, is_from_local
 
 
@@ -125,6 +126,12 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if is_from_local(target):
             return self._from_local(*args, **kwargs)
+        if is_autograd_function(target):
+            if mutates_inputs(kwargs):
+                raise TraceError(f"{self._where()}: a custom autograd.Function modifies its inputs in place "
+                                 "(ctx.mark_dirty), which fxshard cannot trace as a functional program; "
+                                 "return new tensors instead")
+            return self._run_local_aware(lambda: apply_autograd_function(*args, **kwargs), args, kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
                                      args, kwargs)
 

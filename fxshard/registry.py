@@ -214,6 +214,9 @@ DECOMPOSED: dict[Any, str] = {
     aten._fused_rms_norm: FORWARD,
     aten.rms_norm: FORWARD,
     aten.native_dropout: FORWARD,
+    # repeat (tiling): expand + clone + view, so each repeated dim is a regrouping of pieces (ALiBi's
+    # per-head slopes tiled over the batch stay sharded by head)
+    aten.repeat: FORWARD,
     # losses: pointwise ops and a mean, so a batch-sharded loss is a local sum and one all_reduce
     aten.mse_loss: FORWARD,
     aten.smooth_l1_loss: FORWARD,

@@ -176,6 +176,10 @@ VIEWS = [
     # a sharded size-1 dim: rank 0 holds it, the others hold nothing; a view must not drop the shard
     program("[4,1] S(1) view [4]", f(lambda x: x.view(4) * 2), [(4, 1)], TP4, {0: (S(1),)}),
     program("[1,6,8] S(0),S(1) view [16,3]", f(lambda x: x.view(16, 3) * 2), [(1, 6, 8)], M22, {0: (S(0), S(1))}),
+    # repeat tiles: ALiBi's [heads, 1, kv] repeated over the batch stays sharded by head
+    program("[8,1,6] S(0) repeat(2,1,1)", f(lambda x: x.repeat(2, 1, 1) * 2), [(8, 1, 6)], TP4, {0: (S(0),)}),
+    program("[4,6] S(1) repeat(2,3)", f(lambda x: x.repeat(2, 3) + 1), [(4, 6)], TP2, {0: (S(1),)}),
+    program("[4,6] S(0) repeat(3,1,2)", f(lambda x: x.repeat(3, 1, 2) + 1), [(4, 6)], TP4, {0: (S(0),)}),
 ]
 
 MATMULS = [
@@ -185,6 +189,17 @@ MATMULS = [
     program("bmm batch@a contraction@b", f(torch.bmm), [(4, 3, 8), (4, 8, 2)], M22,
             {0: (S(0), S(2)), 1: (S(0), S(1))}),
     program("mm then softmax", f(lambda x, w: torch.softmax(x @ w, -1)), [(4, 8), (8, 6)], TP4, {1: (S(0),)}),
+    # baddbmm: beta * bias + alpha * (b1 @ b2), as ALiBi attention scores (a bias broadcast over queries)
+    program("baddbmm batch S(0) all three", f(lambda s, a, b: torch.baddbmm(s, a, b, alpha=0.5)),
+            [(4, 1, 2), (4, 3, 5), (4, 5, 2)], TP4, {0: (S(0),), 1: (S(0),), 2: (S(0),)}),
+    program("baddbmm batch S(0) bias only", f(lambda s, a, b: torch.baddbmm(s, a, b, alpha=0.5)),
+            [(4, 1, 2), (4, 3, 5), (4, 5, 2)], TP4, {0: (S(0),)}),
+    program("baddbmm contraction sharded", f(lambda s, a, b: torch.baddbmm(s, a, b, beta=0.5)),
+            [(4, 3, 2), (4, 3, 8), (4, 8, 2)], TP4, {1: (S(2),), 2: (S(1),)}),
+    program("baddbmm rows sharded, bias broadcast over rows", f(lambda s, a, b: torch.baddbmm(s, a, b)),
+            [(4, 1, 2), (4, 8, 5), (4, 5, 2)], TP4, {1: (S(1),)}),
+    program("baddbmm columns sharded, bias [n]", f(lambda s, a, b: torch.baddbmm(s, a, b, beta=2.0, alpha=0.5)),
+            [(8,), (4, 3, 5), (4, 5, 8)], TP4, {0: (S(0),), 2: (S(2),)}),
 ]
 
 SOFTMAX = [
@@ -239,6 +254,10 @@ PARTIAL_INPUTS = [  # simulate's Layout.shard gives a Partial(sum) input to coor
     program("P(max) view", f(lambda x: x.view(32) * 1), [(4, 8)], TP4, {0: (P("max"),)}),
     program("P(max) * R", f(lambda x, y: x * y), [(4, 8), (4, 8)], TP4, {0: (P("max"),)}),
     program("P(sum)@a S(1)@b on 2x2", f(lambda x: (x * 2).sum(1) + 1), [(4, 8)], M22, {0: (P(), S(1))}),
+    program("baddbmm P(sum) bias and batch1", f(lambda s, a, b: torch.baddbmm(s, a, b, beta=0.5, alpha=2.0)),
+            [(4, 3, 2), (4, 3, 5), (4, 5, 2)], TP4, {0: (P(),), 1: (P(),)}),
+    program("baddbmm P(sum) batch2, bias R", f(lambda s, a, b: torch.baddbmm(s, a, b)),
+            [(4, 3, 2), (4, 3, 5), (4, 5, 2)], TP4, {2: (P(),)}),
 ]
 
 PROGRAMS = MLP_ACCEPTANCE + MLP_VARIANTS + POINTWISE + REDUCTIONS + PERMUTES + VIEWS + MATMULS + SOFTMAX + \

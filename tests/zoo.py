@@ -98,10 +98,12 @@ def _vit_logits(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return run
 
 
-def _hf(config_name: str, model_name: str, **cfg: Any) -> Callable[[], torch.nn.Module]:
+def _hf(config_name: str, model_name: str, attention: str = "sdpa", **cfg: Any) -> Callable[[], torch.nn.Module]:
+    """A model from a tiny config, with SDPA attention unless ``attention`` names another (where the
+    architecture has no SDPA path)."""
     def build() -> torch.nn.Module:
         import transformers
-        config = getattr(transformers, config_name)(attn_implementation="sdpa", **cfg)
+        config = getattr(transformers, config_name)(attn_implementation=attention, **cfg)
         return getattr(transformers, model_name)(config).eval()
     return build
 
@@ -161,6 +163,14 @@ ZOO: dict[str, Arch] = {a.name: a for a in [
           (r"word_embeddings\.weight$", EMBED)], _logits, _ids, per_layer=1,
          stream=("transformer.word_embeddings", "transformer.h.0", "transformer.h.1", "transformer.ln_f"),
          note="grouped-query q|k|v fused by kv group; parallel residual; tied embeddings"),
+    Arch("bloom", _hf("BloomConfig", "BloomForCausalLM", attention="eager", vocab_size=VOCAB, hidden_size=64,
+                      n_layer=2, n_head=8),
+         [(r"query_key_value\.(weight|bias)$", COLUMN), (r"dense_h_to_4h\.(weight|bias)$", COLUMN),
+          (r"self_attention\.dense\.weight$", ROW), (r"dense_4h_to_h\.weight$", ROW),
+          (r"word_embeddings\.weight$", EMBED)], _logits, _ids,
+         stream=("transformer.word_embeddings_layernorm", "transformer.h.0", "transformer.h.1", "transformer.ln_f"),
+         note="ALiBi slopes by head (baddbmm); q|k|v interleaved by head; GeLU a custom autograd.Function; "
+              "no SDPA path in transformers; tied embeddings"),
     Arch("opt", _hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
                     num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64, word_embed_proj_dim=64),
          [(r"(q|k|v)_proj\.(weight|bias)$", COLUMN), (r"fc1\.(weight|bias)$", COLUMN),

@@ -1,0 +1,74 @@
+"""Custom ``torch.autograd.Function``s in a traced program (Dynamo's ``autograd_function_apply``).
+
+Stage 1 traces under functorch's ``functionalize``, which has no rule for a custom Function
+(torch raises "NYI: Functionalize rule for custom_function_call"). This is that rule: the
+Function is applied one level below functionalization, on the unwrapped tensors, so the
+forward's ATen ops are traced (each body functionalized on its own) and autograd, which runs
+below functionalization in the joint trace, records the Function's own backward, not the
+derivative of its forward's ops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.eager_transforms import _maybe_unwrap_functional_tensor, _maybe_wrap_functional_tensor
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch.utils._pytree import tree_map
+
+
+_TENSOR = object()  # where a saved value is a tensor (kept by ctx.save_for_backward)
+
+
+def is_autograd_function(target: Any) -> bool:
+    return target is torch.ops.higher_order.autograd_function_apply
+
+
+def mutates_inputs(kwargs: dict) -> bool:
+    """Whether the Function modifies its inputs in place (``ctx.mark_dirty``): not a functional program."""
+    return bool(kwargs.get("dirty_idx"))
+
+
+def apply_autograd_function(fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """``autograd_function_apply(fwd, bwd, *args)`` inside ``torch.func.functionalize``.
+
+    ``fwd(*args)`` returns (outputs, saved values); ``bwd(*output grads, *saved)`` returns the
+    inputs' gradients (Dynamo's bodies of the Function's forward and backward). A Function that
+    modifies its inputs (``mutates_inputs``) is refused by the caller.
+    """
+    non_differentiable = set(kwargs.get("non_differentiable_idx", ()))
+    interpreter = retrieve_current_functorch_interpreter()
+    level = interpreter.level()
+    inner = tree_map(lambda t: _maybe_unwrap_functional_tensor(t, reapply_views=True), args)
+    with interpreter.lower():
+        out = _function(fwd, bwd, non_differentiable).apply(*inner)
+    return tree_map(lambda t: _maybe_wrap_functional_tensor(t, level=level), out)
+
+
+def _functional(gm: fx.GraphModule) -> Any:
+    """``gm`` run functionalized: a body's in-place ops on its own temporaries become functional ops."""
+    run = torch.func.functionalize(lambda *a: fx.Interpreter(gm).run(*a), remove="mutations")
+    return lambda *a: run(*(x.detach() if isinstance(x, torch.Tensor) else x for x in a))
+
+
+def _function(fwd: fx.GraphModule, bwd: fx.GraphModule, non_differentiable: set[int]) -> type:
+    """A torch.autograd.Function running Dynamo's two bodies, as ``autograd_function_apply`` does."""
+
+    class Apply(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            output, saved = _functional(fwd)(*args)
+            ctx.save_for_backward(*(s for s in saved if isinstance(s, torch.Tensor)))
+            ctx.saved = [_TENSOR if isinstance(s, torch.Tensor) else s for s in saved]
+            outs = output if isinstance(output, (tuple, list)) else [output]
+            ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k in non_differentiable))
+            return output
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            tensors = iter(ctx.saved_tensors)
+            saved = [next(tensors) if s is _TENSOR else s for s in ctx.saved]
+            return _functional(bwd)(*grads, *saved)
+
+    return Apply
