@@ -3,13 +3,12 @@
 autograd.Function, ALiBi attention scores from ``baddbmm`` over per-head slopes tiled over the
 batch (``repeat``), and q, k, v fused per head. Every op has a rule, the result is the one-device
 result, and the collectives are Megatron's: one all_reduce per attention and per MLP, one for
-the vocab-parallel embedding. Needs the ``models`` extra (transformers).
+the vocab-parallel embedding; the ALiBi scores are sharded by head. Needs the ``models`` extra.
 """
 from __future__ import annotations
 
 import pathlib
 import sys
-import warnings
 
 import pytest
 import torch
@@ -35,18 +34,7 @@ def bloom():
     return model, BLOOM.call(model), BLOOM.example(2, 8), BLOOM.plan(model)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_matches_one_device_without_fallbacks(bloom, tp):
-    model, fn, args, placements = bloom
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fxshard")  # "no sharding rule for ..."
-        with torch.no_grad():
-            got = fxshard.simulate(fn, *args, mesh=fxshard.MeshSpec(tp=tp), placements=placements)
-            want = fn(*args)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [4])  # exactness at tp 2 and 4, without fallbacks: tests/test_zoo.py
 def test_megatron_collectives_and_alibi_by_head(bloom, tp):
     model, fn, args, placements = bloom
     with torch.no_grad():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 VOCAB = 256
@@ -221,7 +221,8 @@ SP_GAPS: dict[str, tuple[dict[str, int], str]] = {
             "the embedding sum (tokens + learned positions) is no module output, so the first block's input "
             "is not pinned to the sequence"),
     "bert": ({"all_gather": 5, "reduce_scatter": 4, "all_reduce": 1},
-             "post-norm: the embeddings' LayerNorm output is reduced whole once"),
+             "the embeddings' LayerNorm normalizes the vocabulary-parallel lookup: reduced whole there once"),
+    "bloom": ({"all_gather": 5, "reduce_scatter": 4, "all_reduce": 1}, "as BERT (word_embeddings_layernorm)"),
 }
 
 
