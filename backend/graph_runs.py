@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
 from fxshard.costs import CostModel
 from fxshard.layout import Layout
 from fxshard.placements import as_mesh_spec
 
 from .capture import Captured
 from .driver import PlannedProgram, plan_program
-from .inputs import find_device_mesh, input_layouts, named_inputs
+from .inputs import find_device_mesh, input_layouts, modules_of, named_inputs
 from .report import StageReporter
 
 
@@ -69,11 +71,15 @@ class RunPlanner:
         return (entry[1], entry[2]) if entry is not None and entry[0] is value else None
 
     def check_placements(self) -> None:
-        """After the last run: every key of ``placements`` was an input of some graph."""
-        unknown = [k for k in self.placements if k not in self.keys]
+        """After the last run: every key of ``placements`` names a tensor argument or a parameter or
+        buffer of the function (one that control flow kept out of every graph is no error)."""
+        known = set(self.keys) | {i for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)}
+        for module in modules_of(self.fn):
+            known |= {name for name, _ in list(module.named_parameters()) + list(module.named_buffers())}
+        unknown = [k for k in self.placements if k not in known]
         if unknown:
             raise KeyError(f"placements names {unknown}, which are not inputs of the function; "
-                           f"use argument indices or parameter names: {sorted(str(k) for k in self.keys)}")
+                           f"use argument indices or parameter names: {sorted(str(k) for k in known)}")
 
 
 def _unique(name: str, taken: Sequence[str]) -> str:

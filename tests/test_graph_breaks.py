@@ -111,3 +111,12 @@ def test_the_backend_compiles_each_graph_on_the_layouts_its_dtensors_carry(branc
             torch.compile(model, backend="fxshard", options={"inductor": False, "on_graph": on_graph})(x)
     assert inputs == [{"x": "[4] [8]", "up_weight": "[2@tp 8] [8]"}, {"h": SHARDED_H},
                       {"h": SHARDED_H, "down_weight": "[8] [2@tp 8]", "down_bias": "[8]"}]
+
+
+def test_placements_of_an_argument_no_graph_reads_are_no_error():
+    def f(x, w):
+        return x @ w if x.sum() > 1e9 else x * 2  # w is read only on the branch not taken
+
+    x = torch.ones(4, 8)
+    out = fxshard.simulate(f, x, torch.randn(8, 8), mesh=MESH, placements={0: Shard(0), 1: Shard(1)})
+    torch.testing.assert_close(out, x * 2)
