@@ -1,14 +1,21 @@
-"""Capture a user function with Dynamo (fullgraph), for explain, simulate and fxshard.compile.
+"""Capture a user function with Dynamo, for explain, simulate and fxshard.compile.
 
-Each capture compiles a fresh code object, so Dynamo's per-code cache never serves an
-earlier capture and never hits its recompile limit. ``fake_stand_in`` makes the global-shape
-stand-in of a DTensor (or any tensor) that fxshard.compile captures with: a fake tensor, so a
-model larger than one rank's memory is captured without allocating it.
+``capture`` takes the function as one graph (fullgraph) and never runs it. ``capture_graphs``
+takes every graph Dynamo splits the function into (graph breaks: data-dependent control flow,
+``.item()``, a print) as the function runs: Python between graphs reads the outputs of the graph
+before it, so the caller says how each run of a graph computes them (``RunGraph``).
+
+Each capture compiles a fresh code object, so Dynamo's per-code cache never serves an earlier
+capture; the frames Dynamo compiles after a graph break are the user's own code objects, and
+their cache entries are dropped when the capture ends (they would serve a later capture with
+this one's callbacks, and count against Dynamo's recompile limit). ``fake_stand_in`` makes the
+global-shape stand-in of a DTensor (or any tensor) that fxshard.compile captures with: a fake
+tensor, so a model larger than one rank's memory is captured without allocating it.
 """
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,6 +29,12 @@ class Captured:
     gm: fx.GraphModule
     example_inputs: list[Any]
     objects: list[Any]  # the real object behind each placeholder (argument, parameter, buffer, mesh)
+    graph_break: str | None = None  # why Dynamo ended the graph at a graph break; None: it returns
+    local_names: list[str] = field(default_factory=list)  # each placeholder's name in the user's code, or ""
+
+
+# how a run of a captured graph computes its outputs from its inputs (real values, placeholder order)
+RunGraph = Callable[[Captured, Sequence[Any]], Sequence[Any]]
 
 
 UNEVEN_LOCAL_OUTPUT_HINT = (
@@ -41,39 +54,82 @@ def _fresh_entry(fn: Callable) -> Callable:
 
 
 def capture(fn: Callable, args: Sequence[Any]) -> Captured:
-    result: dict[str, Any] = {}
+    """``fn(*args)`` as one graph (fullgraph), never run: the frame returns its outputs on meta."""
+    graphs, _ = _compile_and_call(fn, args, lambda captured, inputs: outputs_on_meta(captured), fullgraph=True)
+    return graphs[0]
+
+
+def capture_graphs(fn: Callable, args: Sequence[Any], run: RunGraph) -> tuple[list[tuple[Captured, list[Any]]], Any]:
+    """Call ``fn(*args)`` under Dynamo, graph by graph, each run of a graph computed by ``run``.
+
+    Returns every run in the order the function made them, ``(graph, its inputs)`` (a graph
+    reached again, as a helper called in a loop, runs again), and what ``fn`` returned.
+    """
+    runs: list[tuple[Captured, list[Any]]] = []
+
+    def run_and_record(captured: Captured, inputs: Sequence[Any]) -> Sequence[Any]:
+        runs.append((captured, list(inputs)))
+        return run(captured, inputs)
+
+    _, result = _compile_and_call(fn, args, run_and_record, fullgraph=False)
+    return runs, result
+
+
+def _compile_and_call(fn: Callable, args: Sequence[Any], run: RunGraph, fullgraph: bool) -> tuple[list[Captured], Any]:
+    graphs: list[Captured] = []
 
     def grab(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if result:
-            raise RuntimeError("fxshard.explain/simulate captured more than one graph; the function must be one "
-                               "graph (fullgraph) without data-dependent control flow")
-        objects = [n.meta["grapharg"].example for n in gm.graph.nodes if n.op == "placeholder"]
-        result.update(gm=gm, example_inputs=list(example_inputs), objects=objects)
-        return _outputs_on_meta(gm)
+        args = [n.meta["grapharg"] for n in gm.graph.nodes if n.op == "placeholder"]
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        ended = reason.reason if reason is not None and getattr(reason, "graph_break", False) else None
+        # a value a graph before this one returned reaches it as a local of Dynamo's resume function
+        names = [getattr(a.source, "local_name", "").lstrip("_") for a in args]
+        captured = Captured(gm, list(example_inputs), [a.example for a in args], ended, names)
+        graphs.append(captured)
+        return lambda *inputs: run(captured, inputs)
 
-    # Dynamo calls what the backend returns once; it must not advance the caller's random streams
+    # Dynamo calls what the backend returns; capturing must not advance the caller's random streams
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         try:
-            torch.compile(_fresh_entry(fn), backend=grab, fullgraph=True, dynamic=False)(*args)
+            result = torch.compile(_fresh_entry(fn), backend=grab, fullgraph=fullgraph, dynamic=False)(*args)
         except RuntimeError as e:
             if "Sharding propagation failed" not in str(e):
                 raise
             raise RuntimeError(f"{e}\n\n{UNEVEN_LOCAL_OUTPUT_HINT}") from e
-    if not result:
+        finally:
+            _forget_frames(grab)
+    if not graphs:
         raise RuntimeError("Dynamo produced no graph for the function (it may contain no tensor ops)")
-    return Captured(result["gm"], result["example_inputs"], result["objects"])
+    return graphs, result
 
 
-def _outputs_on_meta(gm: fx.GraphModule) -> Callable:
-    """What the captured frame returns instead of running ``gm``: its outputs as meta tensors.
+def _forget_frames(backend: Callable) -> None:
+    """Drop the cache entries compiled with ``backend`` from every code object Dynamo compiled.
+
+    After a graph break Dynamo compiles the user's own frames (a module's forward, its resume
+    functions); left cached they would run this capture's callbacks in a later one, and each
+    capture would count against the recompile limit (8), past which Dynamo stops capturing.
+    Resetting a code object drops its other entries too: those only recompile.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+
+    for weak in list(convert_frame.input_codes.seen) + list(convert_frame.output_codes.seen):
+        code = weak()
+        if code is not None and any(getattr(getattr(e, "backend", None), "compiler_fn", None) is backend
+                                    for e in _debug_get_cache_entry_list(code)):
+            reset_code(code)
+
+
+def outputs_on_meta(captured: Captured) -> tuple:
+    """What a captured frame may return instead of running its graph: the outputs as meta tensors.
 
     Capturing only needs the graph; running it would compute the whole program at global size.
     """
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
     values = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in out.args[0]]
-    meta = tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
                  if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v for v in values)
-    return lambda *args: meta
 
 
 def fake_stand_in(t: torch.Tensor, mode: FakeTensorMode, requires_grad: bool) -> torch.Tensor:

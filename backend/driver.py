@@ -3,8 +3,9 @@
 ``plan_program`` runs stages 1-3 on a captured graph with concrete example inputs (training:
 the joint graph, planned whole and split); ``compile_program`` adds stages 4-6 for this rank
 (the backend and ``fxshard.compile``); ``plan_function`` first captures a Python function with
-Dynamo and turns every way its inputs were given a sharding into layouts (``explain``,
-``simulate``, ``lowered_graphs``). Each stage is timed and reported (``StageReporter``:
+Dynamo as one graph and turns every way its inputs were given a sharding into layouts
+(``simulate(grad=True)``, ``lowered_graphs``; ``explain`` and ``simulate`` plan graph by graph:
+``graph_runs.py``). Each stage is timed and reported (``StageReporter``:
 ``on_graph``, ``debug_dir``, ``TORCH_LOGS``).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
+from fxshard.graph import outputs
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
@@ -62,9 +64,23 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
         program = trace_global(gm, inputs, mesh=mesh, layouts=layouts, names=names)
     reporter("trace", program.gm)
     with reporter.timed("planning"):
-        planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model)
+        planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
+                              output_layouts=read_by_python(gm, program))
     reporter("plan", planned)
     return PlannedProgram(program, planned)
+
+
+def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | None] | None:
+    """The layouts a graph that ends at a graph break must return: its scalars replicated.
+
+    Python reads them (``if loss > 0``, ``.item()``), and a DTensor's value is read from its local
+    tensor: a Partial sum would give each rank its own share. Other outputs keep their layouts.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    return [Layout.replicated(program.mesh, ()) if node.meta["val"].dim() == 0 else None
+            for node in outputs(program.gm)]
 
 
 def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,

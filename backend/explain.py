@@ -1,12 +1,16 @@
 """``fxshard.explain``: the sharded global graph of a function, and what it communicates.
 
-Runs stages 1-3 only; needs a mesh shape, not a process group.
+Runs stages 1-3 only; needs a mesh shape, not a process group. A function Dynamo splits into
+several graphs (graph breaks) is explained graph run by graph run (``Explanations``), each
+planned with the layouts the runs before it left their outputs in (``graph_runs.py``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
@@ -18,7 +22,10 @@ from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
 
-from .driver import plan_function
+from .capture import Captured, capture_graphs, outputs_on_meta
+from .driver import PlannedProgram
+from .graph_runs import RunPlanner
+from .simulate import SimulatedGraphs, holds_every_rank
 from .report import StageReporter, label_of
 
 
@@ -38,15 +45,10 @@ class Collective:
         return f"{self.kind}({','.join(str(a) for a in self.axes)}) {self.bytes_per_rank} B/rank at %{self.node.name}"
 
 
-@dataclass
-class Explanation:
-    graph: fx.GraphModule
-    traced: str  # the stage-1 graph, printed
-    input_layouts: dict[str, Layout]
-    output_layouts: tuple[Layout, ...]
+class Communication:
+    """Totals over ``collectives``: of one graph (``Explanation``) or of all a function's (``Explanations``)."""
+
     collectives: list[Collective]
-    assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hints
-    hints: str = ""  # the symbol values decisions used (fxshard/hints.py)
 
     @property
     def bytes_per_rank(self) -> Size:
@@ -59,6 +61,34 @@ class Explanation:
             key = ",".join(str(a) for a in c.axes)
             out[key] = as_size(out.get(key, 0) + c.bytes_per_rank)
         return out
+
+    def summary(self) -> str:
+        if not self.collectives:
+            return "communication: none"
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            key = f"{c.kind}({','.join(str(a) for a in c.axes)})"
+            counts[key] = counts.get(key, 0) + 1
+        kinds = ", ".join(f"{n} x {k}" for k, n in counts.items())
+        return f"communication: {kinds}; {self.bytes_per_rank} bytes received per rank"
+
+
+@dataclass
+class Explanation(Communication):
+    """One graph: its sharded global graph (stage 3), the layouts at its ends, its collectives."""
+
+    graph: fx.GraphModule
+    traced: str  # the stage-1 graph, printed
+    input_layouts: dict[str, Layout]
+    output_layouts: tuple[Layout, ...]
+    collectives: list[Collective]
+    assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hints
+    hints: str = ""  # the symbol values decisions used (fxshard/hints.py)
+    graph_break: str | None = None  # why Dynamo ended this graph at a graph break (None: the function returns)
+
+    @property
+    def graphs(self) -> list[Explanation]:
+        return [self]
 
     @property
     def memory(self) -> MemoryReport:
@@ -80,18 +110,48 @@ class Explanation:
 
         return write_html(self, path, title)
 
-    def summary(self) -> str:
-        if not self.collectives:
-            return "communication: none"
-        counts: dict[str, int] = {}
-        for c in self.collectives:
-            key = f"{c.kind}({','.join(str(a) for a in c.axes)})"
-            counts[key] = counts.get(key, 0) + 1
-        kinds = ", ".join(f"{n} x {k}" for k, n in counts.items())
-        return f"communication: {kinds}; {self.bytes_per_rank} bytes received per rank"
-
     def __str__(self) -> str:
         return format_graph(self.graph) + "\n" + self.summary()
+
+
+@dataclass
+class Explanations(Communication):
+    """A function Dynamo split into several graphs: the explanation of each graph run, in the order
+    they ran (a graph reached again runs again), and the totals over all of them."""
+
+    graphs: list[Explanation]
+
+    @property
+    def collectives(self) -> list[Collective]:  # type: ignore[override]
+        return [c for e in self.graphs for c in e.collectives]
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __getitem__(self, k: int) -> Explanation:
+        return self.graphs[k]
+
+    def __iter__(self) -> Iterator[Explanation]:
+        return iter(self.graphs)
+
+    def _sections(self, body: Callable[[Explanation], str]) -> str:
+        parts = [f"graph {k}{_ending(e)}\n{body(e)}" for k, e in enumerate(self.graphs)]
+        return "\n\n".join(parts)
+
+    def report(self) -> str:
+        """Each graph's report, then the totals over all graphs."""
+        totals = [f"total on {axes} over {len(self.graphs)} graphs: {b} B/rank"
+                  for axes, b in self.bytes_by_axes().items()]
+        return "\n".join([self._sections(Explanation.report)] + [""] * bool(totals) + totals)
+
+    def __str__(self) -> str:
+        return self._sections(str) + f"\n\nover {len(self.graphs)} graphs, " + self.summary()
+
+
+def _ending(e: Explanation) -> str:
+    if e.graph_break is None:
+        return ""
+    return f" (Dynamo ends it at a graph break: {e.graph_break.strip().splitlines()[0]})"
 
 
 def collectives_of(gm: fx.GraphModule) -> list[Collective]:
@@ -107,23 +167,77 @@ def collectives_of(gm: fx.GraphModule) -> list[Collective]:
 
 def explain(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None,
-            hints: Mapping[str, int] | None = None) -> Explanation:
+            hints: Mapping[str, int] | None = None) -> Explanation | Explanations:
     """Shard ``fn(*args)`` over ``mesh`` (a MeshSpec, DeviceMesh or {axis: size}; default: the DTensor
     arguments' and parameters') and explain the result.
 
     ``placements`` maps an argument index or a parameter/buffer name to DTensor placements or a
     Layout; DTensor arguments bring their own; everything else is replicated. ``hints`` gives
     symbolic mesh sizes a number where a decision needs one (default 8; fxshard/hints.py).
+    A function Dynamo splits into several graphs gives ``Explanations``, one per graph run.
     """
+    with size_hints(hints), assumptions() as assumed:
+        planner = RunPlanner(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model)
+        explanations = _explain_runs(fn, args, planner)
+        planner.check_placements()
+        for e in explanations:
+            e.assumptions, e.hints = sorted(assumed), describe()
+    return explanations[0] if len(explanations) == 1 else Explanations(explanations)
+
+
+def _explain_runs(fn: Callable, args: Sequence[Any], planner: RunPlanner) -> list[Explanation]:
+    """The explanation of every graph run of ``fn(*args)``.
+
+    A function that is one graph is captured without running it (its outputs on meta). One that
+    Dynamo splits runs graph by graph, so that the Python between graphs reads real values (an
+    ``if`` on a meta tensor or its ``.item()`` fails, and so does the first capture of such a
+    function): in global shapes, or, for DTensors made under LocalTensorMode, on simulated ranks.
+    """
+    label = label_of(fn)
+    broke: list[Captured] = []
+
+    def on_meta(captured: Captured, inputs: Sequence[Any]) -> Sequence[Any]:
+        if captured.graph_break is not None:
+            broke.append(captured)
+        return outputs_on_meta(captured)
+
+    try:
+        runs, _ = capture_graphs(fn, args, on_meta)
+        if len(runs) == 1:
+            return [_explain_run(planner, *runs[0], label)[0]]
+    except Exception:
+        if not broke:
+            raise
+    explanations: list[Explanation] = []
+    with contextlib.ExitStack() as stack:
+        simulated = SimulatedGraphs(planner, stack)
+        on_ranks: list[bool] = []  # decided at the first run, for all
+
+        def run(captured: Captured, inputs: Sequence[Any]) -> Sequence[Any]:
+            explanation, planned = _explain_run(planner, captured, inputs, label)
+            explanations.append(explanation)
+            if not on_ranks:
+                on_ranks.append(any(holds_every_rank(x) for x in inputs))
+            if on_ranks[0]:
+                return simulated.run(captured, inputs, planned)
+            with torch.no_grad():
+                outs = tuple(captured.gm(*inputs))
+            planner.carry(outs, explanation.output_layouts)
+            return outs
+
+        capture_graphs(fn, args, run)
+    return explanations
+
+
+def _explain_run(planner: RunPlanner, captured: Captured, inputs: Sequence[Any],
+                 label: str) -> tuple[Explanation, PlannedProgram]:
     traced: list[str] = []  # the stage-1 graph as printed before planning annotates it
 
     def keep_trace(stage: str, gm: fx.GraphModule) -> None:
         if stage == "trace":
             traced.append(format_graph(gm))
 
-    with size_hints(hints), assumptions() as assumed:
-        _, planned = plan_function(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
-                                   reporter=StageReporter(keep_trace, label=label_of(fn)))
-        gm = planned.graph
-        return Explanation(gm, traced[0], dict(planned.program.input_layouts), output_layouts(gm),
-                           collectives_of(gm), sorted(assumed), describe())
+    planned = planner.plan(captured, inputs, StageReporter(keep_trace, label=label))
+    gm = planned.graph
+    return Explanation(gm, traced[0], dict(planned.program.input_layouts), output_layouts(gm), collectives_of(gm),
+                       graph_break=captured.graph_break), planned

@@ -4,6 +4,10 @@ The local programs of all ranks have the same nodes (SPMD), differing only in co
 (slice offsets, uneven sizes, which rank holds a partial value). They run in lockstep
 under ``LocalTensorMode``: a node whose arguments agree on every rank runs once on
 LocalTensors (collectives included); a node whose arguments differ runs per rank.
+
+A function Dynamo splits into several graphs runs graph by graph (``SimulatedGraphs``): each
+graph's programs run on the ranks' blocks the graphs before it left, in their layouts
+(``graph_runs.py``), and the Python between graphs reads their full values.
 """
 from __future__ import annotations
 
@@ -14,17 +18,22 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
 
 from fxshard.costs import CostModel
 from fxshard.graph import output_layouts
+from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.mesh import MeshSpec
+from fxshard.placements import as_dtensor, placements_from_layout
 
-from .driver import plan_function
+from .capture import Captured, capture_graphs
+from .driver import PlannedProgram, plan_function
+from .graph_runs import RunPlanner
 from .inputs import named_inputs
 
 
@@ -219,6 +228,78 @@ def _rank_blocks(x: DTensor, coords: Sequence[tuple[int, ...]], name: str) -> di
     return {c: local._local_tensors[r].detach() for c, r in zip(coords, ranks)}
 
 
+class SimulatedGraphs:
+    """Runs each graph run of a function on every simulated rank, as Dynamo reaches it.
+
+    A graph's outputs go back to the function as full tensors (or, where Dynamo traced them as
+    DTensors, as DTensors whose local tensor holds every rank's block, as under LocalTensorMode);
+    the ranks' blocks and layouts stay with them for the graphs that read them later.
+    """
+
+    def __init__(self, planner: RunPlanner, stack: contextlib.ExitStack):
+        self.planner = planner
+        self.stack = stack  # holds the fake process group from the first run to the end of the function
+        self.device_mesh: Any = None
+
+    def __call__(self, captured: Captured, inputs: Sequence[Any]) -> tuple:
+        return self.run(captured, inputs, self.planner.plan(captured, inputs))
+
+    def run(self, captured: Captured, inputs: Sequence[Any], planned: PlannedProgram) -> tuple:
+        """Run ``planned`` (the plan of this run of ``captured``) on every rank; returns what Python reads."""
+        program, gm = planned.program, planned.graph
+        objects = [inputs[p] for p in program.tensor_positions]
+        if self.device_mesh is None:
+            device = objects[0].device.type if objects else "cpu"
+            self.device_mesh = self.stack.enter_context(fake_world(program.mesh, device))
+        coords = program.mesh.coordinates()
+        blocks = [self._blocks(obj, program.input_layouts[name], name, coords)
+                  for obj, name in zip(objects, program.input_names)]
+        groups = MeshGroups(self.device_mesh)
+        graphs = [lower(localize(gm, c), c, groups) for c in coords]
+        per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
+        layouts = output_layouts(gm)
+        kept = [{c: per_rank[r][k] for r, c in enumerate(coords)} for k in range(len(layouts))]
+        examples = _output_examples(captured)
+        mesh = program.device_mesh  # the DTensor inputs' DeviceMesh, if any
+        values = tuple(_value(blocks, layout, example, mesh) for blocks, layout, example in zip(kept, layouts, examples))
+        self.planner.carry(values, layouts, kept)
+        return values
+
+    def full(self, value: Any) -> Any:
+        """What the function returned, each output of a run as its full tensor (not a DTensor of blocks)."""
+        carried = self.planner.carried(value)
+        return carried[0].unshard(carried[1]) if carried is not None and isinstance(value, DTensor) else value
+
+    def _blocks(self, obj: torch.Tensor, layout: Layout, name: str, coords: Sequence[tuple[int, ...]]) -> Mapping:
+        carried = self.planner.carried(obj)
+        if carried is not None:
+            return carried[1]
+        if isinstance(obj, DTensor):
+            return _rank_blocks(obj, coords, name)
+        value = obj.detach()
+        return {c: layout.shard(value, c) for c in coords}
+
+
+def holds_every_rank(x: Any) -> bool:
+    """A DTensor made under LocalTensorMode: its local tensor holds every rank's block."""
+    return isinstance(x, DTensor) and isinstance(x._local_tensor, LocalTensor)
+
+
+def _output_examples(captured: Captured) -> list[Any]:
+    out = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    return [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in out.args[0]]
+
+
+def _value(blocks: Mapping, layout: Layout, example: Any, device_mesh: Any) -> torch.Tensor:
+    """What the function reads of an output: its full value, or a DTensor of every rank's block."""
+    if not isinstance(example, DTensor) or device_mesh is None:
+        return layout.unshard(blocks)
+    coords = layout.mesh.coordinates()
+    ranks = device_mesh.mesh.flatten().tolist()
+    local = LocalTensor({rank: blocks[c] for c, rank in zip(coords, ranks)})
+    return as_dtensor(local, device_mesh, placements_from_layout(layout), layout.shape)
+
+
 def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
              strict: bool = False, cost_model: CostModel | None = None, grad: bool = False) -> Any:
     """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
@@ -229,12 +310,22 @@ def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any
     under ``LocalTensorMode(world_size)``, which holds every rank's shard; ``mesh`` is then
     the DTensors' own.
 
+    Returns what ``fn`` returns, each tensor the full value the simulated ranks computed. A
+    function Dynamo splits into several graphs (an ``if`` on a tensor, ``.item()``) runs graph by
+    graph; the Python between graphs reads the full values of the outputs it uses.
+
     With ``grad=True`` the training program runs (forward, then backward seeded with ones) and
     the result is ``(outputs, grads)``: ``grads`` maps each input that requires grad (argument
-    index or parameter name) to its full gradient.
+    index or parameter name) to its full gradient. Training needs the function as one graph.
     """
-    run = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
-                         grad=grad)
-    outs = run.full()
-    out = outs[0] if len(outs) == 1 else tuple(outs)
-    return (out, run.full_grads()) if grad else out
+    if grad:
+        run = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
+                             grad=True)
+        outs = run.full()
+        return (outs[0] if len(outs) == 1 else tuple(outs)), run.full_grads()
+    planner = RunPlanner(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model)
+    with contextlib.ExitStack() as stack:
+        ranks = SimulatedGraphs(planner, stack)
+        _, result = capture_graphs(fn, args, ranks)
+    planner.check_placements()
+    return pytree.tree_map(ranks.full, result)

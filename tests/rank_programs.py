@@ -107,3 +107,56 @@ def busy_in_a_stage(rank: int, world_size: int, device: str = "cpu", seconds: fl
         with StageReporter().timed("compiling the local program with Inductor"):
             time.sleep(seconds)
     return {}
+
+
+class Branchy(torch.nn.Module):
+    """Two matmuls with Python between them that reads values: Dynamo splits ``forward`` into three
+    graphs (at the ``if`` on a tensor and at ``.item()``)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if h.mean() > 0:
+            h = torch.relu(h)
+        else:
+            h = -h
+        scale = h.abs().amax().item()
+        return self.down(h / (1.0 + scale))
+
+
+def graph_breaks(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """Megatron's MLP split by graph breaks, through torch.compile(backend="fxshard"): forward (both
+    branches) and one training step against one device, and each graph's input layouts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fxshard.graph import LAYOUT
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = Branchy()
+    model = copy.deepcopy(reference)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                     "down": RowwiseParallel(use_local_output=False)})
+    inputs: list[dict[str, str]] = []  # per planned graph (inference, then the joint ones of training)
+
+    def on_graph(stage: str, gm: torch.fx.GraphModule) -> None:
+        if stage == "plan":
+            inputs.append({n.name: str(n.meta[LAYOUT]) for n in gm.graph.nodes
+                           if n.op == "placeholder" and not n.name.startswith("tangent")})
+
+    compiled = torch.compile(model, backend="fxshard", options={"inductor": False, "on_graph": on_graph})
+    x = torch.randn(4, 8)
+    forward_error = 0.0
+    with torch.no_grad():
+        for sign in (1.0, -1.0):  # one branch, then the other
+            out = compiled(sign * x)
+            forward_error = max(forward_error, (out.full_tensor() - reference(sign * x)).abs().max().item())
+    compiled(x).sum().backward()
+    reference(x).sum().backward()
+    grad_error = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                     for p, q in zip(model.parameters(), reference.parameters()))
+    return {"forward_error": forward_error, "grad_error": grad_error, "inputs": inputs}

@@ -127,3 +127,22 @@ def test_data_parallel_training_with_a_short_last_batch_on_two_gloo_ranks():
         assert 2 <= r["programs"] <= 3, (rank, r["programs"])
         assert r["inference_error"] <= 1e-5 and r["warned_dynamic"], (rank, r)
         assert 3 <= r["inference_programs"] <= 4, (rank, r["inference_programs"])  # sizes 4, 3, 2 (+1: see above)
+
+
+def test_graph_breaks_on_two_gloo_ranks():
+    """A model Dynamo splits three ways (an ``if`` on a tensor, ``.item()``) under torch.compile: both
+    branches and a training step match one device, the activation crosses each break sharded as the
+    graph before left it, and ``.item()`` reads the same max on every rank (it leaves its graph replicated)."""
+    sys.path[:0] = [str(EXAMPLES), str(HERE)]
+    try:
+        import rank_programs
+        from ranks import spawn
+
+        results = spawn(rank_programs.graph_breaks, 2, timeout=600.0)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(HERE))
+    for rank, r in sorted(results.items()):
+        assert r["forward_error"] <= 1e-5 and r["grad_error"] <= 1e-5, (rank, r)
+        carried = [graph["h"] for graph in r["inputs"] if "h" in graph]
+        assert len(carried) >= 4 and set(carried) == {"[4] [2@tp 8]"}, (rank, r["inputs"])

@@ -1,0 +1,122 @@
+"""Functions Dynamo splits into several graphs (an ``if`` on a tensor, ``.item()``): each graph is
+planned with the layouts the graphs before it left their outputs in; ``simulate`` runs them in turn,
+``explain`` lists them, the backend compiles them one by one (tests/test_e2e_gloo.py: on 2 ranks)."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fxshard
+from fxshard.backend.simulate import fake_world
+from fxshard.graph import LAYOUT
+
+MESH = fxshard.MeshSpec(tp=2)
+PLAN = {"up.weight": Shard(0), "down.weight": Shard(1)}  # Megatron: column- then row-parallel
+SHARDED_H = "[4] [2@tp 8]"  # the hidden activation, sharded as the column-parallel matmul leaves it
+
+
+@pytest.fixture(scope="module")
+def branchy():
+    """rank_programs.Branchy: up, an ``if`` on the mean, ``.item()`` of the max, down (three graphs)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    try:
+        from rank_programs import Branchy
+
+        yield Branchy
+    finally:
+        sys.path.pop(0)
+
+
+def model_and_input(branchy, sign: float = 1.0):
+    torch.manual_seed(0)
+    return branchy(), sign * torch.randn(4, 8)  # without a bias in ``up``, the sign picks the branch
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["relu-branch", "negate-branch"])
+def test_simulate_runs_graph_after_graph_as_one_device_does(branchy, sign):
+    model, x = model_and_input(branchy, sign)
+    with torch.no_grad():
+        expected = model(x)
+        out = fxshard.simulate(model, x, mesh=MESH, placements=PLAN)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_explain_lists_each_graph_with_its_collectives(branchy):
+    e = fxshard.explain(*model_and_input(branchy), mesh=MESH, placements=PLAN)
+    # the scalars Python reads at the breaks leave their graphs replicated (the mean of the ``if``,
+    # the max of ``.item()``); the row-parallel output stays a partial sum
+    assert [[c.kind for c in g.collectives] for g in e.graphs] == [["all_reduce"], ["all_reduce"], []]
+    assert [g.graph_break is not None for g in e.graphs] == [True, True, False]
+    assert len(e.collectives) == 2 and e.bytes_per_rank == 8
+    assert str(e).count("= input") == 6 and "over 3 graphs, communication: 2 x all_reduce(tp)" in str(e)
+
+
+def test_layouts_cross_the_breaks_without_a_gather(branchy):
+    e = fxshard.explain(*model_and_input(branchy), mesh=MESH, placements=PLAN)
+    for before, after in zip(e.graphs, e.graphs[1:]):
+        assert str(after.input_layouts["h"]) == SHARDED_H and after.input_layouts["h"] in before.output_layouts
+
+
+def test_a_function_of_one_graph_is_still_one_explanation():
+    e = fxshard.explain(lambda x, w: x @ w, torch.randn(4, 8), torch.randn(8, 16), mesh=MESH, placements={1: Shard(1)})
+    assert isinstance(e, fxshard.backend.explain.Explanation) and e.graphs == [e]
+
+
+def test_captures_never_pile_up_in_dynamos_cache(branchy):
+    """After a break Dynamo compiles the model's own frames; a capture that left its entries there
+    would be served to the next one, and past 8 entries Dynamo stops compiling the frame at all."""
+    model, x = model_and_input(branchy)
+    for _ in range(10):
+        assert len(fxshard.explain(model, x, mesh=MESH, placements=PLAN).graphs) == 3
+
+
+def test_parallelized_model_under_local_tensor_mode(branchy):
+    """DTensor parameters holding every rank's shard: simulate and explain run the graphs on the ranks."""
+    model, x = model_and_input(branchy)
+    with torch.no_grad():
+        expected = model(x)
+    with fake_world(MESH) as mesh:
+        with LocalTensorMode(2):
+            parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                             "down": RowwiseParallel(use_local_output=False)})
+        with torch.no_grad():
+            out = fxshard.simulate(model, x)
+            e = fxshard.explain(model, x)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert [str(g.input_layouts.get("h")) for g in e.graphs] == ["None", SHARDED_H, SHARDED_H]
+
+
+def test_the_backend_compiles_each_graph_on_the_layouts_its_dtensors_carry(branchy):
+    """Each graph Dynamo hands the backend gets the DTensors the one before returned, as they are."""
+    # Dynamo reuses the resume functions it made when the other tests ran this forward on plain
+    # tensors, and with DTensors they split it elsewhere (``.item()`` inside a graph)
+    torch._dynamo.reset()
+    model, x = model_and_input(branchy)
+    inputs: list[dict[str, str]] = []
+
+    def on_graph(stage: str, gm: torch.fx.GraphModule) -> None:
+        if stage == "plan":
+            inputs.append({n.name: str(n.meta[LAYOUT]) for n in gm.graph.nodes if n.op == "placeholder"})
+
+    with fake_world(MESH) as mesh:  # rank 0 of a fake process group: the values are not checked here
+        parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                         "down": RowwiseParallel(use_local_output=False)})
+        with torch.no_grad():
+            torch.compile(model, backend="fxshard", options={"inductor": False, "on_graph": on_graph})(x)
+    assert inputs == [{"x": "[4] [8]", "up_weight": "[2@tp 8] [8]"}, {"h": SHARDED_H},
+                      {"h": SHARDED_H, "down_weight": "[8] [2@tp 8]", "down_bias": "[8]"}]
+
+
+def test_placements_of_an_argument_no_graph_reads_are_no_error():
+    def f(x, w):
+        return x @ w if x.sum() > 1e9 else x * 2  # w is read only on the branch not taken
+
+    x = torch.ones(4, 8)
+    out = fxshard.simulate(f, x, torch.randn(8, 8), mesh=MESH, placements={0: Shard(0), 1: Shard(1)})
+    torch.testing.assert_close(out, x * 2)
