@@ -135,7 +135,7 @@ ZOO: dict[str, Arch] = {a.name: a for a in [
                      **{**DECODER, "num_key_value_heads": 8}),
          [(r"qkv_proj\.weight$", _strided(0, 3)), (r"gate_up_proj\.weight$", _strided(0, 2)), (r"(o|down)_proj\.weight$", ROW),
           (r"embed_tokens\.weight$", EMBED), (r"lm_head\.weight$", COLUMN)], _logits, _ids, stream=LLAMA_STREAM,
-         note="partial rotary; fused q|k|v and gate|up"),
+         note="partial rotary; fused q/k/v and gate/up"),
     Arch("mixtral", _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
                         **DECODER),
          [(r"(q|k|v)_proj\.weight$", COLUMN), (r"o_proj\.weight$", ROW), (r"experts\.gate_up_proj$", _strided(1, 2)),
@@ -155,21 +155,21 @@ ZOO: dict[str, Arch] = {a.name: a for a in [
           (r"attention\.dense\.weight$", ROW), (r"dense_4h_to_h\.weight$", ROW), (r"embed_in\.weight$", EMBED),
           (r"lm_head\.weight$", COLUMN)], _logits, _ids, per_layer=1,
          stream=("gpt_neox.emb_dropout", "gpt_neox.layers.0", "gpt_neox.layers.1", "gpt_neox.final_layer_norm"),
-         note="parallel residual: one reduce per layer; q|k|v interleaved by head"),
+         note="parallel residual: one reduce per layer; q/k/v interleaved by head"),
     Arch("falcon", _hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                        num_attention_heads=8, num_kv_heads=4, new_decoder_architecture=True, bias=False),
          [(r"query_key_value\.weight$", COLUMN), (r"dense_h_to_4h\.weight$", COLUMN),
           (r"self_attention\.dense\.weight$", ROW), (r"dense_4h_to_h\.weight$", ROW),
           (r"word_embeddings\.weight$", EMBED)], _logits, _ids, per_layer=1,
          stream=("transformer.word_embeddings", "transformer.h.0", "transformer.h.1", "transformer.ln_f"),
-         note="grouped-query q|k|v fused by kv group; parallel residual; tied embeddings"),
+         note="grouped-query q/k/v fused by kv group; parallel residual; tied embeddings"),
     Arch("bloom", _hf("BloomConfig", "BloomForCausalLM", attention="eager", vocab_size=VOCAB, hidden_size=64,
                       n_layer=2, n_head=8),
          [(r"query_key_value\.(weight|bias)$", COLUMN), (r"dense_h_to_4h\.(weight|bias)$", COLUMN),
           (r"self_attention\.dense\.weight$", ROW), (r"dense_4h_to_h\.weight$", ROW),
           (r"word_embeddings\.weight$", EMBED)], _logits, _ids,
          stream=("transformer.word_embeddings_layernorm", "transformer.h.0", "transformer.h.1", "transformer.ln_f"),
-         note="ALiBi slopes by head (baddbmm); q|k|v interleaved by head; GeLU a custom autograd.Function; "
+         note="ALiBi slopes by head (baddbmm); q/k/v interleaved by head; GeLU a custom autograd.Function; "
               "no SDPA path in transformers; tied embeddings"),
     Arch("opt", _hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
                     num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64, word_embed_proj_dim=64),
@@ -278,23 +278,21 @@ def run(arch: Arch, world: int, sequence_parallel: bool = False, batch: int = 2,
     return Result(float((out - ref).abs().max()), counts, ours)
 
 
-def table(worlds: Sequence[int] = (2, 4)) -> str:
+def table(worlds: Sequence[int] = (2, 4), sequence_parallel_world: int = 2) -> str:
     """The README's per-family table: architecture x parallelism -> exact / collectives per layer."""
-    lines = ["| architecture | " + " | ".join(f"TP={w}" for w in worlds) + " | " +
-             " | ".join(f"TP+SP={w}" for w in worlds) + " | Megatron | notes |",
-             "|---" * (2 + 2 * len(worlds)) + "|---|"]
+    def cell(r: Result, arch: Arch) -> str:
+        exact = "exact" if r.max_error < 1e-4 and not r.warnings else f"err {r.max_error:.0e}"
+        per_layer = ", ".join(f"{n} {k}" for k, n in sorted(r.collectives.items()))
+        return f"{exact}; {per_layer}"
+
+    head = [f"TP={w}" for w in worlds] + [f"TP+SP={sequence_parallel_world}"]
+    lines = ["| architecture | " + " | ".join(head) + " | Megatron TP | notes |", "|---" * (len(head) + 3) + "|"]
     for arch in ZOO.values():
-        cells = []
-        for sp in (False, True):
-            for w in worlds:
-                if sp and not arch.stream:
-                    cells.append("-")
-                    continue
-                r = run(arch, w, sequence_parallel=sp)
-                exact = "exact" if r.max_error < 1e-4 and not r.warnings else f"err {r.max_error:.1e}"
-                cells.append(f"{exact}, " + ", ".join(f"{n} {k}" for k, n in sorted(r.collectives.items())))
-        lines.append(f"| {arch.name} | " + " | ".join(cells) +
-                     f" | {arch.megatron_all_reduces} all_reduce | {arch.note} |")
+        cells = [cell(run(arch, w), arch) for w in worlds]
+        cells.append(cell(run(arch, sequence_parallel_world, sequence_parallel=True), arch) if arch.stream else "-")
+        gap = SP_GAPS.get(arch.name)
+        note = "; ".join(n for n in (arch.note, f"TP+SP: {gap[1]}" if gap else "") if n)
+        lines.append(f"| {arch.name} | " + " | ".join(cells) + f" | {arch.megatron_all_reduces} all_reduce | {note} |")
     return "\n".join(lines)
 
 
