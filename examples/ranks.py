@@ -16,6 +16,7 @@ What spawned ranks get, and what the parent promises:
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import queue
 import shutil
@@ -116,13 +117,27 @@ def _worker(run: Callable, rank: int, world_size: int, port: int, channel: Any, 
     logger.addHandler(_Forward(channel, rank))
     logger.setLevel(logging.DEBUG)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    outcome = {"exit code": 1}
+    multiprocessing.util.Finalize(None, lambda: _leave_before_teardown(outcome["exit code"]), exitpriority=-1000)
     try:
         channel.put(("result", rank, run(rank, world_size, device, **kwargs)))
+        outcome["exit code"] = 0
     except BaseException:
         channel.put(("failed", rank, traceback.format_exc()))  # fail the parent now, not at its timeout
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _leave_before_teardown(exit_code: int) -> None:
+    """The rank's last act, after every other exit handler (its queue flushed, the program's own
+    handlers run): leave without tearing the interpreter down. Gloo's worker threads may still hold
+    tensors with Python references; freeing them during interpreter finalization aborts the process
+    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291) after the
+    rank's work is done and its result delivered."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def free_port() -> int:
