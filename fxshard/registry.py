@@ -121,7 +121,7 @@ OPS: dict[Any, Op] = {
     aten.tril.default: signature_op(rules.triangle),
     aten.clone.default: signature_op(rules.identity, recomputed_with_input=True),
     aten.lift_fresh_copy.default: signature_op(rules.identity, recomputed_with_input=True),
-    aten.copy.default: signature_op(rules.copy),
+    aten.copy.default: signature_op(rules.pointwise()),  # src broadcast into self's shape, untagged
     aten.copy_.default: Op(WRITE_INTO),  # a mutated input written back (functionalization's epilogue)
     aten.alias.default: signature_op(rules.identity, relabels=True),
     aten.detach.default: signature_op(rules.identity, relabels=True),

@@ -135,20 +135,19 @@ def identity(node: Any) -> Signature:
     return permutation(len(_out_shape(node)), range(len(_out_shape(node))))
 
 
+def broadcast_into(shape: Sequence[int], target: Sequence[int], names: Sequence[str]) -> tuple[str | None, ...]:
+    """The factors of a tensor of ``shape`` broadcast into ``target``, whose dims are ``names``."""
+    return tuple(names[int(f[1:])] if f else None for f in broadcast([shape], target).inputs[0])
+
+
 def addmm(node: Any) -> Signature:
-    bias = _shape(node.args[0])
-    m, n = _out_shape(node)
-    bias_dims = broadcast([bias], (m, n)).inputs[0]
-    names = {"d0": "m", "d1": "n"}
-    bias_f = tuple(names[f] if f else None for f in bias_dims)
+    bias_f = broadcast_into(_shape(node.args[0]), _out_shape(node), ("m", "n"))
     return Signature((bias_f, ("m", "k"), ("k", "n")), ("m", "n"), "sum", ((0, 1), (0, 2)), addends=(0,))
 
 
 def baddbmm(node: Any) -> Signature:
     """beta * self + alpha * (b1 @ b2), batched (ALiBi attention scores): bmm with self as an addend."""
-    b, m, n = _out_shape(node)
-    names = {"d0": "b", "d1": "m", "d2": "n"}
-    bias_f = tuple(names[f] if f else None for f in broadcast([_shape(node.args[0])], (b, m, n)).inputs[0])
+    bias_f = broadcast_into(_shape(node.args[0]), _out_shape(node), ("b", "m", "n"))
     return Signature((bias_f, ("b", "m", "k"), ("b", "k", "n")), ("b", "m", "n"), "sum", ((0, 1), (0, 2)),
                      addends=(0,))
 
@@ -200,11 +199,6 @@ def index_copy(node: Any) -> Signature:
     names = tuple(_letters(len(x)))
     source = tuple("i" if k == d else f for k, f in enumerate(names))
     return Signature((names, ("i",), source), names, whole=frozenset({names[d], "i"}))
-
-
-def copy(node: Any) -> Signature:
-    """copy(self, src): src broadcast into self's shape (self's values are overwritten)."""
-    return broadcast([_shape(node.args[0]), _shape(node.args[1])], _out_shape(node))
 
 
 def softmax(node: Any) -> Signature:
@@ -496,13 +490,9 @@ def index_put_write(node: Any) -> Signature | None:
     idx = _shape(indices[0])
     rest = tuple(_letters(len(x) - 1, 1))
     rows = tuple(f"i{j}" for j in range(len(idx)))
-    v = _shape(values)
-    full = rows + rest
-    if len(v) > len(full):
+    if len(_shape(values)) > len(idx) + len(rest):
         return None
-    v_names = tuple(None if s == 1 and full[len(full) - len(v) + k] is not None and
-                    (idx + tuple(x[1:]))[len(full) - len(v) + k] != 1 else full[len(full) - len(v) + k]
-                    for k, s in enumerate(v))
+    v_names = broadcast_into(_shape(values), tuple(idx) + tuple(x[1:]), rows + rest)
     return Signature((("rows",) + rest, rows, v_names), ("rows",) + rest, whole=frozenset(("rows",) + rows))
 
 
