@@ -30,6 +30,13 @@ import torch.fx as fx
 
 __all__ = ["fxshard_backend"]
 
+# Dynamo traces a DTensor program through DTensor's own sharding rules: lend it fxshard's for the
+# ops it lacks (CPU flash attention), before torch.compile's first trace (this module is imported
+# when torch.compile resolves backend="fxshard")
+from .dtensor_rules import lend_rules_to_dtensor  # noqa: E402
+
+lend_rules_to_dtensor()
+
 _OPTIONS = {"strict", "inductor", "cost_model", "on_graph", "debug_dir"}
 
 

@@ -23,6 +23,7 @@ from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
 
+from . import outputs as outputs_
 from .capture import Captured, capture
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
@@ -65,9 +66,23 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
     reporter("trace", program.gm)
     with reporter.timed("planning"):
         planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
-                              output_layouts=read_by_python(gm, program))
+                              output_layouts=wanted_output_layouts(gm, program, plain_is_eager=layouts is None))
     reporter("plan", planned)
     return PlannedProgram(program, planned)
+
+
+def wanted_output_layouts(gm: fx.GraphModule, program: TracedProgram,
+                          plain_is_eager: bool = True) -> list[Layout | None] | None:
+    """The layouts the caller needs of the outputs (None: any): what Python reads at a graph break,
+    and the plain tensors the program returns (backend/outputs.py) when ``plain_is_eager``: not
+    when ``placements=`` shards plain tensors, whose program is global throughout."""
+    read = read_by_python(gm, program)
+    if not plain_is_eager:
+        return read
+    plain = outputs_.wanted(outputs_.eager_layouts(gm, program, len(outputs(program.gm))))
+    if not any(p is not None for p in plain):
+        return read
+    return [r if r is not None else p for r, p in zip(read or plain, plain)]
 
 
 def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | None] | None:
@@ -91,19 +106,23 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     reporter = reporter or StageReporter()
     planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
+    program = planned.program
+    count = planned.training.num_outputs if planned.training is not None else len(outputs(program.gm))
+    # plain outputs are what eager holds unless placements= sharded plain tensors (a global program)
+    eager = outputs_.eager_layouts(gm, program, count) if plan_options.get("layouts") is None else []
     if planned.training is not None:
         with reporter.timed("lowering the forward and backward"):
-            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, reporter=reporter)
+            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, reporter=reporter,
+                                          eager_layouts=eager)
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
         reporter.summarize(planned.training.forward)
         reporter.summarize(planned.training.backward)
         return runner
-    program = planned.program
     with reporter.timed("lowering"):
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
-                                  reporter=reporter)
+                                  reporter=reporter, eager_layouts=eager)
     reporter("lower", runner.local_graph)
     reporter.summarize(planned.graph)
     return runner

@@ -16,9 +16,9 @@ from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
-from fxshard.placements import as_dtensor, placements_from_layout
 
 from .inputs import local_shards
+from .outputs import returned
 from .report import StageReporter
 
 
@@ -26,7 +26,8 @@ class InferenceProgram:
     """Calls the compiled local program of this rank on the local shards of the inputs."""
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
-                 input_layouts: Sequence[Layout], inductor: bool = True, reporter: StageReporter | None = None):
+                 input_layouts: Sequence[Layout], inductor: bool = True, reporter: StageReporter | None = None,
+                 eager_layouts: Sequence[Any] = ()):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
@@ -34,7 +35,8 @@ class InferenceProgram:
         self.positions = list(tensor_positions)
         self.input_layouts = list(input_layouts)
         self.output_layouts = output_layouts(planned)
-        self.output_placements = [placements_from_layout(l) for l in self.output_layouts]
+        # per output: None (a DTensor) or the layout whose plain block the user's program holds (outputs.py)
+        self.eager = list(eager_layouts) or [None] * len(self.output_layouts)
         self.inductor = inductor
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
@@ -53,8 +55,8 @@ class InferenceProgram:
             outs = self._run(*local)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
-        return tuple(as_dtensor(o, self.device_mesh, placements, layout.shape)
-                     for o, layout, placements in zip(outs, self.output_layouts, self.output_placements))
+        return tuple(returned(o, layout, self.device_mesh, eager)
+                     for o, layout, eager in zip(outs, self.output_layouts, self.eager))
 
     def _compile(self, local_inputs: list[torch.Tensor]) -> Callable:
         if not self.inductor:

@@ -49,6 +49,8 @@ class TracedProgram:
     tensor_positions: list[int]  # position in the caller's inputs of each placeholder of gm
     input_names: list[str] = field(default_factory=list)
     joint: "JointSignature | None" = None  # set when gm is a joint forward+backward graph
+    # per output: the layout it is the to_local() of, DERIVED (computed from such shards), or None
+    output_views: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
 
     n_inputs = len(example_inputs)
     coordinate = _tracing_coordinate(device_mesh, mesh)
+    output_views: list[Any] = []
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
@@ -297,6 +300,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         for o in flat:
             if not isinstance(o, torch.Tensor):
                 raise TraceError(f"the compiled program returns a {type(o).__name__}; fxshard supports tensor outputs")
+        output_views[:] = [interp.local_views.get(o) for o in flat]
         return tuple(flat)
 
     joint = None
@@ -332,7 +336,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         input_layouts[node.name] = layout
     traced.recompile()
     primal_names = [n.name for n in traced_ph][:len(positions)]
-    return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, primal_names, joint)
+    return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, primal_names, joint, tuple(output_views))
 
 
 def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:

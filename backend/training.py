@@ -16,9 +16,9 @@ import torch.fx as fx
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
-from fxshard.placements import as_dtensor, placements_from_layout
 
 from .inputs import local_shards
+from .outputs import returned
 from .joint import TrainingPlan
 from .report import StageReporter
 
@@ -27,7 +27,7 @@ class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
     def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True,
-                 reporter: StageReporter | None = None):
+                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = ()):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         groups = MeshGroups(device_mesh)
         self.plan = plan
@@ -38,7 +38,7 @@ class TrainingProgram:
         program = plan.program
         self.positions = list(program.tensor_positions)
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
-        self.output_placements = [placements_from_layout(l) for l in plan.output_layouts]
+        self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
         self.inductor = inductor
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
@@ -47,8 +47,8 @@ class TrainingProgram:
     def __call__(self, *args: Any) -> tuple:
         local = local_shards(args, self.positions, self.input_layouts, self.coordinate, differentiable=True)
         outs = _TrainingStep.apply(self, *local)
-        return tuple(as_dtensor(o, self.device_mesh, placements, layout.shape)
-                     for o, layout, placements in zip(outs, self.plan.output_layouts, self.output_placements))
+        return tuple(returned(o, layout, self.device_mesh, eager)
+                     for o, layout, eager in zip(outs, self.plan.output_layouts, self.eager))
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._run("forward", inputs)

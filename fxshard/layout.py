@@ -142,6 +142,8 @@ class Layout:
         if not is_static(size):
             raise LayoutError("local_indices needs static sizes")
         idx = torch.arange(int(size)).reshape(1, -1)
+        if int(size) == 0:  # an empty dim is empty on every rank (its pieces cannot be reshaped to)
+            return idx.reshape(-1)
         for p in self.dims[d]:
             if p.axis is None:
                 idx = idx.reshape(idx.shape[0] * int(p.size), -1)
@@ -289,7 +291,7 @@ def _canonical_dim(size: Size, pieces: tuple[Piece, ...], d: int) -> tuple[Piece
     remaining: Size | None = size
     for p in pieces:
         if p.axis is None:
-            if p.size == 1:
+            if p.size == 1 or remaining == 0:  # an empty dim keeps one trailing Piece(0), added below
                 continue
             if remaining is None:
                 raise LayoutError(f"dim {d}: a local piece cannot follow an uneven (chunked) shard")

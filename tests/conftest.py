@@ -1,9 +1,28 @@
-"""Shared fixtures: a fake process group (no real communication) and meshes on it."""
+"""Shared fixtures: a fake process group (no real communication) and meshes on it.
+
+Tests marked ``@pytest.mark.slow`` (minutes each, covering what a faster test covers in part)
+run only with ``FXSHARD_SLOW=1`` in the environment: CI's default run stays lean.
+"""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: minutes long; runs only with FXSHARD_SLOW=1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("FXSHARD_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set FXSHARD_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

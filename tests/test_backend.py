@@ -219,3 +219,30 @@ def test_uneven_dims_under_default_local_outputs_get_a_hint(fake_mesh_4):
         explain(parallel_mlp(True), torch.randn(2, 8), mesh=fake_mesh_4)
     e = explain(parallel_mlp(False), torch.randn(2, 8), mesh=fake_mesh_4)  # global shapes: uneven shards are fine
     assert str(e.input_layouts["up_weight"]) == "[~30@tp] [8]"
+
+
+@pytest.mark.parametrize("style, local_shape", [
+    (lambda: ColwiseParallel(), (4, 4)),  # to_local() of the column shard: each rank's block
+    (lambda: ColwiseParallel(output_layouts=Replicate()), (4, 16)),  # to_local() of a replicated DTensor: whole
+    (lambda: ColwiseParallel(use_local_output=False), None),  # a DTensor stays one
+], ids=["local-shard", "replicated", "dtensor"])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_outputs_have_the_type_and_block_eager_gives(fake_mesh_4, style, local_shape, grad):
+    """What the user's program returns as a plain tensor (parallel styles' default use_local_output=True:
+    logits a generate() loop reads) comes back plain, with the block eager holds on this rank; a DTensor
+    output stays a DTensor. The local shard needs no collective, so even on a fake process group its
+    values are eager's."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 16)
+    parallelize_module(layer, fake_mesh_4, style())
+    x = torch.randn(4, 8)
+    with torch.set_grad_enabled(grad):
+        eager = layer(x)
+        out = torch.compile(layer, backend="fxshard", options={"inductor": False})(x)
+    assert type(out) is type(eager)
+    if local_shape is None:
+        assert out.placements == eager.placements and out.shape == eager.shape
+        return
+    assert tuple(out.shape) == tuple(eager.shape) == local_shape
+    if local_shape == (4, 4):
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)

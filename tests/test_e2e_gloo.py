@@ -146,3 +146,33 @@ def test_graph_breaks_on_two_gloo_ranks():
         assert r["forward_error"] <= 1e-5 and r["grad_error"] <= 1e-5, (rank, r)
         carried = [graph["h"] for graph in r["inputs"] if "h" in graph]
         assert len(carried) >= 4 and set(carried) == {"[4] [2@tp 8]"}, (rank, r["inputs"])
+
+
+@pytest.fixture(scope="module")
+def generate():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import generate
+
+        yield generate
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.parametrize("cache, programs", [
+    ("static", 2),
+    pytest.param("dynamic", 3, marks=pytest.mark.slow),  # tests/test_decode.py checks the dynamic cache's layouts
+])
+def test_generate_on_two_gloo_ranks(generate, cache, programs):
+    """examples/generate.py: Hugging Face ``generate()`` (greedy, KV cache sharded on kv heads) of the
+    compiled model gives the single-device tokens on every rank. A static cache compiles the prefill
+    and one decode step; a dynamic one a decode step per length. Each decode step does Megatron's
+    collectives: an all_reduce per attention and per MLP (2 layers), one for the vocab-parallel
+    embedding, and the all_gather of the logits; the cache is never gathered."""
+    results = generate.spawn(world_size=2, timeout=900.0, cache=cache, prompt=6, new_tokens=3, repeats=1,
+                             inductor=False)
+    for rank, r in sorted(results.items()):
+        assert r["same_tokens"], f"rank {rank}: {r['tokens']}"
+        assert r["programs"] == programs, f"rank {rank}: {r['programs']} programs"
+        assert r["decode_collectives"] == {"all_reduce": 5, "all_gather_into_tensor": 1}, r["decode_collectives"]
