@@ -194,11 +194,10 @@ def _explain_runs(fn: Callable, args: Sequence[Any], planner: RunPlanner) -> lis
     function): in global shapes, or, for DTensors made under LocalTensorMode, on simulated ranks.
     """
     label = label_of(fn)
-    broke: list[Captured] = []
+    seen: list[Captured] = []
 
     def on_meta(captured: Captured, inputs: Sequence[Any]) -> Sequence[Any]:
-        if captured.graph_break is not None:
-            broke.append(captured)
+        seen.append(captured)
         return outputs_on_meta(captured)
 
     try:
@@ -206,7 +205,9 @@ def _explain_runs(fn: Callable, args: Sequence[Any], planner: RunPlanner) -> lis
         if len(runs) == 1:
             return [_explain_run(planner, *runs[0], label)[0]]
     except Exception:
-        if not broke:
+        # after a graph, Python (or a frame Dynamo skipped: a data-dependent loop) met its meta outputs
+        # (an ``if``, ``.item()``, a meta tensor beside a real one); an error of the graph itself recurs below
+        if not seen:
             raise
     explanations: list[Explanation] = []
     with contextlib.ExitStack() as stack:

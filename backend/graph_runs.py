@@ -34,8 +34,9 @@ class RunPlanner:
         self.placements = dict(placements or {})
         self.strict, self.cost_model = strict, cost_model
         self.keys: set[Any] = set()  # argument indices and parameter names some run had as an input
-        # id(value) -> (value, layout, what the run keeps with it); the value is held so its id stays unique
-        self._carried: dict[int, tuple[Any, Layout, Any]] = {}
+        # id(value) -> (value, layout, what the run keeps with it, the value's version then); the value
+        # is held so its id stays unique
+        self._carried: dict[int, tuple[Any, Layout, Any, int]] = {}
 
     def plan(self, captured: Captured, inputs: Sequence[Any], reporter: StageReporter | None = None) -> PlannedProgram:
         """Stages 1-3 of one run of ``captured`` on ``inputs`` (its real inputs, placeholder order)."""
@@ -63,12 +64,16 @@ class RunPlanner:
     def carry(self, values: Sequence[Any], layouts: Sequence[Layout], kept: Sequence[Any] | None = None) -> None:
         """A run returned ``values`` in ``layouts``; later runs that read one of them take it so."""
         for k, (value, layout) in enumerate(zip(values, layouts)):
-            self._carried[id(value)] = (value, layout, kept[k] if kept is not None else None)
+            self._carried[id(value)] = (value, layout, kept[k] if kept is not None else None, _version(value))
 
     def carried(self, value: Any) -> tuple[Layout, Any] | None:
-        """(layout, what its run kept) of a value an earlier run returned; None for any other value."""
+        """(layout, what its run kept) of a value an earlier run returned; None for any other value.
+        What the run kept is None once Python wrote into the value (``out.index_add_(...)`` between
+        graphs): the value itself is then the truth, to be cut into the layout again."""
         entry = self._carried.get(id(value))
-        return (entry[1], entry[2]) if entry is not None and entry[0] is value else None
+        if entry is None or entry[0] is not value:
+            return None
+        return entry[1], (entry[2] if _version(value) == entry[3] else None)
 
     def check_placements(self) -> None:
         """After the last run: every key of ``placements`` names a tensor argument or a parameter or
@@ -87,3 +92,8 @@ def _unique(name: str, taken: Sequence[str]) -> str:
     while out in taken:
         out, k = f"{name}_{k}", k + 1
     return out
+
+
+def _version(value: Any) -> int:
+    """A tensor's version counter (bumped by every in-place write); -1 for what has none."""
+    return getattr(value, "_version", -1)

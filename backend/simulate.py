@@ -73,8 +73,10 @@ def _key(a: Any, index: Mapping[fx.Node, int]) -> Any:
     return ("value", repr(a))
 
 
-def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """Run one graph per rank (rank r = graphs[r]) in lockstep; returns each rank's outputs."""
+def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[torch.Tensor]],
+                 final_inputs: list | None = None) -> list[list[torch.Tensor]]:
+    """Run one graph per rank (rank r = graphs[r]) in lockstep; returns each rank's outputs.
+    ``final_inputs`` (a list) receives each rank's inputs as the programs left them (written in place)."""
     ranks = len(graphs)
     node_lists = [list(g.graph.nodes) for g in graphs]
     if len({len(n) for n in node_lists}) != 1:
@@ -96,6 +98,9 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
                 outs = first.args[0]
                 flat = [env[indexes[0][o]] for o in outs]
                 outputs = [[_rank_value(v, r) for v in flat] for r in range(ranks)]
+                if final_inputs is not None:
+                    held = [env[j] for j, n in enumerate(node_lists[0]) if n.op == "placeholder"]
+                    final_inputs[:] = [[_rank_value(v, r) for v in held] for r in range(ranks)]
                 break
             if first.op == "get_attr":  # rank-specific constants (exchange tables)
                 env[i] = mode.rank_map(lambda r: getattr(graphs[r], node_lists[r][i].target))
@@ -256,7 +261,11 @@ class SimulatedGraphs:
                   for obj, name in zip(objects, program.input_names)]
         groups = MeshGroups(self.device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
-        per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
+        final: list = []
+        per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords], final)
+        for k in written_inputs(gm):  # Python (or a later graph) reads what the graph wrote in place
+            self._write_back(objects[k], program.input_layouts[program.input_names[k]],
+                             {c: final[r][k] for r, c in enumerate(coords)})
         layouts = output_layouts(gm)
         kept = [{c: per_rank[r][k] for r, c in enumerate(coords)} for k in range(len(layouts))]
         examples = _output_examples(captured)
@@ -268,16 +277,37 @@ class SimulatedGraphs:
     def full(self, value: Any) -> Any:
         """What the function returned, each output of a run as its full tensor (not a DTensor of blocks)."""
         carried = self.planner.carried(value)
-        return carried[0].unshard(carried[1]) if carried is not None and isinstance(value, DTensor) else value
+        if carried is None or carried[1] is None or not isinstance(value, DTensor):
+            return value
+        return carried[0].unshard(carried[1])
+
+    def _write_back(self, obj: torch.Tensor, layout: Layout, blocks: Mapping) -> None:
+        """An input the graph wrote in place (``x.index_add_``, a static cache): the caller's tensor
+        and the blocks later runs read take the new value."""
+        if isinstance(obj, DTensor):
+            raise NotImplementedError("simulate: a graph writes in place into a DTensor argument; pass it as a "
+                                      "plain tensor with placements= instead")
+        with torch.no_grad():
+            obj.copy_(layout.unshard(blocks))
+        if self.planner.carried(obj) is not None:
+            self.planner.carry((obj,), (layout,), (dict(blocks),))
 
     def _blocks(self, obj: torch.Tensor, layout: Layout, name: str, coords: Sequence[tuple[int, ...]]) -> Mapping:
         carried = self.planner.carried(obj)
-        if carried is not None:
+        if carried is not None and carried[1] is not None:
             return carried[1]
         if isinstance(obj, DTensor):
             return _rank_blocks(obj, coords, name)
         value = obj.detach()
         return {c: layout.shard(value, c) for c in coords}
+
+
+def written_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of the placeholders a functionalized graph writes back into (``copy_`` epilogue)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {n.args[0] for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders}
+    return [k for k, n in enumerate(placeholders) if n in written]
 
 
 def holds_every_rank(x: Any) -> bool:
