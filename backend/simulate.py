@@ -146,6 +146,7 @@ class SimulatedRun:
     grads: list[list[torch.Tensor]] | None = None  # grads[r][k]: rank r's block of gradient k (training)
     grad_layouts: tuple = ()
     grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
+    graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one), for its plans
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""
@@ -190,7 +191,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
         per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
         if not grad:
-            return SimulatedRun(coords, per_rank, output_layouts(gm))
+            return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph)
         n = training.num_outputs
         run = SimulatedRun(coords, [outs[:n] for outs in per_rank], training.output_layouts)
         seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
@@ -199,7 +200,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         grads = run_lockstep(backward, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
     names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
-    return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys)
+    return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph)
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,

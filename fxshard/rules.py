@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_leaves as pytree_leaves
 
 aten = torch.ops.aten
 
@@ -34,6 +33,14 @@ class Signature:
     whole: frozenset[str] = frozenset()  # factors that must not be sharded (softmax dim)
     addends: tuple[int, ...] = ()  # inputs added outside the contraction (addmm's bias): Partial with it
     extra_outputs: tuple[tuple[str | None, ...], ...] = ()  # further outputs of a multi-output op
+    summed: tuple[int, ...] = ()  # extra outputs (by index) that sum over the input factors they lack
+
+    def lacked(self, extra: int) -> set[str]:
+        """The factors extra output ``extra`` sums over (a multi-query grad_key: the q heads)."""
+        if extra not in self.summed:
+            return set()
+        ins = {f for dims in self.inputs for f in dims if f is not None}
+        return ins - set(self.extra_outputs[extra]) - self.contracted
 
     @property
     def contracted(self) -> set[str]:
@@ -331,45 +338,6 @@ def gather(node: Any) -> Signature | None:
     return Signature((xs, tuple(names)), tuple(names), "sum", ((0,),))
 
 
-def attention(node: Any) -> Signature | None:
-    """The ATen attention kernels: batch and heads are independent; seq, key seq and head dims stay whole.
-
-    Queries of a non-causal, unmasked call are independent too (context parallelism of q).
-    Extra outputs of shape [batch, heads, seq] (logsumexp) follow the output; any other
-    extra output (RNG seeds, debug masks, sizes) is replicated.
-    """
-    q, k, v = (_shape(a) for a in node.args[:3])
-    if q is None or k is None or v is None or len(q) != 4 or k[1] != v[1] or q[1] % k[1]:
-        return None
-    # grouped-query attention (fewer k/v heads): q head i reads k/v head i // (q heads / k heads), so
-    # the heads factor shards both with the same pieces, each rank holding whole groups
-    is_causal = _attention_flag(node, "is_causal")
-    tensors = [a for a in list(node.args[3:]) + list(node.kwargs.values()) if _shape(a) is not None]
-    whole = {"t", "d", "e"}
-    if is_causal or tensors:
-        whole.add("s")
-    ins: list[tuple[str | None, ...]] = [("b", "h", "s", "d"), ("b", "h", "t", "d"), ("b", "h", "t", "e")]
-    for mask in tensors:
-        shape = _shape(mask)
-        full = ("b", "h", "s", "t")[-len(shape):]
-        ref = (q[0], q[1], q[2], k[2])[-len(shape):]
-        ins.append(tuple(None if s != r else f for s, f, r in zip(shape, full, ref)))
-    outs = node.meta["val"]
-    out_shapes = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
-    extra: list[tuple[str | None, ...]] = []
-    for i, shape in enumerate(out_shapes[1:]):
-        if shape == (q[0], q[1], q[2]):
-            extra.append(("b", "h", "s"))
-        elif shape == (q[0], q[1], q[2], k[2]):  # the math kernel's attention weights
-            extra.append(("b", "h", "s", "t_out"))
-            whole.add("t_out")
-        else:
-            names = tuple(f"x{i}_{d}" for d in range(len(shape or ())))
-            extra.append(names)
-            whole.update(names)
-    return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole), extra_outputs=tuple(extra))
-
-
 def grouped_mm(node: Any) -> Signature | None:
     """A grouped matmul of token rows sorted by expert, ``x [S, K] @ w[e] [E, K, N] -> [S, N]`` with
     ``offs [E]`` the groups' end rows (MoE experts: ``aten._grouped_mm``, transformers' fallback op).
@@ -384,18 +352,6 @@ def grouped_mm(node: Any) -> Signature | None:
         return None
     return Signature((("s", "k"), ("e", "k", "n"), ("e",)), ("s", "n"), partial_groups=((0,), (1,)),
                      whole=frozenset({"s", "e"}))
-
-
-def _attention_flag(node: Any, name: str) -> bool:
-    schema = node.target._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == name:
-            if name in node.kwargs:
-                return bool(node.kwargs[name])
-            if i < len(node.args):
-                return bool(node.args[i])
-            return bool(arg.default_value)
-    return False
 
 
 def view_as_complex(node: Any) -> Signature:
@@ -496,38 +452,151 @@ def index_put_write(node: Any) -> Signature | None:
     return Signature((("rows",) + rest, rows, v_names), ("rows",) + rest, whole=frozenset(("rows",) + rows))
 
 
+# ---- attention kernels -------------------------------------------------------------------------
+# Every ATen attention kernel computes softmax(q k^T * scale + mask) v per (batch, head) block:
+# q [b, h, s, d], k [b, hk, t, d], v [b, hk, t, e]. With grouped-query heads (hk dividing h) q head i
+# reads kv head i // (h / hk), so one factor "h" shards both (each rank holds whole groups; a factor
+# may span dims of different sizes, fxshard/strategies.py). The kernels' arguments and outputs
+# differ (masks or biases, RNG state, sequence offsets, padded logsumexps); rules read arguments by
+# their schema names, which the kernels share.
+
+ATTENTION_MASKS = ("attn_mask", "attn_bias", "dropout_mask")  # [b, h, s, t] or broadcast to it
+
+_BACKWARD_FACTORS = {  # the backward kernels' per-head arguments (the rest: masks, logsumexp, replicated)
+    "grad_out": ("b", "h", "s", "e"), "grad_out_": ("b", "h", "s", "e"), "out": ("b", "h", "s", "e"),
+    "query": ("b", "h", "s", "d"), "key": ("b", "h", "t", "d"), "value": ("b", "h", "t", "e"),
+}
+
+
+def _named_tensors(node: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(schema name, shape) of each tensor argument, in the order stage 2 lists them (positional,
+    then keyword arguments)."""
+    names = [a.name for a in node.target._schema.arguments]
+    pairs = list(zip(names, node.args)) + list(node.kwargs.items())
+    return [(name, _shape(a)) for name, a in pairs if _shape(a) is not None]
+
+
+def _argument(node: Any, name: str) -> Any:
+    """The value of argument ``name`` of an ATen call (its schema default when not given)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            if i < len(node.args):
+                return node.args[i]
+            return arg.default_value if arg.has_default_value() else None
+    return None
+
+
+def _grouped_heads(q: Sequence[int] | None, k: Sequence[int] | None, v: Sequence[int] | None) -> bool:
+    """4-d q, k, v whose kv heads agree and divide q's heads (plain, grouped- or multi-query)."""
+    return (q is not None and k is not None and v is not None and len(q) == len(k) == len(v) == 4
+            and k[1] == v[1] and k[1] > 0 and q[1] % k[1] == 0)
+
+
+def _mask_factors(shape: Sequence[int], reference: Sequence[int]) -> tuple[str | None, ...] | None:
+    """A mask broadcast against [b, h, s, t] (right-aligned, as torch broadcasts): a size-1 dim
+    where the reference is larger is None; a dim of any other size has no rule (None)."""
+    if len(shape) > 4:
+        return None
+    n = len(shape)
+    out: list[str | None] = []
+    for size, factor, ref in zip(shape, ("b", "h", "s", "t")[4 - n:], tuple(reference)[4 - n:]):
+        if size != ref and size != 1:
+            return None
+        out.append(factor if size == ref else None)
+    return tuple(out)
+
+
+def _per_query_output(shape: Sequence[int] | None, q: Sequence[int], i: int) -> tuple[str | None, ...]:
+    """An extra output's factors: one of shape [b, h, ...] (logsumexp, the math kernel's weights, a
+    debug mask) follows batch and heads, and queries where its dim 2 is q's sequence; any other
+    (RNG seed and offset, sequence offsets, an empty debug mask) gets names of its own (whole)."""
+    if shape is None:
+        return ()
+    names = [f"x{i}_{d}" for d in range(len(shape))]
+    if len(shape) >= 3 and tuple(shape[:2]) == tuple(q[:2]):
+        names[:2] = ["b", "h"]
+        if shape[2] == q[2]:
+            names[2] = "s"
+    return tuple(names)
+
+
+def attention(node: Any) -> Signature | None:
+    """The ATen attention kernels: batch and heads are independent; key seq and head dims stay whole.
+
+    Queries of a non-causal, unmasked call are independent too (context parallelism of q), unless
+    an extra output's dim 2 is not the query length (the efficient kernel's logsumexp is padded to
+    32 queries). Multi-query k/v (one head) are read whole by every rank's q heads.
+    """
+    tensors = _named_tensors(node)
+    shapes = dict(tensors)
+    q, k, v = shapes.get("query"), shapes.get("key"), shapes.get("value")
+    if not _grouped_heads(q, k, v):
+        return None
+    kv_heads = None if k[1] == 1 < q[1] else "h"
+    factors = {"query": ("b", "h", "s", "d"), "key": ("b", kv_heads, "t", "d"), "value": ("b", kv_heads, "t", "e")}
+    ins: list[tuple[str | None, ...]] = []
+    for name, shape in tensors:
+        f = factors.get(name) or (_mask_factors(shape, (q[0], q[1], q[2], k[2])) if name in ATTENTION_MASKS else None)
+        if f is None:
+            return None
+        ins.append(f)
+    whole = {"t", "d", "e"}
+    if _argument(node, "is_causal") or len(ins) > 3:
+        whole.add("s")
+    outs = node.meta["val"]
+    extra = tuple(_per_query_output(tuple(o.shape) if isinstance(o, torch.Tensor) else None, q, i)
+                  for i, o in enumerate(outs[1:], 1))
+    whole.update(f for dims in extra for f in dims if f and f.startswith("x"))
+    if any(len(dims) >= 3 and dims[:2] == ("b", "h") and dims[2] != "s" for dims in extra):
+        whole.add("s")
+    return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole), extra_outputs=extra)
+
+
 def attention_backward(node: Any) -> Signature | None:
     """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
 
-    Tensor arguments whose leading dims are (batch, heads) share them (size-1 broadcast dims of
-    a mask are None); other tensors (RNG state, sequence offsets) are replicated.
+    grad_query, grad_key, grad_value (and the efficient kernel's grad_bias) are laid out as their
+    inputs: grouped-query k/v heads share q's heads factor. Multi-query k/v (one head, read whole by
+    every rank) get gradients summed over the q heads: Partial(sum) where the heads are sharded;
+    so does a broadcast bias's gradient over the batch or heads it was broadcast along.
     """
-    q = _shape(node.args[1])
-    if q is None or len(q) != 4:
+    tensors = _named_tensors(node)
+    shapes = dict(tensors)
+    q, k, v = shapes.get("query"), shapes.get("key"), shapes.get("value")
+    if not _grouped_heads(q, k, v):
         return None
-    batch, heads = q[0], q[1]
-    counter = iter(range(1000))
-
-    def names(shape: tuple[int, ...]) -> tuple[str | None, ...]:
-        out: list[str | None] = []
-        for d, size in enumerate(shape):
-            if d < 2 and len(shape) >= 3 and size == (batch, heads)[d]:
-                out.append(("b", "h")[d])
-            elif d < 2 and len(shape) >= 3 and size == 1:
-                out.append(None)
-            else:
-                out.append(f"w{next(counter)}")
-        return tuple(out)
-
-    tensors = [a for a in pytree_leaves((node.args, node.kwargs)) if _shape(a) is not None]
-    ins = tuple(names(_shape(a)) for a in tensors)
-    outs = []  # grad_query, grad_key, grad_value (, grad_bias): each shaped like that input
-    for i, o in enumerate(node.meta["val"]):
-        if not isinstance(o, torch.Tensor) or i + 1 >= len(tensors) or _shape(tensors[i + 1]) != tuple(o.shape):
+    multi_query = k[1] == 1 < q[1]
+    ins: list[tuple[str | None, ...]] = []
+    for i, (name, shape) in enumerate(tensors):
+        own = tuple(f"w{i}_{d}" for d in range(len(shape)))
+        if name in ("key", "value") and multi_query:
+            f = ("b", None) + _BACKWARD_FACTORS[name][2:]
+        elif name in _BACKWARD_FACTORS:
+            f = _BACKWARD_FACTORS[name]
+        elif name in ATTENTION_MASKS:
+            f = _mask_factors(shape, (q[0], q[1], q[2], k[2]))
+        elif name == "logsumexp":  # [b, h, s], [b, h, s, 1] (cuDNN) or [b, h, padded s] (efficient)
+            f = ("b", "h") + own[2:] if len(shape) >= 3 and tuple(shape[:2]) == tuple(q[:2]) else None
+        else:  # RNG seed and offset, sequence offsets: replicated
+            f = own
+        if f is None:
             return None
-        outs.append(ins[i + 1])
-    whole = frozenset(f for dims in list(ins) + outs for f in dims if f is not None and f not in ("b", "h"))
-    return Signature(ins, outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]))
+        ins.append(f)
+    by_name = dict(zip((n for n, _ in tensors), ins))
+    grads_of = ("query", "key", "value", next((n for n in ATTENTION_MASKS if n in by_name), None))
+    outs: list[tuple[str | None, ...]] = []
+    for o, name in zip(node.meta["val"], grads_of):
+        if o is None:
+            outs.append(())
+        elif not isinstance(o, torch.Tensor) or name is None or tuple(o.shape) != shapes[name]:
+            return None
+        else:
+            outs.append(by_name[name])
+    whole = frozenset(f for dims in ins for f in dims if f is not None and f not in ("b", "h"))
+    summed = ((0, 1) if multi_query else ()) + ((2,) if len(outs) > 3 and outs[3] else ())
+    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]), summed=summed)
 
 
 ATTENTION_OPS = tuple(op for op in (
@@ -535,6 +604,7 @@ ATTENTION_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention", None),
     getattr(aten, "_scaled_dot_product_efficient_attention", None),
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),
+    getattr(aten, "_scaled_dot_product_fused_attention_overrideable", None),
     getattr(aten, "_scaled_dot_product_attention_math", None),
 ) if op is not None)
 
@@ -543,4 +613,5 @@ ATTENTION_BACKWARD_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention_backward", None),
     getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
     getattr(aten, "_scaled_dot_product_cudnn_attention_backward", None),
+    getattr(aten, "_scaled_dot_product_fused_attention_overrideable_backward", None),
 ) if op is not None)

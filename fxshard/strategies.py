@@ -53,8 +53,8 @@ def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str
             pieces = _sharded_prefix(layout.dims[d])
             if f not in sig.whole and pieces and pieces not in options:
                 options.append(pieces)
-    for f in set(sig.output) - {None}:
-        cands.setdefault(f, [])
+    for f in {f for dims in (sig.output,) + sig.extra_outputs for f in dims} - {None}:
+        cands.setdefault(f, [])  # a factor only an output has (an RNG state's dims) is local
     for options in cands.values():
         options.append(())  # local: always possible
     return cands
@@ -129,10 +129,12 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
             Layout(mesh, layout.shape, [assign[f] if f is not None else () for f in dims], partial_of(i))
             for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))
         if sig.extra_outputs:
+            sums = [()] + [tuple((p.axis, "sum") for f in sorted(sig.lacked(j)) for p in assign[f] if p.axis is not None)
+                           for j in range(len(sig.extra_outputs))]
             output: Any = tuple(
-                Layout(mesh, shape, [assign[f] if f is not None else () for f in dims], tuple(partial) + contracted)
+                Layout(mesh, shape, [assign[f] if f is not None else () for f in dims], tuple(partial) + contracted + s)
                 if shape is not None else None
-                for dims, shape in zip((sig.output,) + sig.extra_outputs, out_shapes))
+                for dims, shape, s in zip((sig.output,) + sig.extra_outputs, out_shapes, sums))
         else:
             output = Layout(mesh, out_shapes, [assign[f] if f is not None else () for f in sig.output],
                             tuple(partial) + contracted)

@@ -147,3 +147,50 @@ def test_mlp_tensor_parallel_on_two_gpus_with_nccl():
         sys.path.remove(str(examples))
     for r in results.values():
         assert r["error"] <= 1e-4 and r["collectives"] == ["all_reduce.default"]
+
+
+# The real CUDA attention kernels (CPU runs their stand-ins: tests/test_attention.py), each forced by
+# sdpa_kernel: (backend, the ATen op it must trace to, grouped-query k/v, a float mask [b, 1, s, t]).
+CUDA_ATTENTION = {
+    "flash gqa causal": ("FLASH_ATTENTION", "_scaled_dot_product_flash_attention", True, False),
+    "efficient mask": ("EFFICIENT_ATTENTION", "_scaled_dot_product_efficient_attention", False, True),
+    "cudnn causal": ("CUDNN_ATTENTION", "_scaled_dot_product_cudnn_attention", False, False),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(CUDA_ATTENTION))
+def test_cuda_attention_kernels_by_heads_match_one_gpu(case):
+    """Training through a real CUDA kernel, heads sharded on 2 simulated ranks: the output and every
+    gradient are one GPU's, and nothing moves."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fxshard
+    from fxshard.backend.explain import collectives_of
+    from fxshard.backend.simulate import simulate_ranks
+
+    backend, op, gqa, masked = CUDA_ATTENTION[case]
+    torch.manual_seed(0)
+    new = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = (new(2, h, 64, 64).requires_grad_() for h in (8, 4 if gqa else 8, 4 if gqa else 8))
+    args = (q, k, v) + ((new(2, 1, 64, 64),) if masked else ())
+
+    def fn(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=not masked,
+                                              enable_gqa=gqa)
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        try:
+            want = fn(*args)
+        except RuntimeError as e:  # this GPU (or build) lacks the kernel
+            pytest.skip(f"{backend}: {e}")
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+        heads = (Shard(1),)
+        run = simulate_ranks(fn, *args, mesh=fxshard.MeshSpec(tp=2), placements={0: heads, 1: heads, 2: heads},
+                             grad=True)
+    assert getattr(torch.ops.aten, op).default in {n.target for n in run.graph.graph.nodes}
+    assert collectives_of(run.graph) == []
+    grads = run.full_grads()
+    torch.testing.assert_close([run.full()[0]] + [grads[i] for i in range(3)], [want, *want_grads],
+                               rtol=2e-2, atol=2e-2)
