@@ -34,6 +34,9 @@ class Signature:
     whole: frozenset[str] = frozenset()  # factors that must not be sharded (softmax dim)
     addends: tuple[int, ...] = ()  # inputs added outside the contraction (addmm's bias): Partial with it
     extra_outputs: tuple[tuple[str | None, ...], ...] = ()  # further outputs of a multi-output op
+    # outputs (0: the first) whose dims smaller than their factor's pieces sum over the group those
+    # pieces leave out (grouped-query attention's grad_key, grad_value): Partial(sum) on the axes left out
+    group_sums: tuple[int, ...] = ()
 
     @property
     def contracted(self) -> set[str]:
@@ -342,7 +345,8 @@ def attention(node: Any) -> Signature | None:
     if q is None or k is None or v is None or len(q) != 4 or k[1] != v[1] or q[1] % k[1]:
         return None
     # grouped-query attention (fewer k/v heads): q head i reads k/v head i // (q heads / k heads), so
-    # the heads factor shards both with the same pieces, each rank holding whole groups
+    # one heads factor shards both; k/v's heads take the major part of its pieces (strategies.fit):
+    # with fewer kv heads than the pieces, a kv head is replicated on the ranks of its q heads
     is_causal = _attention_flag(node, "is_causal")
     tensors = [a for a in list(node.args[3:]) + list(node.kwargs.values()) if _shape(a) is not None]
     whole = {"t", "d", "e"}
@@ -500,19 +504,25 @@ def attention_backward(node: Any) -> Signature | None:
     """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
 
     Tensor arguments whose leading dims are (batch, heads) share them (size-1 broadcast dims of
-    a mask are None); other tensors (RNG state, sequence offsets) are replicated.
+    a mask are None); other tensors (RNG state, sequence offsets) are replicated. Grouped-query
+    key and value (args 2, 3) share the heads factor as in the forward; their gradients sum over
+    each kv head's q heads, so a rank holding part of a group has a Partial(sum) of them.
     """
     q = _shape(node.args[1])
     if q is None or len(q) != 4:
         return None
     batch, heads = q[0], q[1]
     counter = iter(range(1000))
+    key_value = [a for a in node.args[2:4] if _shape(a) is not None and len(_shape(a)) == 4]
+    grouped = {id(a) for a in key_value if heads % max(_shape(a)[1], 1) == 0}
 
-    def names(shape: tuple[int, ...]) -> tuple[str | None, ...]:
-        out: list[str | None] = []
+    def names(x: Any) -> tuple[str | None, ...]:
+        shape, out = _shape(x), []
         for d, size in enumerate(shape):
             if d < 2 and len(shape) >= 3 and size == (batch, heads)[d]:
                 out.append(("b", "h")[d])
+            elif d == 1 and id(x) in grouped:  # grouped-query k/v: their heads are the major part of q's
+                out.append("h")
             elif d < 2 and len(shape) >= 3 and size == 1:
                 out.append(None)
             else:
@@ -520,14 +530,14 @@ def attention_backward(node: Any) -> Signature | None:
         return tuple(out)
 
     tensors = [a for a in pytree_leaves((node.args, node.kwargs)) if _shape(a) is not None]
-    ins = tuple(names(_shape(a)) for a in tensors)
+    ins = tuple(names(a) for a in tensors)
     outs = []  # grad_query, grad_key, grad_value (, grad_bias): each shaped like that input
     for i, o in enumerate(node.meta["val"]):
         if not isinstance(o, torch.Tensor) or i + 1 >= len(tensors) or _shape(tensors[i + 1]) != tuple(o.shape):
             return None
         outs.append(ins[i + 1])
     whole = frozenset(f for dims in list(ins) + outs for f in dims if f is not None and f not in ("b", "h"))
-    return Signature(ins, outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]))
+    return Signature(ins, outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]), group_sums=(1, 2))
 
 
 ATTENTION_OPS = tuple(op for op in (
