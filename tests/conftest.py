@@ -37,3 +37,20 @@ class MLP(torch.nn.Module):
 def make_mlp():
     """The MLP class, as a factory: ``make_mlp(dim, hidden, activation)``."""
     return MLP
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (longer variants)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a longer variant of a test that has a fast default; run with --slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
