@@ -41,6 +41,9 @@ class Signature:
             return set()
         ins = {f for dims in self.inputs for f in dims if f is not None}
         return ins - set(self.extra_outputs[extra]) - self.contracted
+    # outputs (0: the first) whose dims smaller than their factor's pieces sum over the group those
+    # pieces leave out (grouped-query attention's grad_key, grad_value): Partial(sum) on the axes left out
+    group_sums: tuple[int, ...] = ()
 
     @property
     def contracted(self) -> set[str]:
@@ -596,7 +599,11 @@ def attention_backward(node: Any) -> Signature | None:
             outs.append(by_name[name])
     whole = frozenset(f for dims in ins for f in dims if f is not None and f not in ("b", "h"))
     summed = ((0, 1) if multi_query else ()) + ((2,) if len(outs) > 3 and outs[3] else ())
-    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]), summed=summed)
+    # grouped-query k/v with fewer heads than the pieces of q's heads take their major part (strategies.fit):
+    # their gradients sum over the q heads of the group the other ranks hold
+    grouped = (1, 2) if not multi_query and k[1] < q[1] else ()
+    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]), summed=summed,
+                     group_sums=grouped)
 
 
 ATTENTION_OPS = tuple(op for op in (

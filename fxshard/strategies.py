@@ -15,7 +15,7 @@ import torch
 
 from .hints import at_hints
 from .layout import Layout, LayoutError, Piece
-from .mesh import MeshSpec
+from .mesh import MeshAxis, MeshSpec, is_static
 from .rules import Signature
 
 Price = Callable[[Layout, Layout], float]
@@ -66,6 +66,42 @@ def _sharded_prefix(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
     k's heads times the group: the same pieces over k's heads, each of fewer local heads)."""
     last = max((i for i, p in enumerate(pieces) if p.axis is not None), default=-1)
     return pieces[:last + 1]
+
+
+def fit(pieces: tuple[Piece, ...], size: Any) -> tuple[tuple[Piece, ...], tuple[MeshAxis, ...]]:
+    """The major pieces of a factor that a dim of ``size`` holds, and the axes it leaves out.
+
+    A factor spans a smaller dim as its major part (grouped-query attention: k/v head j is q heads
+    [jG, (j+1)G)); where the pieces hold more than ``size``, the dim keeps the prefix that ``size``
+    allows, a sharded piece it cuts split into sub-axes (q heads [4@tp] over 2 kv heads: [2@tp/2]),
+    and is replicated on the axes left out (vLLM: each kv head on the ranks of its q heads).
+    """
+    sizes = [p.size for p in pieces]
+    if not pieces or not is_static(size) or not all(is_static(n) for n in sizes) or any(p.chunked for p in pieces):
+        return pieces, ()
+    total = 1
+    for n in sizes:
+        total *= int(n)
+    if int(size) % total == 0 or total % int(size):
+        return pieces, ()  # it fits (or it cannot: Layout says why)
+    kept: list[Piece] = []
+    left = int(size)
+    for i, p in enumerate(pieces):
+        n = int(p.size)
+        if left % n == 0:
+            kept.append(p)
+            left //= n
+            continue
+        if n % left:
+            return pieces, ()
+        dropped = tuple(q.axis for q in pieces[i + 1:] if q.axis is not None)
+        if left == 1:
+            return tuple(kept), ((p.axis,) if p.axis is not None else ()) + dropped
+        if p.axis is None:
+            return tuple(kept) + (Piece(left),), dropped
+        major, minor = p.axis.split(left)
+        return tuple(kept) + (Piece(left, major),), (minor,) + dropped
+    return tuple(kept), ()
 
 
 def _partial_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> list[tuple[tuple[int, ...], tuple]]:
@@ -126,18 +162,23 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
             return (tuple(partial) if i in group else ()) + (contracted if i in sig.addends else ())
 
         required = tuple(
-            Layout(mesh, layout.shape, [assign[f] if f is not None else () for f in dims], partial_of(i))
+            Layout(mesh, layout.shape, _fitted(dims, layout.shape, assign)[0], partial_of(i))
             for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))
-        if sig.extra_outputs:
-            sums = [()] + [tuple((p.axis, "sum") for f in sorted(sig.lacked(j)) for p in assign[f] if p.axis is not None)
-                           for j in range(len(sig.extra_outputs))]
-            output: Any = tuple(
-                Layout(mesh, shape, [assign[f] if f is not None else () for f in dims], tuple(partial) + contracted + s)
-                if shape is not None else None
-                for dims, shape, s in zip((sig.output,) + sig.extra_outputs, out_shapes, sums))
-        else:
-            output = Layout(mesh, out_shapes, [assign[f] if f is not None else () for f in sig.output],
-                            tuple(partial) + contracted)
+        outs = []
+        for k, (dims, shape) in enumerate(zip((sig.output,) + sig.extra_outputs,
+                                              out_shapes if sig.extra_outputs else (out_shapes,))):
+            if shape is None:
+                outs.append(None)
+                continue
+            pieces, left_out = _fitted(dims, shape, assign)
+            if left_out and k not in sig.group_sums:
+                return None  # an output cannot hold a part of what its factor's pieces say
+            # an extra output summed over factors it lacks (a multi-query grad_key over the q heads)
+            lacked = tuple((p.axis, "sum") for f in sorted(sig.lacked(k - 1)) for p in assign[f]
+                           if p.axis is not None) if k else ()
+            outs.append(Layout(mesh, shape, pieces,
+                               tuple(partial) + contracted + lacked + tuple((a, "sum") for a in left_out)))
+        output: Any = tuple(outs) if sig.extra_outputs else outs[0]
     except LayoutError:
         return None
     cost = sum(cost_of(i, dst) for i, dst in enumerate(required))
@@ -145,6 +186,17 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
     debt = partial_debt(first.with_partial(contracted), price) if contracted else 0.0  # inherited: owed already
     return Strategy(required, output, cost + debt)
 
+
+
+def _fitted(dims: Sequence[str | None], shape: Sequence[Any], assign: Mapping[str, tuple[Piece, ...]]
+            ) -> tuple[list[tuple[Piece, ...]], tuple[MeshAxis, ...]]:
+    """Each dim's pieces (its factor's, ``fit`` to its size) and every axis a dim left out."""
+    pieces, left_out = [], ()
+    for f, size in zip(dims, shape):
+        kept, dropped = fit(assign[f], size) if f is not None else ((), ())
+        pieces.append(kept)
+        left_out += dropped
+    return pieces, left_out
 
 
 def partial_debt(out: Layout, price: Price) -> float:

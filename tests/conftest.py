@@ -1,7 +1,7 @@
 """Shared fixtures: a fake process group (no real communication) and meshes on it.
 
 Tests marked ``@pytest.mark.slow`` (minutes each, covering what a faster test covers in part)
-run only with ``FXSHARD_SLOW=1`` in the environment: CI's default run stays lean.
+run only with ``--slow`` or ``FXSHARD_SLOW=1`` in the environment: CI's default run stays lean.
 """
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ import torch
 import torch.distributed as dist
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (FXSHARD_SLOW=1 too)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: minutes long; runs only with FXSHARD_SLOW=1")
+    config.addinivalue_line("markers", "slow: minutes long, a fast variant runs by default; --slow or FXSHARD_SLOW=1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("FXSHARD_SLOW") == "1":
+    if config.getoption("--slow") or os.environ.get("FXSHARD_SLOW") == "1":
         return
-    skip = pytest.mark.skip(reason="slow: set FXSHARD_SLOW=1 to run it")
+    skip = pytest.mark.skip(reason="slow: run with --slow or FXSHARD_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

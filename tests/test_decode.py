@@ -8,17 +8,19 @@ gathered. Every step's logits are the one-device logits.
 """
 from __future__ import annotations
 
+import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 
 transformers = pytest.importorskip("transformers")
 
-from zoo import ZOO  # noqa: E402
+from zoo import DECODER, ZOO, _hf  # noqa: E402
 
 BATCH, PROMPT, MAX_LEN, DECODE_STEPS = 2, 6, 16, 3
 
@@ -45,21 +47,20 @@ def static_step(model: torch.nn.Module):
     return step
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_prefill_and_decode_never_gather_the_cache(name, cache):
-    arch = ZOO[name]
-    torch.manual_seed(0)
-    model = arch.build()
+def decode(model: torch.nn.Module, cache: str, mesh: fxshard.MeshSpec, plan: dict, cache_layout: Any,
+           steps: int = DECODE_STEPS) -> list[tuple[list[str], list[str]]]:
+    """Prefill, then ``steps`` decode steps, each exact against one device; per step its collectives and
+    the layouts of the cache it returns (a dynamic cache: the next step's inputs, as returned)."""
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     step = (dynamic_step if cache == "dynamic" else static_step)(model)
     kv: tuple = () if cache == "dynamic" else tuple(
         torch.zeros(BATCH, config.num_key_value_heads, MAX_LEN, head_dim) for _ in range(2 * config.num_hidden_layers))
+    layouts = [cache_layout] * len(kv)
     ids, position = torch.randint(0, 256, (BATCH, PROMPT)), torch.arange(PROMPT)
-    mesh = fxshard.MeshSpec(tp=4)
-    for _ in range(1 + DECODE_STEPS):
-        placements = {**arch.plan(model), **{2 + i: (Shard(1),) for i in range(len(kv))}}  # cache: by kv head
+    out = []
+    for _ in range(1 + steps):
+        placements = {**plan, **{2 + i: layout for i, layout in enumerate(layouts)}}
         written = [t.clone() for t in kv]
         with torch.no_grad():
             want = step(ids, position, *written)
@@ -67,11 +68,86 @@ def test_prefill_and_decode_never_gather_the_cache(name, cache):
             warnings.filterwarnings("error", message="fxshard")
             got = fxshard.simulate(step, ids, position, *[t.clone() for t in kv], mesh=mesh, placements=placements)
             explanation = fxshard.explain(step, ids, position, *kv, mesh=mesh, placements=placements)
-        if cache == "dynamic":
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # logits and the grown cache
-            logits, kv = want[0], want[1:]
-        else:  # the step's logits read the entries it wrote (index_copy_ into the sharded buffers)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-            logits, kv = want, tuple(written)
-        assert [c.kind for c in explanation.collectives] == ["all_reduce"] * arch.megatron_all_reduces
+        # dynamic: the logits and the grown cache; static: the logits, which read the entries the step
+        # wrote (index_copy_ into the sharded buffers)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        logits, kv = (want[0], want[1:]) if cache == "dynamic" else (want, tuple(written))
+        held = list(explanation.output_layouts[1:]) if cache == "dynamic" else \
+            [explanation.input_layouts[f"arg{2 + i}"] for i in range(len(kv))]  # written in place
+        layouts = held if cache == "dynamic" else layouts
+        out.append(([c.kind for c in explanation.collectives], [str(layout) for layout in held]))
         ids, position = logits[:, -1].argmax(-1, keepdim=True), position[-1:] + 1
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_prefill_and_decode_never_gather_the_cache(name, cache):
+    arch = ZOO[name]
+    torch.manual_seed(0)
+    model = arch.build()
+    steps = decode(model, cache, fxshard.MeshSpec(tp=4), arch.plan(model), (Shard(1),))  # the cache: by kv head
+    assert [kinds for kinds, _ in steps] == [["all_reduce"] * arch.megatron_all_reduces] * (1 + DECODE_STEPS)
+
+
+TP4 = fxshard.MeshSpec(tp=4)
+PAIRS = fxshard.MeshSpec(kv=2, group=2)  # tp=4 written as (kv head, rank in its group)
+
+
+def kv_heads_on_pairs(shape: tuple) -> fxshard.Layout:
+    """A kv head per pair of ranks of tp=4 (its major sub-axis, tp/2), replicated in the pair: vLLM's
+    cache with 2 kv heads at tp=4, a layout DTensor cannot express on a one-axis mesh."""
+    return fxshard.Layout(TP4, shape, [(), (fxshard.Piece(2, TP4.axis("tp").split(2)[0]),), (), ()])
+
+
+def _with_kv_heads(name: str, kv_heads: int, layers: int) -> torch.nn.Module:
+    config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[name]
+    return _hf(config, model, **{**DECODER, "num_key_value_heads": kv_heads, "num_hidden_layers": layers})()
+
+
+def _replicated_kv(plan: dict) -> dict:
+    """Megatron's plan with the k/v projections replicated (vLLM's annotation for fewer kv heads than ranks)."""
+    return {n: ((Replicate(),) if re.search(r"\.(k|v)_proj\.", n) else p) for n, p in plan.items()}
+
+
+def _pairs(plan: dict) -> dict:
+    """Megatron's plan on (kv, group): every sharded parameter on both axes, k/v projections on kv only."""
+    return {n: (p[0], Replicate() if re.search(r"\.(k|v)_proj\.", n) else p[0]) for n, p in plan.items()}
+
+
+# 8 q heads, fewer kv heads than the 4 ranks: (architecture, cache, kv heads, mesh, the plan, the cache's
+# layout). Static caches are inputs written in place, so they keep the layout given; a dynamic cache is
+# returned, as a DTensor: on tp=4 a kv head per pair is not one (it would be moved to one every step),
+# on the mesh written as (kv, group) it is (Shard(1), Replicate()). With one kv head every rank holds it.
+FEWER_KV_HEADS = {
+    "llama static, 2 kv heads, tp=4": ("llama", "static", 2, TP4, _replicated_kv, kv_heads_on_pairs),
+    "qwen2 static, 1 kv head, tp=4": ("qwen2", "static", 1, TP4, _replicated_kv, lambda shape: (Replicate(),)),
+    "llama dynamic, 2 kv heads, kv=2 x group=2": ("llama", "dynamic", 2, PAIRS, _pairs, None),
+    "qwen2 dynamic, 1 kv head, tp=4": ("qwen2", "dynamic", 1, TP4, _replicated_kv, None),
+}
+KV_LAYOUTS = {2: {TP4: "[2] [2@tp/2] [{}] [8]", PAIRS: "[2] [2@kv] [{}] [8]"}, 1: {TP4: "[2] [1] [{}] [8]"}}
+
+
+# by default the 2-kv-head cases, 1 layer and 1 decode step (multi-query's plan is tests/test_grouped_query.py's);
+# with --slow every case, 2 layers and 3 decode steps
+DEPTHS = [pytest.param(case, (1, 1), id=f"{case}; 1 layer, 1 decode step") for case in FEWER_KV_HEADS
+          if FEWER_KV_HEADS[case][2] == 2] + \
+         [pytest.param(case, (2, DECODE_STEPS), id=f"{case}; 2 layers, 3 decode steps", marks=pytest.mark.slow)
+          for case in FEWER_KV_HEADS]
+
+
+@pytest.mark.parametrize("case, depth", DEPTHS)
+def test_fewer_kv_heads_than_ranks_keep_one_kv_head_per_group(case, depth):
+    """Each rank holds the kv head its q heads read (vLLM), the cache never moves: only Megatron's
+    all-reduces, in prefill as in decode."""
+    name, cache, kv_heads, mesh, plan, cache_layout = FEWER_KV_HEADS[case]
+    layers, decode_steps = depth
+    arch = ZOO[name]
+    torch.manual_seed(0)
+    model = _with_kv_heads(name, kv_heads, layers)
+    shape = (BATCH, kv_heads, MAX_LEN, model.config.hidden_size // model.config.num_attention_heads)
+    steps = decode(model, cache, mesh, plan(arch.plan(model)), cache_layout(shape) if cache_layout else None,
+                   decode_steps)
+    lengths = [MAX_LEN] * (1 + decode_steps) if cache == "static" else range(PROMPT, PROMPT + 1 + decode_steps)
+    layout, reduces = KV_LAYOUTS[kv_heads][mesh], arch.per_layer * layers + arch.extra
+    assert steps == [(["all_reduce"] * reduces, [layout.format(n)] * 2 * layers) for n in lengths]
