@@ -141,6 +141,8 @@ class Layout:
         size = self.shape[d]
         if not is_static(size):
             raise LayoutError("local_indices needs static sizes")
+        if int(size) == 0:  # an empty dim is empty on every rank
+            return torch.arange(0)
         idx = torch.arange(int(size)).reshape(1, -1)
         if int(size) == 0:  # an empty dim is empty on every rank (its pieces cannot be reshaped to)
             return idx.reshape(-1)

@@ -91,7 +91,7 @@ def layout_from_placements(mesh: Any, shape: Sequence[Any], placements: Sequence
         raise LayoutError(f"{len(placements)} placements {placements} for mesh {spec} with {spec.ndim} axes; "
                           "give one placement per mesh axis")
     shape_t = tuple(as_size(s) for s in shape)
-    dims: list[list[Piece]] = [[Piece(s)] for s in shape_t]
+    dims: list[list[Piece]] = [[] if is_static(s) and int(s) == 0 else [Piece(s)] for s in shape_t]
     partial: list[tuple[MeshAxis, str]] = []
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
@@ -101,16 +101,67 @@ def layout_from_placements(mesh: Any, shape: Sequence[Any], placements: Sequence
             partial.append((spec.axis(i), op))
         elif not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise LayoutError(f"unsupported placement {p!r} on mesh axis {spec.names[i]}")
-    for mesh_dim, tensor_dim in _shard_order(placements, shard_order, len(shape_t)):
+    order = _shard_order(placements, shard_order, len(shape_t))
+    for mesh_dim, tensor_dim in order:
+        if _shards_nothing(spec.sizes[mesh_dim], shape_t[tensor_dim]):
+            continue
         p = placements[mesh_dim]
         skip = p.split_factor if isinstance(p, _StridedShard) else 1
         dims[tensor_dim] = shard_local_block(dims[tensor_dim], spec.axis(mesh_dim), skip, shape_t[tensor_dim])
-    return Layout(spec, shape_t, dims, partial)
+    layout = Layout(spec, shape_t, dims, partial)
+    if any(p.chunked for pieces in dims for p in pieces):  # canonical form may have evened the pieces out
+        _check_uneven_blocks(layout, placements, order)
+    return layout
+
+
+def _shards_nothing(axis_size: Size, dim_size: Size) -> bool:
+    """A mesh axis of size 1 leaves every block whole; every block of an empty dim is empty."""
+    return (is_static(axis_size) and int(axis_size) == 1) or (is_static(dim_size) and int(dim_size) == 0)
+
+
+def _check_uneven_blocks(layout: Layout, placements: tuple[Placement, ...], order: list[tuple[int, int]]) -> None:
+    """Refuse an uneven layout whose pieces would give some rank another block than DTensor does.
+
+    DTensor's blocks, by its documented semantics (each Shard a torch.chunk of the rank's block,
+    a _StridedShard of each of its split_factor chunks), are recomputed on index lists: pieces
+    cannot hold every uneven strided split, and a wrong block is worse than a refusal.
+    """
+    if not layout.mesh.is_static or not all(is_static(s) for s in layout.shape):
+        return
+    for coord in layout.mesh.coordinates():
+        for d in range(layout.ndim):
+            expected = _dtensor_indices(int(layout.shape[d]), placements, order, d, coord, layout.mesh)
+            if layout.local_indices(d, coord).tolist() != expected:
+                steps = ", ".join(f"{placements[m]} on {layout.mesh.names[m]}" for m, t in order if t == d)
+                raise LayoutError(
+                    f"dim {d} of size {layout.shape[d]} split unevenly by {steps}: the rank at {coord} holds "
+                    f"elements {expected[:8]}{'...' if len(expected) > 8 else ''}, which no fxshard layout holds; "
+                    "pad the dim to a multiple of the split factor times the mesh axis sizes")
+
+
+def _dtensor_indices(size: int, placements: tuple[Placement, ...], order: list[tuple[int, int]], d: int,
+                     coord: tuple[int, ...], mesh: MeshSpec) -> list[int]:
+    """The global indices of dim ``d`` that DTensor's placements give the rank at ``coord``."""
+    idx = list(range(size))
+    for m, t in order:
+        if t != d:
+            continue
+        p, n = placements[m], int(mesh.sizes[m])
+        parts = _chunks(idx, int(p.split_factor)) if isinstance(p, _StridedShard) else [idx]
+        idx = [i for part in parts for i in _chunks(part, n)[coord[m]]]
+    return idx
+
+
+def _chunks(idx: list[int], n: int) -> list[list[int]]:
+    """torch.chunk into ``n`` (chunks of ceil(len / n), empty ones at the end)."""
+    size = -(-len(idx) // n)
+    return [idx[k * size:(k + 1) * size] for k in range(n)] if size else [[] for _ in range(n)]
 
 
 def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size: Size) -> list[Piece]:
     """Shard the local block of a dim over ``axis`` after viewing it as [skip, rest] (torch.chunk)."""
-    if pieces and pieces[-1].chunked:  # nested uneven shard: chunk whatever the last chunk left
+    if pieces and pieces[-1].chunked and skip == 1 and all(p.axis is not None for p in pieces):
+        # nested uneven shard of a block that is one chunk: chunk whatever the last chunk left
         last = pieces[-1]
         return pieces + [Piece(-(-int(last.size) // int(last.axis.size)), axis, chunked=True)]
     out: list[Piece] = []
@@ -134,6 +185,10 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
     while rest is not None:
         local_left = [p for p in todo if p.axis is None]
         p = _next_local(todo, out)
+        if p is None and rest == axis and not any(q.chunked for q in out):
+            # one element left per block: torch.chunk gives it to coordinate 0
+            out.append(Piece(1, axis, chunked=True))
+            break
         if p is None:
             raise LayoutError(f"nothing left to shard over {axis} in a dim of size {dim_size}")
         n = rest.size
