@@ -144,8 +144,6 @@ class Layout:
         if int(size) == 0:  # an empty dim is empty on every rank
             return torch.arange(0)
         idx = torch.arange(int(size)).reshape(1, -1)
-        if int(size) == 0:  # an empty dim is empty on every rank (its pieces cannot be reshaped to)
-            return idx.reshape(-1)
         for p in self.dims[d]:
             if p.axis is None:
                 idx = idx.reshape(idx.shape[0] * int(p.size), -1)

@@ -85,7 +85,6 @@ PLACEMENTS = [
     case((2, 2, 2), (8, 4, 6), [Shard(0), Partial("sum"), Shard(2)]),
     case((2, 2, 2), (8, 6), [Partial("sum"), Shard(1), Partial("sum")]),
     case((2,), (2, 4, 0, 8), [Shard(1)]),        # an empty KV cache sharded on its heads
-    case((4,), (0, 6), [Shard(0)]),               # an empty dim sharded: 0 rows everywhere
     case((2,), (3, 0), [Replicate()]),
 ]
 
