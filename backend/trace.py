@@ -126,6 +126,8 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if is_from_local(target):
             return self._from_local(*args, **kwargs)
+        if target is torch.ops.higher_order.tag_activation_checkpoint:
+            return self._checkpointed(*args, **kwargs)
         if is_autograd_function(target):
             if mutates_inputs(kwargs):
                 raise TraceError(f"{self._where()}: a custom autograd.Function modifies its inputs in place "
@@ -174,6 +176,20 @@ class _GlobalInterpreter(fx.Interpreter):
                 "it cannot know the other ranks' shards. Pass the input as a DTensor (distribute_tensor) instead, "
                 "or as a replicated plain tensor.")
         return self._pin(local, placements)
+
+    def _checkpointed(self, body: fx.GraphModule, *operands: Any, **kwargs: Any) -> Any:
+        """A ``torch.utils.checkpoint`` region: its body read by this interpreter, under checkpoint.
+
+        Running the higher-order op would interpret the body with a plain ``fx.Interpreter``, to
+        which the DTensor API calls it holds (``redistribute``, ``fxshard.constrain`` on DTensors)
+        are methods plain tensors lack; here they are pins as anywhere else.
+        """
+        inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
+        inner.local_views = self.local_views
+        context_fn = body.meta.get("_checkpoint_context_fn")
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return torch.utils.checkpoint.checkpoint(lambda *xs: inner.run(*xs), *operands, use_reentrant=False,
+                                                 preserve_rng_state=False, early_stop=False, **extra)
 
     def _where(self) -> str:
         n = getattr(self, "_current", None)

@@ -52,13 +52,18 @@ def constrain(x: torch.Tensor, placements: Sequence[object] | object) -> torch.T
     """Pin ``x`` to DTensor ``placements`` (over the program's mesh) inside a compiled model.
 
     Like ``with_sharding_constraint``: propagation gives ``x`` exactly this layout and plans
-    the redistributions into and out of it. Eagerly (no fxshard compile) it returns a copy
-    of ``x``, so the model still runs on one device.
+    the redistributions into and out of it. On a DTensor (``torch.compile`` with DTensor inputs,
+    or eagerly) it is DTensor's own ``redistribute``, which fxshard's trace reads as this pin;
+    on a plain tensor (global shapes: ``simulate``, ``explain``, one device) it is the marker op,
+    eagerly a copy of ``x``.
     """
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
     from .placements import placements_to_str
 
     if isinstance(placements, Placement):  # a bare placement: a one-axis mesh (checked when planned)
         placements = (placements,)
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=tuple(placements))  # type: ignore[arg-type]
     return constrain_op(x, placements_to_str(tuple(placements)))  # type: ignore[arg-type]
