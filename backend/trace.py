@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
-from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
@@ -177,19 +177,16 @@ class _GlobalInterpreter(fx.Interpreter):
                 "or as a replicated plain tensor.")
         return self._pin(local, placements)
 
-    def _checkpointed(self, body: fx.GraphModule, *operands: Any, **kwargs: Any) -> Any:
-        """A ``torch.utils.checkpoint`` region: its body read by this interpreter, under checkpoint.
+    def _checkpointed(self, body: fx.GraphModule, *operands: Any, **_: Any) -> Any:
+        """A ``torch.utils.checkpoint`` region: its body read by this interpreter, its nodes tagged.
 
-        Running the higher-order op would interpret the body with a plain ``fx.Interpreter``, to
-        which the DTensor API calls it holds (``redistribute``, ``fxshard.constrain`` on DTensors)
-        are methods plain tensors lack; here they are pins as anywhere else.
+        The higher-order op would run the body with a plain ``fx.Interpreter``, to which the DTensor
+        API calls it holds (``redistribute``, ``fxshard.constrain`` on DTensors) are unknown methods;
+        checkpoint's recomputation is the training split's job (``CHECKPOINTED`` nodes are recomputed).
         """
         inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
         inner.local_views = self.local_views
-        context_fn = body.meta.get("_checkpoint_context_fn")
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return torch.utils.checkpoint.checkpoint(lambda *xs: inner.run(*xs), *operands, use_reentrant=False,
-                                                 preserve_rng_state=False, early_stop=False, **extra)
+        return self._tagged(lambda: inner.run(*operands), {CHECKPOINTED: self._where()})
 
     def _where(self) -> str:
         n = getattr(self, "_current", None)
