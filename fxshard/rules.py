@@ -191,6 +191,51 @@ def reduce_whole(node: Any) -> Signature:
     return Signature(sig.inputs, sig.output, whole=frozenset(sig.contracted))
 
 
+def _moved_dims(node: Any) -> tuple[int, ...]:
+    """The dims along which ``node`` (flip, roll, constant_pad_nd, scans) moves elements."""
+    ndim = len(_shape(node.args[0]) or ())
+    if node.target in (aten.flip.default, aten.roll.default):
+        dims = node.args[2] if node.target is aten.roll.default and len(node.args) > 2 else \
+            node.kwargs.get("dims", node.args[1] if node.target is aten.flip.default else ())
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return tuple(range(ndim)) if not dims else tuple(d % ndim for d in dims)  # roll without dims: flat
+    if node.target is aten.constant_pad_nd.default:
+        pad = node.args[1]
+        return tuple(ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1])
+    return (node.args[1] % ndim,) if ndim else ()  # scans along ``dim``
+
+
+def along(node: Any) -> Signature:
+    """An op that moves elements along some dims only (flip, roll, pad, cummax): those stay whole,
+    every other dim is independent, so a block sharded off them is computed where it lies.
+
+    Moving elements keeps a Partial's shares apart (any reduce op), except that a pad's fill value
+    is added once per rank: only a zero fill passes a Partial(sum) through.
+    """
+    names = tuple(_letters(len(_shape(node.args[0]) or ())))
+    whole = frozenset(names[d] for d in _moved_dims(node))
+    linear = node.target in (aten.flip.default, aten.roll.default, aten.constant_pad_nd.default)
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    ops = () if not linear else ALL_OPS if node.target is not aten.constant_pad_nd.default or fill == 0 else SHIFT_OPS
+    extra = (names,) if node.target in (aten.cummax.default, aten.cummin.default) else ()
+    return Signature((names,), names, partial_groups=((0,),) if ops else (), partial_ops=ops, whole=whole,
+                     extra_outputs=extra)
+
+
+def index_select(node: Any) -> Signature:
+    """x.index_select(dim, index): ``dim`` and the index stay whole, x's other dims are independent;
+    picking elements keeps a Partial's shares apart."""
+    names = tuple(_letters(len(_shape(node.args[0]))))
+    d = names[node.args[1] % len(names)]
+    return Signature((names, (d,)), names, partial_groups=((0,),), partial_ops=ALL_OPS, whole=frozenset({d}))
+
+
+def reduce_whole_indexed(node: Any) -> Signature:
+    """max/min along a dim -> (values, indices): as ``reduce_whole``, with the indices shaped alike."""
+    sig = reduce_whole(node)
+    return Signature(sig.inputs, sig.output, whole=sig.whole, extra_outputs=(sig.output,))
+
+
 def index_copy(node: Any) -> Signature:
     """x.index_copy(dim, index, source) (a static KV cache's write): dim ``dim`` and the index stay
     whole, every other dim of x and source is independent (a cache sharded on heads writes its heads)."""
