@@ -205,7 +205,7 @@ def _moved_dims(node: Any) -> tuple[int, ...]:
     return (node.args[1] % ndim,) if ndim else ()  # scans along ``dim``
 
 
-def along(node: Any) -> Signature:
+def moves_along(node: Any) -> Signature:
     """An op that moves elements along some dims only (flip, roll, pad, cummax): those stay whole,
     every other dim is independent, so a block sharded off them is computed where it lies.
 
@@ -220,6 +220,19 @@ def along(node: Any) -> Signature:
     extra = (names,) if node.target in (aten.cummax.default, aten.cummin.default) else ()
     return Signature((names,), names, partial_groups=((0,),) if ops else (), partial_ops=ops, whole=whole,
                      extra_outputs=extra)
+
+
+def index_add(node: Any) -> Signature:
+    """x.index_add(dim, index, source) (index_select's backward): as ``index_copy``, and a sum of
+    shares: x and source Partial(sum) together give the Partial(sum) of the result."""
+    sig = index_copy(node)
+    return Signature(sig.inputs, sig.output, partial_groups=((0, 2),), whole=sig.whole)
+
+
+def scatter_add(node: Any) -> Signature | None:
+    """scatter_add(x, dim, index, src) (cummax's backward): as ``scatter``, and linear in x and src together."""
+    sig = scatter(node)
+    return None if sig is None else Signature(sig.inputs, sig.output, partial_groups=((0, 2),), whole=sig.whole)
 
 
 def index_select(node: Any) -> Signature:
