@@ -191,35 +191,44 @@ def reduce_whole(node: Any) -> Signature:
     return Signature(sig.inputs, sig.output, whole=frozenset(sig.contracted))
 
 
-def _moved_dims(node: Any) -> tuple[int, ...]:
-    """The dims along which ``node`` (flip, roll, constant_pad_nd, scans) moves elements."""
-    ndim = len(_shape(node.args[0]) or ())
-    if node.target in (aten.flip.default, aten.roll.default):
-        dims = node.args[2] if node.target is aten.roll.default and len(node.args) > 2 else \
-            node.kwargs.get("dims", node.args[1] if node.target is aten.flip.default else ())
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        return tuple(range(ndim)) if not dims else tuple(d % ndim for d in dims)  # roll without dims: flat
-    if node.target is aten.constant_pad_nd.default:
-        pad = node.args[1]
-        return tuple(ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1])
-    return (node.args[1] % ndim,) if ndim else ()  # scans along ``dim``
+def flip_dims(node: Any) -> list[int]:
+    return list(node.args[1] if len(node.args) > 1 else node.kwargs["dims"])
 
 
-def moves_along(node: Any) -> Signature:
-    """An op that moves elements along some dims only (flip, roll, pad, cummax): those stay whole,
-    every other dim is independent, so a block sharded off them is computed where it lies.
+def roll_dims(node: Any) -> list[int]:
+    """roll's dims; without any it rolls the flattened tensor, which moves elements along every dim."""
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", ())
+    return list(dims) or list(range(len(_shape(node.args[0]) or ())))
 
-    Moving elements keeps a Partial's shares apart (any reduce op), except that a pad's fill value
-    is added once per rank: only a zero fill passes a Partial(sum) through.
-    """
-    names = tuple(_letters(len(_shape(node.args[0]) or ())))
-    whole = frozenset(names[d] for d in _moved_dims(node))
-    linear = node.target in (aten.flip.default, aten.roll.default, aten.constant_pad_nd.default)
+
+def padded_dims(node: Any) -> list[int]:
+    """constant_pad_nd's pad pairs run from the last dim backwards; a (0, 0) pair leaves its dim alone."""
+    ndim, pad = len(_shape(node.args[0]) or ()), node.args[1]
+    return [ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
+
+
+def scan_dim(node: Any) -> list[int]:
+    return [node.args[1]]
+
+
+def pad_partial_ops(node: Any) -> Sequence[str]:
+    """A pad's fill is written once per rank: a Partial(sum) passes only a zero fill."""
     fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
-    ops = () if not linear else ALL_OPS if node.target is not aten.constant_pad_nd.default or fill == 0 else SHIFT_OPS
-    extra = (names,) if node.target in (aten.cummax.default, aten.cummin.default) else ()
-    return Signature((names,), names, partial_groups=((0,),) if ops else (), partial_ops=ops, whole=whole,
-                     extra_outputs=extra)
+    return ALL_OPS if fill == 0 else SHIFT_OPS
+
+
+def moves_along(dims_of: Callable[[Any], Sequence[int]],
+                partial_ops_of: Callable[[Any], Sequence[str]] = lambda node: (), outputs: int = 1) -> RuleFn:
+    """An op that moves elements along the dims ``dims_of(node)`` only (flip, roll, pad, scans): those
+    stay whole, every other dim is independent, so a block sharded off them is computed where it lies.
+    ``partial_ops_of``: the Partial reduce ops that pass through (moving elements keeps shares apart)."""
+    def rule(node: Any) -> Signature:
+        names = tuple(_letters(len(_shape(node.args[0]) or ())))
+        whole = frozenset(names[d % len(names)] for d in dims_of(node)) if names else frozenset()
+        ops = tuple(partial_ops_of(node))
+        return Signature((names,), names, partial_groups=((0,),) if ops else (), partial_ops=ops, whole=whole,
+                         extra_outputs=(names,) * (outputs - 1))
+    return rule
 
 
 def index_add(node: Any) -> Signature:

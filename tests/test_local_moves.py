@@ -102,3 +102,24 @@ def test_their_backward_moves_nothing_either():
         moved = [c for c in collective_calls(forward) + collective_calls(backward) if c.input_bytes > 4]
     loss(x).backward()
     torch.testing.assert_close((moved, grads[0]), ([], x.grad))  # moved: all but the scalar loss's all_reduce
+
+
+@pytest.mark.parametrize("fn, collectives", [
+    (lambda y: y.flip(1), []),
+    (lambda y: y.roll(1, 1), []),
+    (lambda y: y.index_select(1, INDEX), []),
+    (lambda y: F.pad(y, (1, 1)), []),
+    (lambda y: F.pad(y, (1, 1), value=1.0), ["all_reduce"]),  # the fill would be summed over ranks
+], ids=["flip", "roll", "index_select", "pad with zeros", "pad with ones"])
+def test_partial_sums_move_unreduced(fn, collectives):
+    """x @ w over a sharded contraction is Partial(sum): moving its elements keeps the shares apart."""
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    pl = {0: Shard(1), 1: Shard(0)}
+
+    def f(x, w):
+        return fn(x @ w)
+
+    e = fxshard.explain(f, x, w, mesh=fxshard.MeshSpec(tp=4), placements=pl)
+    out = fxshard.simulate(f, x, w, mesh=fxshard.MeshSpec(tp=4), placements=pl)
+    assert [c.kind for c in e.collectives] == collectives
+    torch.testing.assert_close(out, f(x, w))
