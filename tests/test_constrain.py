@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxshard
 from fxshard.backend.simulate import lowered_graphs
@@ -83,6 +84,22 @@ def test_simulate_matches_one_device(context):
     out = fxshard.simulate(fn, x, mesh=fxshard.MeshSpec(tp=4), placements={0: Shard(0)})
     with torch.no_grad():
         torch.testing.assert_close(out, fn(x))
+
+
+STRIDED = [_StridedShard(1, split_factor=2)]  # read under Dynamo, its split_factor once failed ("cls_source
+# must not be None for MRO walk" from a closure, "property.__get__" written in place)
+
+
+@pytest.mark.parametrize("fn", [closure(STRIDED),
+                                lambda x: fxshard.constrain(x * 2, [_StridedShard(1, split_factor=2)]) + 1],
+                         ids=["closure", "in place"])
+def test_a_strided_pin_traces(fn, fake_mesh_4):
+    x = torch.randn(8, 8)
+    compiled = torch.compile(fn, backend="fxshard", options={"inductor": False})
+    out = compiled(distribute_tensor(x, fake_mesh_4, [Shard(0)]))
+    torch._dynamo.reset()
+    simulated = fxshard.simulate(fn, x, mesh=fxshard.MeshSpec(tp=4), placements={0: Shard(0)})
+    assert (out.placements, torch.equal(simulated, fn(x))) == (tuple(STRIDED), True)
 
 
 def test_eager_constrain_of_a_dtensor_is_its_redistribute(fake_mesh_4):
