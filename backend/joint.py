@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
-from fxshard.graph import LAYOUT, SRC_LAYOUT, output_layouts, outputs
+from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, output_layouts, outputs
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
@@ -169,7 +169,8 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
 
 def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) -> set[fx.Node]:
     """Forward nodes the backward recomputes rather than saves: gathers (but those ``split`` keeps),
-    views of them, and views of the primals. Rewrites ``gm`` (see ``reuse_first_gather``)."""
+    views of them, views of the primals, and what a ``torch.utils.checkpoint`` region computed
+    (but random draws, which would differ). Rewrites ``gm`` (see ``reuse_first_gather``)."""
     keep = small_gathers(gm, forward, split.keep_below_fraction)
     if split.keep_first_backward_gather:
         keep |= reuse_first_gather(gm, forward)
@@ -179,9 +180,16 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) 
             continue
         source = node.args[0] if node.args else None
         if (grows(node) and node not in keep) or (node.target in CHEAP_FOLLOWERS and source in out) or \
-                (node.target in RELABELS and isinstance(source, fx.Node) and source.op == "placeholder"):
+                (node.target in RELABELS and isinstance(source, fx.Node) and source.op == "placeholder") or \
+                _checkpointed(node):
             out.add(node)
     return out
+
+
+def _checkpointed(node: fx.Node) -> bool:
+    """Whether ``node`` ran in a checkpointed region and recomputing it gives the same value."""
+    tags = getattr(node.target, "tags", ())
+    return CHECKPOINTED in node.meta and torch.Tag.nondeterministic_seeded not in tags
 
 
 def partition(joint: fx.GraphModule, signature: JointSignature,

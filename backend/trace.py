@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
-from fxshard.graph import EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
@@ -128,6 +128,8 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if is_from_local(target):
             return self._from_local(*args, **kwargs)
+        if target is torch.ops.higher_order.tag_activation_checkpoint:
+            return self._checkpointed(*args, **kwargs)
         if is_autograd_function(target):
             if mutates_inputs(kwargs):
                 raise TraceError(f"{self._where()}: a custom autograd.Function modifies its inputs in place "
@@ -176,6 +178,17 @@ class _GlobalInterpreter(fx.Interpreter):
                 "it cannot know the other ranks' shards. Pass the input as a DTensor (distribute_tensor) instead, "
                 "or as a replicated plain tensor.")
         return self._pin(local, placements)
+
+    def _checkpointed(self, body: fx.GraphModule, *operands: Any, **_: Any) -> Any:
+        """A ``torch.utils.checkpoint`` region: its body read by this interpreter, its nodes tagged.
+
+        The higher-order op would run the body with a plain ``fx.Interpreter``, to which the DTensor
+        API calls it holds (``redistribute``, ``fxshard.constrain`` on DTensors) are unknown methods;
+        checkpoint's recomputation is the training split's job (``CHECKPOINTED`` nodes are recomputed).
+        """
+        inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
+        inner.local_views = self.local_views
+        return self._tagged(lambda: inner.run(*operands), {CHECKPOINTED: self._where()})
 
     def _where(self) -> str:
         n = getattr(self, "_current", None)

@@ -19,6 +19,8 @@ key                  stage     value
 ``LOCAL_REGION``     1         where in the user's code a node computed from a ``to_local()`` shard came from
 ``EAGER_SHAPE``      1         ``(coordinate, shape)``: the local shape eager code had for this value there
 ``REGION_EXIT``      1         the pin ``DTensor.from_local`` ends a local region with (where, in the code)
+``CHECKPOINTED``     1         where the ``torch.utils.checkpoint`` region a forward node ran in was called:
+                               the training split recomputes it in the backward instead of saving it
 ===================  ========  ===========================================================================
 
 The helpers below are the graph questions several stages ask (a node's tensor arguments, what
@@ -43,6 +45,7 @@ LOCALIZE = "localize"
 LOCAL_REGION = "fxshard_local_region"
 EAGER_SHAPE = "fxshard_eager_local_shape"
 REGION_EXIT = "fxshard_region_exit"
+CHECKPOINTED = "fxshard_checkpointed"
 
 PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py snapshots these)
 

@@ -52,13 +52,29 @@ def constrain(x: torch.Tensor, placements: Sequence[object] | object) -> torch.T
     """Pin ``x`` to DTensor ``placements`` (over the program's mesh) inside a compiled model.
 
     Like ``with_sharding_constraint``: propagation gives ``x`` exactly this layout and plans
-    the redistributions into and out of it. Eagerly (no fxshard compile) it returns a copy
-    of ``x``, so the model still runs on one device.
+    the redistributions into and out of it. On a DTensor (``torch.compile`` with DTensor inputs,
+    or eagerly) it is DTensor's own ``redistribute``; on a plain tensor (global shapes: ``simulate``,
+    ``explain``, one device) the marker op, eagerly a copy of ``x``.
     """
     from torch.distributed.tensor.placement_types import Placement
 
-    from .placements import placements_to_str
-
     if isinstance(placements, Placement):  # a bare placement: a one-axis mesh (checked when planned)
         placements = (placements,)
-    return constrain_op(x, placements_to_str(tuple(placements)))  # type: ignore[arg-type]
+    return _pin(x, tuple(placements))
+
+
+@torch._dynamo.allow_in_graph
+def _pin(x: torch.Tensor, placements: tuple) -> torch.Tensor:
+    """``constrain``, one call in Dynamo's graph with the placements as its constants.
+
+    Dynamo does not trace into it: reading a placement's fields under Dynamo fails for some
+    (``_StridedShard.split_factor``, a property of an opaque object). Stage 1 runs it on global
+    tensors, where it is the marker op.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from .placements import placements_to_str
+
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=placements)
+    return constrain_op(x, placements_to_str(placements))

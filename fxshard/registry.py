@@ -105,6 +105,18 @@ OPS: dict[Any, Op] = {
     aten.any.default: signature_op(rules.reduce_whole),
     aten.any.dim: signature_op(rules.reduce_whole),
     aten.any.dims: signature_op(rules.reduce_whole),
+    aten.argmax.default: signature_op(rules.reduce_whole),
+    aten.argmin.default: signature_op(rules.reduce_whole),
+    aten.max.dim: signature_op(rules.reduce_whole_indexed),
+    aten.min.dim: signature_op(rules.reduce_whole_indexed),
+    aten.cummax.default: signature_op(rules.moves_along(rules.scan_dim, outputs=2)),
+    aten.cummin.default: signature_op(rules.moves_along(rules.scan_dim, outputs=2)),
+    aten.logcumsumexp.default: signature_op(rules.moves_along(rules.scan_dim)),
+    # elements moved along some dims (those stay whole), the others computed where they lie
+    aten.flip.default: signature_op(rules.moves_along(rules.flip_dims, lambda node: rules.ALL_OPS)),
+    aten.roll.default: signature_op(rules.moves_along(rules.roll_dims, lambda node: rules.ALL_OPS)),
+    aten.constant_pad_nd.default: signature_op(rules.moves_along(rules.padded_dims, rules.pad_partial_ops)),
+    aten.index_select.default: signature_op(rules.index_select),
     aten.topk.default: signature_op(rules.select_along),
     aten.sort.default: signature_op(rules.select_along),
     # pointwise ops whose partial sums need care (other pointwise ops: by their torch tag)
@@ -157,6 +169,8 @@ OPS: dict[Any, Op] = {
     aten.select_scatter.default: signature_op(rules.slice_scatter),
     aten.index_put.default: signature_op(rules.index_put_accumulate),
     aten.index_copy.default: signature_op(rules.index_copy),
+    aten.index_add.default: signature_op(rules.index_add),
+    aten.scatter_add.default: signature_op(rules.scatter_add),
     aten._unsafe_masked_index_put_accumulate.default: signature_op(rules.index_put_accumulate),
     aten._grouped_mm.default: signature_op(rules.grouped_mm),
     # attention kernels: batch and heads independent
@@ -217,6 +231,8 @@ DECOMPOSED: dict[Any, str] = {
     # repeat (tiling): expand + clone + view, so each repeated dim is a regrouping of pieces (ALiBi's
     # per-head slopes tiled over the batch stay sharded by head)
     aten.repeat: FORWARD,
+    # rot90: flips and a transpose, so the dims it does not turn stay sharded
+    aten.rot90: FORWARD,
     # losses: pointwise ops and a mean, so a batch-sharded loss is a local sum and one all_reduce
     aten.mse_loss: FORWARD,
     aten.smooth_l1_loss: FORWARD,

@@ -201,6 +201,73 @@ def reduce_whole(node: Any) -> Signature:
     return Signature(sig.inputs, sig.output, whole=frozenset(sig.contracted))
 
 
+def flip_dims(node: Any) -> list[int]:
+    return list(node.args[1] if len(node.args) > 1 else node.kwargs["dims"])
+
+
+def roll_dims(node: Any) -> list[int]:
+    """roll's dims; without any it rolls the flattened tensor, which moves elements along every dim."""
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", ())
+    return list(dims) or list(range(len(_shape(node.args[0]) or ())))
+
+
+def padded_dims(node: Any) -> list[int]:
+    """constant_pad_nd's pad pairs run from the last dim backwards; a (0, 0) pair leaves its dim alone."""
+    ndim, pad = len(_shape(node.args[0]) or ()), node.args[1]
+    return [ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
+
+
+def scan_dim(node: Any) -> list[int]:
+    return [node.args[1]]
+
+
+def pad_partial_ops(node: Any) -> Sequence[str]:
+    """A pad's fill is written once per rank: a Partial(sum) passes only a zero fill."""
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return ALL_OPS if fill == 0 else SHIFT_OPS
+
+
+def moves_along(dims_of: Callable[[Any], Sequence[int]],
+                partial_ops_of: Callable[[Any], Sequence[str]] = lambda node: (), outputs: int = 1) -> RuleFn:
+    """An op that moves elements along the dims ``dims_of(node)`` only (flip, roll, pad, scans): those
+    stay whole, every other dim is independent, so a block sharded off them is computed where it lies.
+    ``partial_ops_of``: the Partial reduce ops that pass through (moving elements keeps shares apart)."""
+    def rule(node: Any) -> Signature:
+        names = tuple(_letters(len(_shape(node.args[0]) or ())))
+        whole = frozenset(names[d % len(names)] for d in dims_of(node)) if names else frozenset()
+        ops = tuple(partial_ops_of(node))
+        return Signature((names,), names, partial_groups=((0,),) if ops else (), partial_ops=ops, whole=whole,
+                         extra_outputs=(names,) * (outputs - 1))
+    return rule
+
+
+def index_add(node: Any) -> Signature:
+    """x.index_add(dim, index, source) (index_select's backward): as ``index_copy``, and a sum of
+    shares: x and source Partial(sum) together give the Partial(sum) of the result."""
+    sig = index_copy(node)
+    return Signature(sig.inputs, sig.output, partial_groups=((0, 2),), whole=sig.whole)
+
+
+def scatter_add(node: Any) -> Signature | None:
+    """scatter_add(x, dim, index, src) (cummax's backward): as ``scatter``, and linear in x and src together."""
+    sig = scatter(node)
+    return None if sig is None else Signature(sig.inputs, sig.output, partial_groups=((0, 2),), whole=sig.whole)
+
+
+def index_select(node: Any) -> Signature:
+    """x.index_select(dim, index): ``dim`` and the index stay whole, x's other dims are independent;
+    picking elements keeps a Partial's shares apart."""
+    names = tuple(_letters(len(_shape(node.args[0]))))
+    d = names[node.args[1] % len(names)]
+    return Signature((names, (d,)), names, partial_groups=((0,),), partial_ops=ALL_OPS, whole=frozenset({d}))
+
+
+def reduce_whole_indexed(node: Any) -> Signature:
+    """max/min along a dim -> (values, indices): as ``reduce_whole``, with the indices shaped alike."""
+    sig = reduce_whole(node)
+    return Signature(sig.inputs, sig.output, whole=sig.whole, extra_outputs=(sig.output,))
+
+
 def index_copy(node: Any) -> Signature:
     """x.index_copy(dim, index, source) (a static KV cache's write): dim ``dim`` and the index stay
     whole, every other dim of x and source is independent (a cache sharded on heads writes its heads)."""
