@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.testing._internal.distributed._tensor.common_dtensor import patched_distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fxshard import LayoutError, MeshSpec, plan_redistribute, simulate_plan
+from fxshard import LayoutError, MeshSpec
 from fxshard.placements import layout_from_placements, placements_from_layout
 
 CASES = int(os.environ.get("FXSHARD_CONFORMANCE_CASES", "1000"))
