@@ -137,24 +137,31 @@ class Layout:
 
     def local_indices(self, d: int, coordinate: Coordinate) -> torch.Tensor:
         """Global indices along dim ``d`` held by the rank at ``coordinate``, in local order."""
+        return torch.tensor(self.local_index_list(d, coordinate), dtype=torch.long)
+
+    def local_index_list(self, d: int, coordinate: Coordinate) -> list[int]:
+        """``local_indices`` as a list, computed without tensors: safe to call while a fake or tracing
+        mode is active (a layout read inside a trace)."""
         coord = self.mesh.coordinate_dict(coordinate)
         size = self.shape[d]
         if not is_static(size):
             raise LayoutError("local_indices needs static sizes")
+        rows = [list(range(int(size)))]
         if int(size) == 0:  # an empty dim is empty on every rank
-            return torch.arange(0)
-        idx = torch.arange(int(size)).reshape(1, -1)
+            return []
         for p in self.dims[d]:
-            if p.axis is None:
-                idx = idx.reshape(idx.shape[0] * int(p.size), -1)
+            if p.axis is None:  # a local piece: each row splits into p.size rows
+                k = int(p.size)
+                rows = [row[i * (len(row) // k):(i + 1) * (len(row) // k)] for row in rows for i in range(k)]
                 continue
             c, n = p.axis.coordinate(coord[p.axis.name]), int(p.axis.size)
-            if p.chunked:
-                chunks = idx.chunk(n, dim=1) if idx.shape[1] else ()
-                idx = chunks[c] if c < len(chunks) else idx[:, :0]
+            width = len(rows[0])
+            if p.chunked:  # torch.chunk: chunks of ceil(width / n), empty ones at the end
+                step = -(-width // n) if width else 0
+                rows = [row[c * step:(c + 1) * step] if step else [] for row in rows]
             else:
-                idx = idx.reshape(idx.shape[0], n, -1)[:, c, :]
-        return idx.reshape(-1)
+                rows = [row[c * (width // n):(c + 1) * (width // n)] for row in rows]
+        return [i for row in rows for i in row]
 
     def holds_value(self, coordinate: Coordinate) -> bool:
         """For Partial(sum): whether this rank holds the value when converting R -> P."""

@@ -131,7 +131,7 @@ def _check_uneven_blocks(layout: Layout, placements: tuple[Placement, ...], orde
     for coord in layout.mesh.coordinates():
         for d in range(layout.ndim):
             expected = _dtensor_indices(int(layout.shape[d]), placements, order, d, coord, layout.mesh)
-            if layout.local_indices(d, coord).tolist() != expected:
+            if layout.local_index_list(d, coord) != expected:
                 steps = ", ".join(f"{placements[m]} on {layout.mesh.names[m]}" for m, t in order if t == d)
                 raise LayoutError(
                     f"dim {d} of size {layout.shape[d]} split unevenly by {steps}: the rank at {coord} holds "
