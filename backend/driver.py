@@ -10,7 +10,7 @@ Dynamo as one graph and turns every way its inputs were given a sharding into la
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -40,6 +40,9 @@ class PlannedProgram:
     program: TracedProgram  # the forward trace, or the joint one for training
     graph: fx.GraphModule  # the planned global graph (training: the planned joint graph)
     training: TrainingPlan | None = None  # the forward and backward cut from the joint graph
+    # per output the user's program has: None (a DTensor) or the layout of the plain block eager holds
+    # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
+    eager_outputs: list[Any] = field(default_factory=list)
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -60,26 +63,25 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
         reporter("plan", plan.joint)
         reporter("plan_forward", plan.forward)
         reporter("plan_backward", plan.backward)
-        return PlannedProgram(plan.program, plan.joint, plan)
+        eager = outputs_.eager_layouts(gm, plan.program, plan.num_outputs) if layouts is None else []
+        return PlannedProgram(plan.program, plan.joint, plan, eager)
     with reporter.timed("tracing"):
         program = trace_global(gm, inputs, mesh=mesh, layouts=layouts, names=names)
     reporter("trace", program.gm)
+    eager = outputs_.eager_layouts(gm, program, len(outputs(program.gm))) if layouts is None else []
     with reporter.timed("planning"):
         planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
-                              output_layouts=wanted_output_layouts(gm, program, plain_is_eager=layouts is None))
+                              output_layouts=wanted_output_layouts(gm, program, eager))
     reporter("plan", planned)
-    return PlannedProgram(program, planned)
+    return PlannedProgram(program, planned, eager_outputs=eager)
 
 
 def wanted_output_layouts(gm: fx.GraphModule, program: TracedProgram,
-                          plain_is_eager: bool = True) -> list[Layout | None] | None:
+                          eager: Sequence[Any]) -> list[Layout | None] | None:
     """The layouts the caller needs of the outputs (None: any): what Python reads at a graph break,
-    and the plain tensors the program returns (backend/outputs.py) when ``plain_is_eager``: not
-    when ``placements=`` shards plain tensors, whose program is global throughout."""
+    and the plain blocks eager holds (``eager``: ``PlannedProgram.eager_outputs``)."""
     read = read_by_python(gm, program)
-    if not plain_is_eager:
-        return read
-    plain = outputs_.wanted(outputs_.eager_layouts(gm, program, len(outputs(program.gm))))
+    plain = outputs_.wanted(eager)
     if not any(p is not None for p in plain):
         return read
     return [r if r is not None else p for r, p in zip(read or plain, plain)]
@@ -106,10 +108,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     reporter = reporter or StageReporter()
     planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
-    program = planned.program
-    count = planned.training.num_outputs if planned.training is not None else len(outputs(program.gm))
-    # plain outputs are what eager holds unless placements= sharded plain tensors (a global program)
-    eager = outputs_.eager_layouts(gm, program, count) if plan_options.get("layouts") is None else []
+    program, eager = planned.program, planned.eager_outputs
     if planned.training is not None:
         with reporter.timed("lowering the forward and backward"):
             runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, reporter=reporter,
