@@ -33,14 +33,6 @@ class Signature:
     whole: frozenset[str] = frozenset()  # factors that must not be sharded (softmax dim)
     addends: tuple[int, ...] = ()  # inputs added outside the contraction (addmm's bias): Partial with it
     extra_outputs: tuple[tuple[str | None, ...], ...] = ()  # further outputs of a multi-output op
-    summed: tuple[int, ...] = ()  # extra outputs (by index) that sum over the input factors they lack
-
-    def lacked(self, extra: int) -> set[str]:
-        """The factors extra output ``extra`` sums over (a multi-query grad_key: the q heads)."""
-        if extra not in self.summed:
-            return set()
-        ins = {f for dims in self.inputs for f in dims if f is not None}
-        return ins - set(self.extra_outputs[extra]) - self.contracted
     # outputs (0: the first) whose dims smaller than their factor's pieces sum over the group those
     # pieces leave out (grouped-query attention's grad_key, grad_value): Partial(sum) on the axes left out
     group_sums: tuple[int, ...] = ()
@@ -564,9 +556,11 @@ def _grouped_heads(q: Sequence[int] | None, k: Sequence[int] | None, v: Sequence
             and k[1] == v[1] and k[1] > 0 and q[1] % k[1] == 0)
 
 
-def _mask_factors(shape: Sequence[int], reference: Sequence[int]) -> tuple[str | None, ...] | None:
+def _mask_factors(shape: Sequence[int], reference: Sequence[int],
+                  broadcast_named: bool = False) -> tuple[str | None, ...] | None:
     """A mask broadcast against [b, h, s, t] (right-aligned, as torch broadcasts): a size-1 dim
-    where the reference is larger is None; a dim of any other size has no rule (None)."""
+    where the reference is larger is None (``broadcast_named``: its factor, which the dim holds none
+    of: a gradient there sums over it); a dim of any other size has no rule (None)."""
     if len(shape) > 4:
         return None
     n = len(shape)
@@ -574,7 +568,7 @@ def _mask_factors(shape: Sequence[int], reference: Sequence[int]) -> tuple[str |
     for size, factor, ref in zip(shape, ("b", "h", "s", "t")[4 - n:], tuple(reference)[4 - n:]):
         if size != ref and size != 1:
             return None
-        out.append(factor if size == ref else None)
+        out.append(factor if size == ref or broadcast_named else None)
     return tuple(out)
 
 
@@ -597,15 +591,15 @@ def attention(node: Any) -> Signature | None:
 
     Queries of a non-causal, unmasked call are independent too (context parallelism of q), unless
     an extra output's dim 2 is not the query length (the efficient kernel's logsumexp is padded to
-    32 queries). Multi-query k/v (one head) are read whole by every rank's q heads.
+    32 queries). Fewer k/v heads than the pieces of q's heads keep their major part (strategies.fit):
+    multi-query k/v (one head) are read whole by every rank's q heads.
     """
     tensors = _named_tensors(node)
     shapes = dict(tensors)
     q, k, v = shapes.get("query"), shapes.get("key"), shapes.get("value")
     if not _grouped_heads(q, k, v):
         return None
-    kv_heads = None if k[1] == 1 < q[1] else "h"
-    factors = {"query": ("b", "h", "s", "d"), "key": ("b", kv_heads, "t", "d"), "value": ("b", kv_heads, "t", "e")}
+    factors = {"query": ("b", "h", "s", "d"), "key": ("b", "h", "t", "d"), "value": ("b", "h", "t", "e")}
     ins: list[tuple[str | None, ...]] = []
     for name, shape in tensors:
         f = factors.get(name) or (_mask_factors(shape, (q[0], q[1], q[2], k[2])) if name in ATTENTION_MASKS else None)
@@ -628,25 +622,23 @@ def attention_backward(node: Any) -> Signature | None:
     """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
 
     grad_query, grad_key, grad_value (and the efficient kernel's grad_bias) are laid out as their
-    inputs: grouped-query k/v heads share q's heads factor. Multi-query k/v (one head, read whole by
-    every rank) get gradients summed over the q heads: Partial(sum) where the heads are sharded;
-    so does a broadcast bias's gradient over the batch or heads it was broadcast along.
+    inputs: grouped-query k/v heads share q's heads factor and keep its major part (strategies.fit),
+    so their gradients sum over the q heads the other ranks of their group hold (multi-query: all of
+    them), a Partial(sum) there (``Signature.group_sums``); so does a broadcast bias's gradient over
+    the batch or heads it was broadcast along.
     """
     tensors = _named_tensors(node)
     shapes = dict(tensors)
     q, k, v = shapes.get("query"), shapes.get("key"), shapes.get("value")
     if not _grouped_heads(q, k, v):
         return None
-    multi_query = k[1] == 1 < q[1]
     ins: list[tuple[str | None, ...]] = []
     for i, (name, shape) in enumerate(tensors):
         own = tuple(f"w{i}_{d}" for d in range(len(shape)))
-        if name in ("key", "value") and multi_query:
-            f = ("b", None) + _BACKWARD_FACTORS[name][2:]
-        elif name in _BACKWARD_FACTORS:
+        if name in _BACKWARD_FACTORS:
             f = _BACKWARD_FACTORS[name]
         elif name in ATTENTION_MASKS:
-            f = _mask_factors(shape, (q[0], q[1], q[2], k[2]))
+            f = _mask_factors(shape, (q[0], q[1], q[2], k[2]), broadcast_named=True)
         elif name == "logsumexp":  # [b, h, s], [b, h, s, 1] (cuDNN) or [b, h, padded s] (efficient)
             f = ("b", "h") + own[2:] if len(shape) >= 3 and tuple(shape[:2]) == tuple(q[:2]) else None
         else:  # RNG seed and offset, sequence offsets: replicated
@@ -665,11 +657,8 @@ def attention_backward(node: Any) -> Signature | None:
         else:
             outs.append(by_name[name])
     whole = frozenset(f for dims in ins for f in dims if f is not None and f not in ("b", "h"))
-    summed = ((0, 1) if multi_query else ()) + ((2,) if len(outs) > 3 and outs[3] else ())
-    # grouped-query k/v with fewer heads than the pieces of q's heads take their major part (strategies.fit):
-    # their gradients sum over the q heads of the group the other ranks hold
-    grouped = (1, 2) if not multi_query and k[1] < q[1] else ()
-    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]), summed=summed,
+    grouped = ((1, 2) if k[1] < q[1] else ()) + ((3,) if len(outs) > 3 and outs[3] else ())
+    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]),
                      group_sums=grouped)
 
 

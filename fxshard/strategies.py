@@ -173,11 +173,7 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
             pieces, left_out = _fitted(dims, shape, assign)
             if left_out and k not in sig.group_sums:
                 return None  # an output cannot hold a part of what its factor's pieces say
-            # an extra output summed over factors it lacks (a multi-query grad_key over the q heads)
-            lacked = tuple((p.axis, "sum") for f in sorted(sig.lacked(k - 1)) for p in assign[f]
-                           if p.axis is not None) if k else ()
-            outs.append(Layout(mesh, shape, pieces,
-                               tuple(partial) + contracted + lacked + tuple((a, "sum") for a in left_out)))
+            outs.append(Layout(mesh, shape, pieces, tuple(partial) + contracted + tuple((a, "sum") for a in left_out)))
         output: Any = tuple(outs) if sig.extra_outputs else outs[0]
     except LayoutError:
         return None
