@@ -15,6 +15,7 @@ What spawned ranks get, and what the parent promises:
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing.util
 import os
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PROGRESS = "fxshard.progress"  # fxshard's stage logger: INFO when a stage is done, DEBUG when it starts
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")  # gloo, when a peer died
 
 
 def launch(run: Callable, world_size: int, timeout: float = 900.0, device: str = "cpu",
@@ -105,6 +107,7 @@ class _Forward(logging.Handler):
 
 def _worker(run: Callable, rank: int, world_size: int, port: int, channel: Any, device: str, threads: int,
             kwargs: dict) -> None:
+    faulthandler.enable(all_threads=True)  # a rank that crashes in native code (SIGSEGV, SIGABRT) says where
     torch.set_num_threads(threads)
     import torch._inductor.config as inductor_config
 
@@ -207,7 +210,7 @@ class _Watch:
             if kind == "progress":
                 self._progress(rank, *payload)
             elif kind == "failed":
-                raise RanksFailed(f"rank {rank} failed:\n{payload[0]}")
+                raise RanksFailed(self._failure_message(rank, payload[0]))
             else:
                 results[rank] = payload[0]
         return results
@@ -220,6 +223,20 @@ class _Watch:
         self.done[rank] = message
         if rank == self.progress:
             print(f"[rank {rank}, {time.monotonic() - self.start:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def _failure_message(self, rank: int, error: str, wait_for_peers: float = 3.0) -> str:
+        """A rank's traceback, led by any rank that died meanwhile: a peer killed by a signal shows up
+        on the others as a broken connection ("Connection reset by peer"), which is not their fault."""
+        deadline = time.monotonic() + (wait_for_peers if any(m in error for m in PEER_LOST) else 0.0)
+        while time.monotonic() < deadline and not self._crashed():
+            time.sleep(0.1)
+        crashed = "".join(f"rank {r} died with exit code {code} (its stderr above says why)\n"
+                          for r, code in self._crashed())
+        return f"{crashed}rank {rank} failed:\n{error}"
+
+    def _crashed(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks a signal ended."""
+        return [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None and p.exitcode < 0]
 
     def _dead(self, results: dict[int, Any]) -> str | None:
         """What is wrong if a rank exited without returning a result, else None."""

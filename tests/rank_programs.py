@@ -109,6 +109,18 @@ def busy_in_a_stage(rank: int, world_size: int, device: str = "cpu", seconds: fl
     return {}
 
 
+def one_rank_crashes_in_a_collective(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """Rank 1 dies of a signal (as a native crash would) while rank 0 waits for it in an all_reduce."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.abort()
+    dist.all_reduce(torch.ones(4))
+    return {}
+
+
 class Branchy(torch.nn.Module):
     """Two matmuls with Python between them that reads values: Dynamo splits ``forward`` into three
     graphs (at the ``if`` on a tensor and at ``.item()``)."""

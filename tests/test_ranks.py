@@ -46,3 +46,12 @@ def test_a_timeout_says_which_rank_and_what_it_was_doing(ranks):
     with pytest.raises(launcher.RanksFailed, match=r"rank 1 timed out after 30 s while compiling the local program "
                                                    r"with Inductor \(fxshard graph -\)"):
         launcher.spawn(programs.busy_in_a_stage, 2, timeout=30, seconds=300.0)
+
+
+def test_a_rank_that_crashes_is_named_before_the_peers_it_broke(ranks, capfd):
+    """A rank killed by a signal leaves its peers with a broken connection; the error names the dead
+    rank and its exit code first, and the dead rank's stderr has its Python stack (faulthandler)."""
+    launcher, programs = ranks
+    with pytest.raises(launcher.RanksFailed, match=r"rank 1 (died with exit code -6|exited with code -6)"):
+        launcher.spawn(programs.one_rank_crashes_in_a_collective, 2, timeout=60)
+    assert "Fatal Python error: Aborted" in capfd.readouterr().err
