@@ -7,8 +7,10 @@ A stage is the whole model deep-copied with the modules of other stages replaced
 shapes: a stage's activation input has the layout the previous stage's plan gives its output, so
 what crosses a boundary is each rank's local block, nothing gathered; the last stage computes the
 loss. ``PipelineRank`` builds this rank's stage: parameters distributed on ``mesh[dp, tp]`` of its pp
-coordinate, ``fxshard.compile``, and a ``PipelineStage`` whose module takes and returns local blocks
-(DTensors only inside), on the pp process group, for any single-stage schedule (GPipe, 1F1B).
+coordinate, the planned program lowered for this rank, and a ``PipelineStage`` whose module takes and
+returns local blocks (DTensors only inside), on the pp process group, for single-stage schedules
+(GPipe, 1F1B). ``simulate_pipeline`` runs the same plan on simulated ranks. Training only: the
+schedule's default ``scale_grads`` expects ``loss_fn`` to average over the microbatch.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fxshard.costs import CostModel
 from fxshard.graph import outputs
 from fxshard.layout import Layout
-from fxshard.memory import MemoryReport, memory_report
+from fxshard.memory import MemoryReport
 from fxshard.mesh import MeshSpec
 from fxshard.placements import as_mesh_spec, placements_from_layout, user_layout
 
@@ -106,7 +108,7 @@ class StagePlan:
     output_layout: Layout  # what the stage hands on (the last stage: its loss)
     output_dtype: torch.dtype
     explanation: Explanation  # the planned joint forward+backward graph, its collectives
-    planned: StageTrace | None = field(default=None, repr=False)  # for simulate_pipeline
+    trace: StageTrace | None = field(default=None, repr=False)  # what PipelineRank and simulate_pipeline run
 
     @property
     def memory(self) -> MemoryReport:
@@ -304,9 +306,9 @@ class PipelineRank:
             target.register_parameter(leaf, nn.Parameter(
                 distribute_tensor(param.detach(), self.stage_mesh, plan.placements.get(name, _replicated(plan.mesh)))))
         program = StageProgram(self.module)  # the planned program computes the loss: names only
-        assert stage_plan.planned is not None
+        assert stage_plan.trace is not None
         # the program explain_pipeline planned, lowered for this rank: no second capture or plan
-        self.local = LocalBlocks(program, stage_plan.planned, self.stage_mesh, stage_plan, inductor)
+        self.local = LocalBlocks(program, stage_plan.trace, self.stage_mesh, stage_plan, inductor)
         self.sent: list[tuple[str, int, int]] = []
         self.stage = self._pipeline_stage(stage_plan, device_mesh.get_group(plan.pp))
 
@@ -350,7 +352,7 @@ class PipelineRank:
             schedule.step(*args, target=targets[0], losses=losses, return_outputs=False, **kwargs)
         else:
             schedule.step(*args, return_outputs=False)
-        return losses
+        return [loss.detach() for loss in losses]
 
 
 def _block(layout: Layout, coordinate: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
@@ -383,7 +385,6 @@ def simulate_pipeline(plan: PipelinePlan, inputs: Sequence[torch.Tensor],
     from .simulate import fake_world, run_lockstep
 
     coords = plan.mesh.coordinates()
-    n = plan.n_microbatches
     first = [_rank_microbatches(t, p, plan, coords, f"input {k}") for k, (t, p) in
              enumerate(zip(inputs, plan.input_placements))]
     wanted = [_rank_microbatches(t, p, plan, coords, f"target {k}") for k, (t, p) in
@@ -392,26 +393,34 @@ def simulate_pipeline(plan: PipelinePlan, inputs: Sequence[torch.Tensor],
     grads: dict[str, torch.Tensor] = {}
     with fake_world(plan.mesh) as device_mesh:
         groups = MeshGroups(device_mesh)
-        programs = [[(lower(localize(s.planned.planned.training.forward, c), c, groups),
-                      lower(localize(s.planned.planned.training.backward, c), c, groups)) for c in coords]
-                    for s in plan.stages]
-        for m in range(n):
-            carried = [[b[m] for b in blocks] for blocks in zip(*first)] if first else [[] for _ in coords]
-            saved: list[list[list[torch.Tensor]]] = []
-            for stage, ranks in zip(plan.stages, programs):
-                extra = [[b[m] for b in blocks] for blocks in zip(*wanted)] if stage is plan.stages[-1] and wanted \
-                    else [[] for _ in coords]
-                feeds = [_feed(stage, carried[r] + extra[r], r, coords[r]) for r in range(len(coords))]
-                outs = run_lockstep([f for f, _ in ranks], feeds)
-                k = stage.planned.planned.training.num_outputs
-                saved.append([o[k:] for o in outs])
-                carried = [o[:k] for o in outs]
-            losses.append(carried[0][0])
-            tangents = [[torch.ones((), dtype=carried[0][0].dtype)] for _ in coords]
-            for stage, ranks, kept in reversed(list(zip(plan.stages, programs, saved))):
-                back = run_lockstep([b for _, b in ranks], [kept[r] + tangents[r] for r in range(len(coords))])
-                tangents = _collect(stage, back, coords, grads, n)
+        programs = [[tuple(lower(localize(g, c), c, groups) for g in (s.trace.planned.training.forward,
+                                                                       s.trace.planned.training.backward))
+                     for c in coords] for s in plan.stages]
+        for m in range(plan.n_microbatches):
+            feeds = [[b[m] for b in per_rank] for per_rank in zip(*first, *wanted)]
+            losses.append(_simulate_microbatch(plan, programs, feeds, len(first), coords, grads, run_lockstep))
     return torch.stack(losses).mean(), grads
+
+
+def _simulate_microbatch(plan: PipelinePlan, programs: list, feeds: list[list[torch.Tensor]], n_inputs: int,
+                         coords: list, grads: dict[str, torch.Tensor], run_lockstep: Callable) -> torch.Tensor:
+    """One microbatch through every stage and back (``feeds``: each rank's inputs, then targets);
+    adds the parameters' gradients into ``grads``; returns the microbatch loss."""
+    carried = [f[:n_inputs] for f in feeds]
+    saved = []
+    for stage, ranks in zip(plan.stages, programs):
+        extra = [f[n_inputs:] if stage is plan.stages[-1] else [] for f in feeds]
+        outs = run_lockstep([fwd for fwd, _ in ranks], [_feed(stage, carried[r] + extra[r], c)
+                                                          for r, c in enumerate(coords)])
+        k = stage.trace.planned.training.num_outputs
+        saved.append([o[k:] for o in outs])
+        carried = [o[:k] for o in outs]  # rank r's blocks go to rank r of the next stage: the P2P send
+    loss = carried[0][0]
+    tangents = [[torch.ones((), dtype=loss.dtype)] for _ in coords]
+    for stage, ranks, kept in reversed(list(zip(plan.stages, programs, saved))):
+        back = run_lockstep([bwd for _, bwd in ranks], [kept[r] + tangents[r] for r in range(len(coords))])
+        tangents = _collect(stage, back, coords, grads, plan.n_microbatches)
+    return loss
 
 
 def _rank_microbatches(t: torch.Tensor, placements: Any, plan: PipelinePlan, coords: list,
@@ -421,9 +430,9 @@ def _rank_microbatches(t: torch.Tensor, placements: Any, plan: PipelinePlan, coo
     return [list(layout.shard(t, c).tensor_split(plan.n_microbatches)) for c in coords]
 
 
-def _feed(stage: StagePlan, values: list[torch.Tensor], r: int, coordinate: tuple) -> list[torch.Tensor]:
-    """Rank ``r``'s inputs of the stage's forward: parameter blocks, and ``values`` for the arguments."""
-    trace = stage.planned
+def _feed(stage: StagePlan, values: list[torch.Tensor], coordinate: tuple) -> list[torch.Tensor]:
+    """A rank's inputs of the stage's forward: parameter blocks, and ``values`` for the arguments."""
+    trace = stage.trace
     program = trace.planned.program
     by_arg = {id(a): k for k, a in enumerate(trace.args)}
     out = []
@@ -440,7 +449,7 @@ def _collect(stage: StagePlan, back: list[list[torch.Tensor]], coords: list, gra
              n: int) -> list[list[torch.Tensor]]:
     """Accumulate the stage's parameter gradients (full, over ``n`` microbatches) into ``grads``; return
     each rank's gradient blocks of the stage's activation input (what goes back to the stage before)."""
-    trace = stage.planned
+    trace = stage.trace
     training, program = trace.planned.training, trace.planned.program
     by_arg = {id(a): k for k, a in enumerate(trace.args)}
     names = {id(p): n_ for n_, p in trace.program.module.named_parameters()}

@@ -16,6 +16,7 @@ With ``--dp 2`` on 8 ranks the stage meshes are (dp, tp): pipeline x data x tens
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -56,6 +57,15 @@ def placements(model: Llama, axes: dict[str, int]) -> tuple[dict, tuple]:
     return params, (batch, batch)
 
 
+def pin_boundary_to_sequence(model: Llama, axes: dict[str, int]) -> Llama:
+    """A copy of ``model`` whose stage-0 output (layer 0's) is pinned to sequence shards on tp, as
+    sequence parallelism keeps the residual stream: the boundary then carries 1/tp of each microbatch."""
+    pinned = copy.deepcopy(model)
+    sharded = ((Shard(0),) if "dp" in axes else ()) + (Shard(1),)
+    pinned.layers[0].register_forward_hook(lambda module, args, out: fxshard.constrain(out, sharded))
+    return pinned
+
+
 def local_block(t: torch.Tensor, mesh, axes: dict[str, int]) -> torch.Tensor:
     """This rank's rows of a batch: its dp shard (the whole batch without dp)."""
     if "dp" not in axes:
@@ -65,7 +75,7 @@ def local_block(t: torch.Tensor, mesh, axes: dict[str, int]) -> torch.Tensor:
 
 def run(rank: int, world_size: int, device: str = "cpu", config: LlamaConfig = CONFIG, batch: int = 8,
         seq: int = 32, n_microbatches: int = 2, steps: int = 3, lr: float = 1e-2, tp: int = 2,
-        inductor: bool = True, schedules: tuple[str, ...] = ("gpipe", "1f1b")) -> dict:
+        inductor: bool = True, schedules: tuple[str, ...] = ("gpipe", "1f1b"), sequence_boundary: bool = False) -> dict:
     """Check the first step under each schedule against one device, then train ``steps`` AdamW steps."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -76,14 +86,15 @@ def run(rank: int, world_size: int, device: str = "cpu", config: LlamaConfig = C
     data = [(torch.randint(0, config.vocab_size, (batch, seq), device=device),
              torch.randint(0, config.vocab_size, (batch, seq), device=device)) for _ in range(max(steps, 1))]
     params, inputs = placements(reference, axes)
+    staged = pin_boundary_to_sequence(reference, axes) if sequence_boundary else reference
     start = time.perf_counter()
     # bytes decide: the default cost model's 10 us per collective favours fewer, larger collectives at this toy size
-    plan = explain_pipeline(reference, STAGES, [data[0][0]], [data[0][1]], mesh=axes, placements=params,
+    plan = explain_pipeline(staged, STAGES, [data[0][0]], [data[0][1]], mesh=axes, placements=params,
                             input_placements=inputs, loss_fn=loss_fn, n_microbatches=n_microbatches,
                             cost_model=fxshard.CostModel(default_latency=0.0))
     if rank == 0:
         print(plan, flush=True)
-    me = PipelineRank(plan, reference, mesh, inductor=inductor)
+    me = PipelineRank(plan, staged, mesh, inductor=inductor)
     make = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     runs = {name: make[name](me.stage, n_microbatches, loss_fn=me.loss_fn) for name in schedules}
 
@@ -155,9 +166,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size: 2 x dp x 2 ranks")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sequence-boundary", action="store_true",
+                        help="pin the boundary activation to sequence shards on tp (each rank sends 1/tp)")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE_FXSHARD", 4 * args.dp))  # under torchrun: this process is one rank
-    results = spawn(world, steps=args.steps)
+    results = spawn(world, steps=args.steps, sequence_boundary=args.sequence_boundary)
     worst = max(abs(a - b) / abs(b) for r in results.values() if r["losses"][0] is not None
                 for a, b in zip(r["losses"], r["ref_losses"]))
     worst_grad = max(c["grad_error"] for r in results.values() for c in r["checks"].values())
