@@ -32,6 +32,7 @@ from fxshard.placements import as_mesh_spec, placements_from_layout, user_layout
 from .capture import Captured
 from .driver import PlannedProgram, plan_function
 from .explain import Explanation, collectives_of
+from .report import StageReporter
 
 
 class PassThrough(nn.Module):
@@ -189,8 +190,9 @@ def explain_pipeline(model: nn.Module, stages: Sequence[Sequence[str]], inputs: 
             given += list(input_placements[len(inputs):])
         by_key: dict[Any, Any] = {"module." + n: p for n, p in placements.items() if _has_param(program, n)}
         by_key.update({k: p for k, p in enumerate(given)})
+        reporter = StageReporter(label=f"pipeline stage {index}")
         captured, planned = plan_function(program, args, mesh=spec, placements=by_key, training=True,
-                                          cost_model=cost_model)
+                                          cost_model=cost_model, reporter=reporter)
         training = planned.training
         assert training is not None
         out = outputs(training.forward)[0].meta["val"]
@@ -234,7 +236,8 @@ class LocalBlocks(nn.Module):
         self.device_mesh, self.plan = device_mesh, plan
         planned = trace.planned
         assert planned.training is not None
-        self.runner = TrainingProgram(planned.training, device_mesh, inductor=inductor)
+        self.runner = TrainingProgram(planned.training, device_mesh, inductor=inductor,
+                                      reporter=StageReporter(label=f"pipeline stage {plan.index}"))
         by_arg = {id(a): k for k, a in enumerate(trace.args)}
         state = dict(trace.program.named_parameters()) | dict(trace.program.named_buffers())
         by_state = {id(t): name for name, t in state.items()}
