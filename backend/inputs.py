@@ -42,7 +42,7 @@ def one_mesh(meshes: Iterable[Any], what: str, names: Sequence[str] | None = Non
                  for m, h in zip(unique, holders)]
         raise InputError(f"fxshard compiles one program on one DeviceMesh; {what} mixes {len(unique)}: "
                          + " and ".join(parts) + ". Put all its DTensors on the same mesh (distribute_tensor or "
-                         "DTensor.redistribute onto it); a model split over meshes, such as pipeline stages on "
+                         "DTensor.from_local onto it); a model split over meshes, such as pipeline stages on "
                          "sub-meshes, is one program per mesh (fxshard.backend.pipelining).")
     return unique[0] if unique else None
 
