@@ -346,8 +346,14 @@ class PipelineRank:
         """The schedule's loss: the last stage's output already is the microbatch loss."""
         return output
 
+    def schedule(self, kind: Callable, **options: Any) -> Any:
+        """A single-stage schedule (``ScheduleGPipe``, ``Schedule1F1B``) over this stage, with the
+        plan's microbatch count and the stage's loss."""
+        return kind(self.stage, self.plan.n_microbatches, loss_fn=self.loss_fn, **options)
+
     def step(self, schedule: Any, inputs: Sequence[torch.Tensor] = (), targets: Sequence[torch.Tensor] = ()) -> list:
         """One schedule step on this rank's local blocks of the batch; the microbatch losses (last stage)."""
+        self._check_batch(list(inputs) if self.is_first else [], list(targets) if self.is_last else [])
         losses: list = []
         args = tuple(inputs) if self.is_first else ()
         if self.is_last:
@@ -356,6 +362,21 @@ class PipelineRank:
         else:
             schedule.step(*args, return_outputs=False)
         return [loss.detach() for loss in losses]
+
+    def _check_batch(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """The rank's batch must split into the planned microbatches: n_microbatches x the planned local block."""
+        coordinate = tuple(int(c) for c in self.stage_mesh.get_coordinate())
+        stage = self.plan.stages[self.index]
+        given = inputs + targets
+        layouts = list(stage.input_layouts[:len(inputs)]) + list(stage.input_layouts[stage.n_args:])
+        for k, (t, layout) in enumerate(zip(given, layouts)):
+            block = tuple(int(s) for s in layout.local_shape(coordinate))
+            want = (block[0] * self.plan.n_microbatches,) + block[1:]
+            what = f"target {k - len(inputs)}" if k >= len(inputs) else f"input {k}"
+            if tuple(t.shape) != want:
+                raise ValueError(f"pipeline stage {self.index}: {what} has shape {tuple(t.shape)} on this rank; "
+                                 f"the plan splits {want} into {self.plan.n_microbatches} microbatches of {block} "
+                                 f"(this rank's block of {layout}); pass the rank's local rows of the planned batch")
 
 
 def _block(layout: Layout, coordinate: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:

@@ -96,7 +96,7 @@ def run(rank: int, world_size: int, device: str = "cpu", config: LlamaConfig = C
         print(plan, flush=True)
     me = PipelineRank(plan, staged, mesh, inductor=inductor)
     make = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    runs = {name: make[name](me.stage, n_microbatches, loss_fn=me.loss_fn) for name in schedules}
+    runs = {name: me.schedule(make[name]) for name in schedules}
 
     def step(schedule, tokens, targets) -> float | None:
         losses = me.step(schedule, [local_block(tokens, mesh, axes)], [local_block(targets, mesh, axes)])

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fxshard
 from fxshard.backend.inputs import InputError
-from fxshard.backend.pipelining import PassThrough, explain_pipeline, simulate_pipeline, split_model
+from fxshard.backend.pipelining import PassThrough, PipelineRank, explain_pipeline, simulate_pipeline, split_model
 from fxshard.backend.simulate import fake_world
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -168,6 +168,21 @@ def test_a_program_on_two_meshes_names_both():
     for part in ("DeviceMesh(tp=2; ranks [0, 1])", "parameter 'weight'", "DeviceMesh(pp=2; ranks [0, 2])",
                  "argument 0"):
         assert part in message, message
+
+
+def test_a_batch_that_is_not_the_planned_one_is_refused():
+    """This rank's batch must be n_microbatches x its planned block; the error gives both shapes."""
+    torch.manual_seed(0)
+    model = Stack(n=2)
+    params = {n: (Shard(0),) if ".up." in n else (Shard(1),) if n.endswith("down.weight") else (Replicate(),)
+              for n, _ in model.named_parameters()}
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    plan = explain_pipeline(model, [["blocks.0"], ["blocks.1"]], [x], [y], mesh={"pp": 2, "tp": 2}, placements=params,
+                            input_placements=((Replicate(),), (Replicate(),)), loss_fn=F.mse_loss, n_microbatches=2)
+    with fake_world(fxshard.MeshSpec(pp=2, tp=2)) as mesh:  # this process is rank 0: stage 0
+        me = PipelineRank(plan, model, mesh, inductor=False)
+        with pytest.raises(ValueError, match=r"input 0 has shape \(6, 16\).*splits \(4, 16\) into 2 microbatches"):
+            me.step(None, [torch.randn(6, 16)])
 
 
 def test_two_stages_x_tp2_on_four_gloo_ranks():
