@@ -171,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE_FXSHARD", 4 * args.dp))  # under torchrun: this process is one rank
     results = spawn(world, steps=args.steps, sequence_boundary=args.sequence_boundary)
-    worst = max(abs(a - b) / abs(b) for r in results.values() if r["losses"][0] is not None
+    worst = max(abs(a - b) / abs(b) for r in results.values() if r["losses"] and r["losses"][0] is not None
                 for a, b in zip(r["losses"], r["ref_losses"]))
     worst_grad = max(c["grad_error"] for r in results.values() for c in r["checks"].values())
     if int(os.environ.get("RANK", "0")) == 0:
