@@ -64,9 +64,10 @@ class CompiledFunction:
         return outs[0] if len(outs) == 1 else outs
 
     def _compile(self, state: dict[str, torch.Tensor], args: Sequence[Any], training: bool) -> tuple:
-        meshes = [v.device_mesh for v in list(state.values()) + list(args) if isinstance(v, DTensor)]
-        device_mesh = one_mesh(meshes + ([self.device_mesh] if self.device_mesh is not None else []),
-                               "fxshard.compile's parameters and arguments")
+        named = [(f"parameter {n!r}", v) for n, v in state.items()] + [(f"argument {i}", a) for i, a in enumerate(args)]
+        held = [(n, v.device_mesh) for n, v in named if isinstance(v, DTensor)]
+        held += [("device_mesh=", self.device_mesh)] if self.device_mesh is not None else []
+        device_mesh = one_mesh([m for _, m in held], "fxshard.compile's parameters and arguments", [n for n, _ in held])
         if device_mesh is None:
             raise ValueError("fxshard.compile needs a DeviceMesh: pass device_mesh= when no parameter or argument "
                              "is a DTensor")

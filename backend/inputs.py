@@ -24,30 +24,51 @@ class InputError(ValueError):
     """Inputs that do not say one consistent sharding: several meshes, unknown names, two placements."""
 
 
-def one_mesh(meshes: Iterable[Any], what: str) -> Any:
-    """The one DeviceMesh among ``meshes`` (None if there is none); several are an error."""
+def one_mesh(meshes: Iterable[Any], what: str, names: Sequence[str] | None = None) -> Any:
+    """The one DeviceMesh among ``meshes`` (None if there is none); several are an error naming
+    each mesh and (with ``names``, one per mesh given) the tensors on it."""
     unique: list[Any] = []
-    for m in meshes:
-        if not any(m == u for u in unique):
+    holders: list[list[str]] = []
+    for k, m in enumerate(meshes):
+        i = next((j for j, u in enumerate(unique) if m == u), None)
+        if i is None:
             unique.append(m)
+            holders.append([])
+            i = len(unique) - 1
+        if names is not None and k < len(names):
+            holders[i].append(names[k])
     if len(unique) > 1:
-        raise InputError(f"fxshard compiles programs on one DeviceMesh; {what} uses {len(unique)}: "
-                         + ", ".join(str(m) for m in unique) + ". Put all DTensors on the same mesh.")
+        parts = [describe_mesh(m) + (f" (holding {', '.join(h[:3])}{', ...' if len(h) > 3 else ''})" if h else "")
+                 for m, h in zip(unique, holders)]
+        raise InputError(f"fxshard compiles one program on one DeviceMesh; {what} mixes {len(unique)}: "
+                         + " and ".join(parts) + ". Put all its DTensors on the same mesh (distribute_tensor or "
+                         "DTensor.from_local onto it); a model split over meshes, such as pipeline stages on "
+                         "sub-meshes, is one program per mesh (fxshard.backend.pipelining).")
     return unique[0] if unique else None
+
+
+def describe_mesh(mesh: Any) -> str:
+    """A DeviceMesh as an error shows it: axes with sizes and the ranks it spans."""
+    names = mesh.mesh_dim_names or tuple(f"d{i}" for i in range(mesh.ndim))
+    axes = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+    return f"DeviceMesh({axes}; ranks {mesh.mesh.tolist()})"
 
 
 def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = None) -> Any:
     """The one DeviceMesh a program uses (from DTensor inputs, mesh inputs, or its from_local calls), or None."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    meshes = [x.device_mesh for x in example_inputs if isinstance(x, DTensor)]
-    meshes += [x for x in example_inputs if isinstance(x, DeviceMesh)]
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"] if gm is not None else []
+    named = placeholders if len(placeholders) == len(example_inputs) else [f"input {k}" for k in
+                                                                          range(len(example_inputs))]
+    pairs = [(named[k], x.device_mesh) for k, x in enumerate(example_inputs) if isinstance(x, DTensor)]
+    pairs += [(named[k], x) for k, x in enumerate(example_inputs) if isinstance(x, DeviceMesh)]
     if gm is not None:
         for node in gm.graph.nodes:
             if node.op == "call_function" and is_from_local(node.target) and len(node.args) > 1 and \
                     isinstance(node.args[1], DeviceMesh):
-                meshes.append(node.args[1])
-    return one_mesh(meshes, "this program")
+                pairs.append((f"from_local at {node.name}", node.args[1]))
+    return one_mesh([m for _, m in pairs], "this program", [n for n, _ in pairs])
 
 
 def is_from_local(target: Any) -> bool:

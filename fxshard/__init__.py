@@ -12,7 +12,7 @@ from .planner import plan_redistribute
 from .plans import Plan, Step
 
 __all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile",
-           "constrain", "explain", "layout_from_placements", "load_sharded", "lower_bound_bytes",
+           "constrain", "explain", "explain_pipeline", "layout_from_placements", "load_sharded", "lower_bound_bytes",
            "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
 
 
@@ -30,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from .backend.compile_function import compile
 
         return compile
+    if name == "explain_pipeline":
+        from .backend.pipelining import explain_pipeline
+
+        return explain_pipeline
     if name == "simulate_plan":
         from .backend.simulate_plan import simulate_plan
 
