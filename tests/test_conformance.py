@@ -8,8 +8,8 @@ shard orders. For each case:
 (a) the Layout read from the placements gives every rank exactly the block DTensor's
     ``distribute_tensor`` gives it (with a shard order: torch's own test helper, which redistributes
     into the ordered spec with DTensor's planner);
-(b) the placements fxshard writes back for that Layout, with those blocks, are a DTensor
-    (``from_local``) whose ``full_tensor()`` is the original;
+(b) the placements (and shard order, where DTensor needs one) fxshard writes back for that Layout,
+    with those blocks, are a DTensor (``as_dtensor``) whose ``full_tensor()`` is the original;
 (c), plan_redistribute between two random placements against DTensor's redistribute, is not
 written yet (simulate_plan costs ~0.25 s a case on 12 ranks: it needs a cheaper path first).
 
@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxshard import CostModel, LayoutError, MeshSpec, plan_redistribute, simulate_plan
 from fxshard.backend.traffic import collective_call
-from fxshard.placements import layout_from_placements, placements_from_layout
+from fxshard.placements import as_dtensor, dtensor_spec_of, layout_from_placements
 
 CASES = int(os.environ.get("FXSHARD_CONFORMANCE_CASES", "1000"))
 MAX_WORLD = 16 if CASES <= 1000 else 125  # the default tier stays fast on 2 cores
@@ -244,19 +244,20 @@ def check_case(world: FakeWorld, case: Case, seed: int) -> str | None:
             return f"(a) {layout}: blocks differ from DTensor's on {wrong[:4]}"
         if theirs is not None and not _close(layout.unshard(per_rank(theirs._local_tensor, case)), t):
             return f"(a) {layout}: DTensor's partial blocks reduce to another value"
-        back = placements_from_layout(layout)
+        written = dtensor_spec_of(layout)
     except LayoutError as e:
         return f"refused: {e}"
     except Exception as e:  # noqa: BLE001 - any other error is a bug to report with its case
         return f"{type(e).__name__}: {e}"
-    if back is None:
+    if written is None:
         return f"(b) {layout}: no placements written back"
+    back, order = written
     mesh = world.mesh(case.sizes)
-    if back == dtensor_form(case, mesh):
+    if (back, order) in ((dtensor_form(case, mesh), None), (case.placements, case.order)):
         return None
     with world.ranks(case.sizes):
         local = (theirs if theirs is not None else dtensor(world, t, replicated_partials(case)))._local_tensor
-        again = DTensor.from_local(local, mesh, back, run_check=False, shape=torch.Size(case.shape), stride=t.stride())
+        again = as_dtensor(local, mesh, back, case.shape, order)  # the DTensor fxshard builds: its spec, its order
         try:
             full = _first(again.full_tensor())
         except Exception as e:  # noqa: BLE001
@@ -297,13 +298,7 @@ def dtensor_cannot_read_uneven_strided(case: Case, why: str) -> bool:
     return "full_tensor() raises" in why and "_StridedShard" in why
 
 
-def reversed_uneven_chunks(case: Case, why: str) -> bool:
-    """(b) with no placements: uneven chunks applied against mesh order need DTensor's explicit shard
-    order (its _StridedShard form differs for uneven sizes); placements_from_layout writes none."""
-    return "no placements written back" in why
-
-
-KNOWN_GAPS = (uneven_strided, mixed_sum_avg, dtensor_cannot_read_uneven_strided, reversed_uneven_chunks)
+KNOWN_GAPS = (uneven_strided, mixed_sum_avg, dtensor_cannot_read_uneven_strided)
 
 
 def test_layouts_hold_dtensors_blocks(world):
@@ -348,6 +343,18 @@ NOW_READ = [  # refused before the fix although DTensor accepts them; now exactl
 
 @pytest.mark.parametrize("case", NOW_READ)
 def test_placements_dtensor_accepts_are_read(world, case):
+    assert check_case(world, case, 0) is None
+
+
+WRITTEN_WITH_ORDER = [  # no placements were written back before: DTensor needs an explicit shard order for them
+    pytest.param(ordered((5, 1, 3), (11,), (Shard(0), Replicate(), Shard(0)), {0: (2, 0)}), id="[11] 5x1x3 order 2,0"),
+    pytest.param(ordered((2, 3), (10, 3), (Shard(0), Shard(0)), {0: (1, 0)}), id="[10,3] 2x3 order 1,0"),
+    pytest.param(Case((3, 3), (9, 4), (_StridedShard(1, split_factor=2), Shard(1))), id="[9,4] 3x3 SS(1;2),S(1)"),
+]
+
+
+@pytest.mark.parametrize("case", WRITTEN_WITH_ORDER)
+def test_uneven_chunks_against_mesh_order_are_written_with_a_shard_order(world, case):
     assert check_case(world, case, 0) is None
 
 
