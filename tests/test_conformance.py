@@ -10,14 +10,17 @@ shard orders. For each case:
     into the ordered spec with DTensor's planner);
 (b) the placements (and shard order, where DTensor needs one) fxshard writes back for that Layout,
     with those blocks, are a DTensor (``as_dtensor``) whose ``full_tensor()`` is the original;
-(c), plan_redistribute between two random placements against DTensor's redistribute, is not
-written yet (simulate_plan costs ~0.25 s a case on 12 ranks: it needs a cheaper path first).
+(c) for two random placements of one mesh and shape, ``plan_redistribute`` (with a cost model of bytes
+    alone: the default one may trade bytes for fewer collectives or copies), run by ``simulate_plan``
+    from DTensor's source blocks, ends on the blocks DTensor's ``redistribute`` leaves on every rank,
+    having received no more bytes per rank than DTensor's collectives (both sized by
+    ``costs.collective_bytes``; fxshard's per-peer exchange by what it really receives).
 
 A case DTensor itself refuses (it raises) is not a layout DTensor can express and is skipped; a
 case DTensor accepts and fxshard refuses is a failure, unless it is one of the KNOWN_GAPS (each a
 predicate with its reason: refusals and write-backs, never a wrong block). The oracle side uses no
 fxshard layout code.
-``FXSHARD_CONFORMANCE_CASES=20000`` runs more cases (and larger meshes: up to 125 ranks).
+``FXSHARD_CONFORMANCE_CASES=20000`` runs more cases for (a), (b) and (c) (and larger meshes: up to 125 ranks).
 
 Blocks of a Partial are DTensor's choice of decomposition, not part of the placement (its
 ``distribute_tensor`` puts value/n on every rank of a Partial(sum), its ops leave other
@@ -409,8 +412,8 @@ def dtensor_redistribute(world: FakeWorld, t: torch.Tensor, pair: Pair) -> tuple
     with world.ranks(pair.src.sizes):
         try:
             source = dtensor(world, t, pair.src)
-            order = None if pair.dst.order is None else pair.dst.order
-            target = DTensorSpec(mesh, pair.dst.placements, tensor_meta=source._spec.tensor_meta, shard_order=order)
+            target = DTensorSpec(mesh, pair.dst.placements, tensor_meta=source._spec.tensor_meta,
+                                 shard_order=pair.dst.order)
             local = source._local_tensor  # one tensor for all ranks where they agree: collectives need every rank's
             if not hasattr(local, "_local_tensors"):
                 local = world.mode.rank_map(lambda r: source._local_tensor)
@@ -422,6 +425,9 @@ def dtensor_redistribute(world: FakeWorld, t: torch.Tensor, pair: Pair) -> tuple
     return per_rank(source._local_tensor, pair.src), per_rank(local, pair.dst), max(counted.per_rank)
 
 
+SKIPPED = "skipped"  # DTensor refuses the pair, or fxshard a layout ((a) says whether that is a gap)
+
+
 def check_pair(world: FakeWorld, pair: Pair, seed: int) -> str | None:
     """None when fxshard's plan, run from DTensor's source blocks, ends on DTensor's blocks with no
     more bytes per rank than DTensor received (or when DTensor refuses, or fxshard refuses a layout:
@@ -429,12 +435,12 @@ def check_pair(world: FakeWorld, pair: Pair, seed: int) -> str | None:
     t = global_tensor(pair.src.shape, seed)
     oracle = dtensor_redistribute(world, t, pair)
     if oracle is None:
-        return None
+        return SKIPPED
     src_blocks, want, dtensor_bytes = oracle
     try:
         a, b = pair.src.layout(), pair.dst.layout()
     except LayoutError:
-        return None
+        return SKIPPED
     try:
         plan = plan_redistribute(a, b, cost_model=BYTES_ONLY)
         run = simulate_plan(plan, t, src_blocks)
@@ -442,7 +448,7 @@ def check_pair(world: FakeWorld, pair: Pair, seed: int) -> str | None:
         return f"{type(e).__name__}: {e}"
     if b.partial:  # DTensor's decomposition of a Partial is its own choice: compare what the blocks reduce to
         if any(tuple(want[c].shape) != b.local_shape(c) for c in want):
-            return None  # DTENSOR_WRONG: blocks of other shapes than its placements give
+            return None  # DTENSOR_WRONG: blocks of other shapes than its own placements give
         if not (_close(run.result, t) and _close(b.unshard(want), t)):
             return f"blocks reduce to another value than DTensor's: {plan}"
     elif wrong := _differ(run.outputs, want):
@@ -462,7 +468,8 @@ def _differ(ours: dict, theirs: dict) -> list:
 # DTENSOR_WRONG: torch 2.13's redistribute gives some ranks other blocks than distribute_tensor of the full
 # tensor gives them (the placement's meaning); (c) then holds fxshard to distribute_tensor. Seen:
 # (SS(0;2), R) -> (S(1), SS(0;6)) on 2x2, [12, 6] (ranks on b=1 get zeros); on an empty dim, blocks of
-# another empty shape ((SS(1;4), P, SS(1;6)) -> (S(0), R, SS(0;3)) on 4x1x4, [12, 0]).
+# another empty shape ((SS(1;4), P, SS(1;6)) -> (S(0), R, SS(0;3)) on 4x1x4, [12, 0]); once, in a 3000-pair
+# run, partial blocks of another shape than the target placements give (not reproduced since).
 
 REDISTRIBUTE_GAPS: tuple = ()
 
@@ -472,5 +479,8 @@ def test_plans_end_on_dtensors_blocks(world):
     DTensor's redistributed blocks on every rank, for no more bytes per rank than DTensor moves."""
     by_world = sorted(enumerate(pairs(REDISTRIBUTE_CASES, SEED + 1)), key=lambda ip: math.prod(ip[1].src.sizes))
     found = [(p, why) for i, p in by_world if (why := check_pair(world, p, i))]
-    failures = [f"{p}: {why}" for p, why in found if not any(gap(p, why) for gap in REDISTRIBUTE_GAPS)]
-    assert failures == [], f"{len(failures)} of {REDISTRIBUTE_CASES} pairs:\n" + "\n".join(failures[:60])
+    checked = REDISTRIBUTE_CASES - sum(why == SKIPPED for _, why in found)
+    failures = [f"{p}: {why}" for p, why in found
+                if why != SKIPPED and not any(gap(p, why) for gap in REDISTRIBUTE_GAPS)]
+    assert failures == [] and checked >= REDISTRIBUTE_CASES // 2, \
+        f"{len(failures)} of {checked} pairs checked:\n" + "\n".join(failures[:60])
