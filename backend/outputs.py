@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxshard.graph import outputs
 from fxshard.layout import Layout
-from fxshard.placements import as_dtensor, placements_from_layout
+from fxshard.placements import layout_as_dtensor, placements_from_layout
 
 from .trace import DERIVED, TracedProgram
 
@@ -46,10 +46,10 @@ def returned(local: torch.Tensor, layout: Layout, device_mesh: Any, eager: Any) 
     """This rank's output as the user's program has it: a DTensor (``eager`` None), or the plain
     block of the layout eager holds, moved there if the plan left it in another."""
     if eager is None:
-        return as_dtensor(local, device_mesh, placements_from_layout(layout), layout.shape)
+        return layout_as_dtensor(local, device_mesh, layout)
     if eager == AS_PLANNED or eager == layout:
         return local
-    out = as_dtensor(local, device_mesh, placements_from_layout(layout), layout.shape)
+    out = layout_as_dtensor(local, device_mesh, layout)
     return out.redistribute(device_mesh, placements_from_layout(eager)).to_local()
 
 

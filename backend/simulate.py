@@ -29,7 +29,7 @@ from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.mesh import MeshSpec
-from fxshard.placements import as_dtensor, placements_from_layout
+from fxshard.placements import layout_as_dtensor
 
 from .capture import Captured, capture_graphs
 from .driver import PlannedProgram, plan_function
@@ -328,7 +328,7 @@ def _value(blocks: Mapping, layout: Layout, example: Any, device_mesh: Any) -> t
     coords = layout.mesh.coordinates()
     ranks = device_mesh.mesh.flatten().tolist()
     local = LocalTensor({rank: blocks[c] for c, rank in zip(coords, ranks)})
-    return as_dtensor(local, device_mesh, placements_from_layout(layout), layout.shape)
+    return layout_as_dtensor(local, device_mesh, layout)
 
 
 def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,

@@ -180,8 +180,10 @@ def canonical_dim(pieces: Iterable[AtomPiece]) -> Dim:
 
 
 def localized(pieces: Dim, ids: frozenset) -> Dim:
-    """``pieces`` with the atoms ``ids`` gathered: their pieces become local."""
-    return canonical_dim(make_piece((p[0], LOCAL, False)) if p[1] in ids else p for p in pieces)
+    """``pieces`` with the atoms ``ids`` gathered: their pieces become local. A chunk of a chunk
+    gathered leaves the outer chunk whole (its nominal size is only rank 0's share of it)."""
+    return canonical_dim(make_piece((p[0], LOCAL, False)) if p[1] in ids else p for i, p in enumerate(pieces)
+                         if not (p[1] in ids and p[2] and i and pieces[i - 1][2]))
 
 
 def atoms_in(pieces: Dim) -> frozenset:
@@ -189,13 +191,14 @@ def atoms_in(pieces: Dim) -> frozenset:
 
 
 def local_numel(state: State, shape: Sequence[Size], sizes: Sequence[Size]) -> Size:
-    """Elements on the rank holding the most (coordinate 0 of every chunked piece)."""
+    """Elements on the rank holding the most (coordinate 0 of every chunked piece; of a chunk of a
+    chunk only the inner one counts: its nominal size is already the outer chunk of coordinate 0)."""
     n: Size = 1
     for pieces in state.dims:
-        for p in pieces:
+        for i, p in enumerate(pieces):
             if p.atom is LOCAL:
                 n = n * p.size
-            elif p.chunked:
+            elif p.chunked and not (i + 1 < len(pieces) and pieces[i + 1].chunked):
                 n = n * (-(-int(p.size) // int(sizes[p.atom])))
     return n if type(n) is int else as_size(n)
 

@@ -56,6 +56,8 @@ def received_even(state: State, target: State) -> int | None:
     Atoms are the finest sub-axes of the search, so a digit fixed by two different atoms (or
     two parts of one) in the two states is fixed differently on some rank.
     """
+    if any(_numel(pieces) == 0 for pieces in state.dims):
+        return 0  # an empty tensor (a dim of size 0): no rank lacks an element
     need, both_free = 1, 1
     for here, there in zip(state.dims, target.dims):
         if any(p.chunked for p in here + there):

@@ -268,6 +268,47 @@ def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
     return placements
 
 
+def dtensor_spec_of(layout: Layout) -> tuple[tuple[Placement, ...], tuple | None] | None:
+    """(placements, shard order) of ``layout`` for DTensor: the order is None where left-to-right
+    placements (``placements_from_layout``) express it, else DTensor's explicit shard order (a tuple
+    of ``ShardOrderEntry``, as ``DTensorSpec.shard_order``): uneven chunks applied against mesh order,
+    which no _StridedShard expresses. None when DTensor cannot express the layout either way."""
+    placements = placements_from_layout(layout)
+    if placements is not None:
+        return placements, None
+    return _ordered_placements(layout)
+
+
+def _ordered_placements(layout: Layout) -> tuple[tuple[Placement, ...], tuple] | None:
+    """Shard(d) on every whole axis sharding dim d, applied in the order of its pieces (major first)."""
+    try:
+        from torch.distributed.tensor._dtensor_spec import ShardOrderEntry
+    except ImportError:  # a torch without shard orders
+        return None
+    spec = layout.mesh
+    result: list[Placement] = [Replicate() for _ in spec.names]
+    for a, op in layout.partial:
+        if not a.is_whole:
+            return None
+        result[spec.index(a.name)] = Partial(op)
+    order: list[tuple[int, tuple[int, ...]]] = []
+    for d, pieces in enumerate(layout.dims):
+        axes = [p.axis for p in pieces if p.axis is not None]
+        if not all(a.is_whole for a in axes) or len({a.name for a in axes}) != len(axes):
+            return None
+        for a in axes:
+            result[spec.index(a.name)] = Shard(d)
+        if axes:
+            order.append((d, tuple(spec.index(a.name) for a in axes)))
+    placements = tuple(result)
+    try:
+        if layout_from_placements(spec, layout.shape, placements, dict(order)) != layout:
+            return None
+    except LayoutError:
+        return None
+    return placements, tuple(ShardOrderEntry(tensor_dim=d, mesh_dims=m) for d, m in order)
+
+
 def placements_to_str(placements: Sequence[Placement]) -> str:
     """A compact, parseable text for placements: 'S(1),R,P(sum),SS(0;2)'."""
     parts = []
@@ -311,14 +352,31 @@ def contiguous_strides(shape: Sequence[Any]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def as_dtensor(local: Any, device_mesh: Any, placements: Sequence[Placement], shape: Sequence[Any]) -> Any:
+def as_dtensor(local: Any, device_mesh: Any, placements: Sequence[Placement], shape: Sequence[Any],
+               shard_order: Any = None) -> Any:
     """The DTensor of global ``shape`` whose block on this rank is ``local``, with no communication.
 
     The global shape and (contiguous) strides are given, never inferred: DTensor would infer them
-    from the local block assuming even shards, which uneven layouts are not.
+    from the local block assuming even shards, which uneven layouts are not. A ``shard_order``
+    (``dtensor_spec_of``) goes into the DTensor's spec: ``from_local`` takes none (torch 2.13), so the
+    spec is replaced after it, as torch's own shard-order test helpers do.
     """
     import torch
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size([int(s) for s in shape]),
-                              stride=contiguous_strides(shape))
+    out = DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size([int(s) for s in shape]),
+                             stride=contiguous_strides(shape))
+    if shard_order is not None:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        out._spec = DTensorSpec(out._spec.mesh, out._spec.placements, tensor_meta=out._spec.tensor_meta,
+                                shard_order=tuple(shard_order))
+    return out
+
+
+def layout_as_dtensor(local: Any, device_mesh: Any, layout: Layout) -> Any:
+    """``as_dtensor`` with ``layout``'s placements and shard order (``dtensor_spec_of``)."""
+    written = dtensor_spec_of(layout)
+    if written is None:
+        raise LayoutError(f"layout {layout} has no DTensor placements (sub-axes, or chunks DTensor cannot order)")
+    return as_dtensor(local, device_mesh, written[0], layout.shape, written[1])

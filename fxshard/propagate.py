@@ -21,7 +21,7 @@ from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, required_layouts, set_strategy
 from .layout import Layout, LayoutError
 from .mesh import MeshSpec
 from .op_kinds import Context, UnsupportedOpError
-from .placements import layout_from_placements, placements_from_layout
+from .placements import dtensor_spec_of, layout_from_placements
 from .planner import redistribute_cost
 from .policies import Pin
 from .refine import is_pinned
@@ -95,7 +95,7 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
     Candidates are every placement tuple (Replicate or Shard(d) per mesh axis; whole-axis
     partials kept); ties go to the one with the smaller local block.
     """
-    if placements_from_layout(layout) is not None:
+    if dtensor_spec_of(layout) is not None:  # placements, with a shard order where DTensor needs one
         return layout
     mesh = layout.mesh
     partial = {a.name: op for a, op in layout.partial if a.is_whole}

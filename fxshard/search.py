@@ -145,8 +145,8 @@ class Search:
                 return None
             chunked = [i for i, p in enumerate(candidate) if p.chunked and p.atom in mine]
             if chunked:
-                if padded_reduce and len(ids) == 1 and len(candidate) == 1:
-                    out[e] = candidate  # a padded reduce_scatter (DTensor's way), then the tail is cut
+                if padded_reduce and len(ids) == 1 and _chunks_local_block(candidate, chunked[0]):
+                    out[e] = candidate  # a padded reduce_scatter of the local block (DTensor's way), the tail cut
                     continue
                 if even_only or not local_chunk or len(ids) != 1:
                     return None
@@ -234,8 +234,11 @@ class Search:
 
     # -- the exchange edge --------------------------------------------------------------------
     def exchange_target(self, state: State) -> State | None:
-        """The goal's dims with ``state``'s partial axes, if no reduction is pending (then local_partial ends)."""
-        if not set(state.partial) <= set(self.goal.partial):
+        """The goal's dims with ``state``'s partial axes (then local_partial, or the pending reductions,
+        end the plan: an exchange moves a partial value as any other, and reduces 1/n of the data after
+        it); None where a pending reduction's atom shards a dim of the goal."""
+        goal_dims = set().union(*(atoms_in(d) for d in self.goal.dims)) if self.goal.dims else set()
+        if any(p.atom in goal_dims for p in state.partial if p not in set(self.goal.partial)):
             return None
         return make_state((self.goal.dims, state.partial))
 
@@ -255,6 +258,12 @@ class Search:
         pack = 2 * (self.local_bytes(state) + self.local_bytes(target))  # index gathers on both ends
         cost = self.model.collective_cost(group, nbytes) + self.model.copy_cost(pack)
         return group, nbytes, cost
+
+
+def _chunks_local_block(pieces: tuple, i: int) -> bool:
+    """Whether the chunked piece ``pieces[i]`` splits a dim's whole local block: it is the last piece
+    and every piece before it is sharded (the block a rank holds, cut with torch.chunk)."""
+    return i == len(pieces) - 1 and all(p.atom is not LOCAL for p in pieces[:i])
 
 
 def _where(state: State) -> dict[int, InDim | Pending]:

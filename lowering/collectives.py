@@ -200,10 +200,10 @@ def _uneven(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str)
     n, c = int(axis.size), axis.coordinate(coord[axis.name])
     if step.kind == "all_gather" and len(step.before.dims[d]) == 1:
         return _gather_chunked(e, x, step, before, after, d, n, group)
-    if step.kind == "reduce_scatter" and len(step.after.dims[d]) == 1:
-        return _reduce_scatter_chunked(e, x, step, before, d, n, c, group)
     pieces = step.after.dims[d]
     i = next(k for k, p in enumerate(pieces) if p.axis == axis)
+    if step.kind == "reduce_scatter" and i == len(pieces) - 1 and all(p.axis is not None for p in pieces[:i]):
+        return _reduce_scatter_chunked(e, x, step, before, d, n, c, group)  # the local block, chunked
     if step.kind == "local_shard" and pieces[i].chunked and all(p.axis is not None for p in pieces[:i]):
         total = before[d]
         chunk = -(-total // n)
