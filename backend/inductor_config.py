@@ -5,7 +5,7 @@ fxshard lowers each redistribution to its own functional collective, its wait ri
 its FX bucketing passes (``torch/_inductor/fx_passes/bucketing.py``) merge independent
 all_gathers, reduce_scatters and all_reduces of one process group and dtype into one collective
 each, and its scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute
-that does not need its result and raise collectives above the compute that does not feed them.
+that does not need its result and raise collectives earlier, as far as peak memory allows.
 
 A bucket holds about one block (``block_bytes``): one bucket for the whole model would gather
 every parameter before the first layer and give up FSDP's memory bound.
@@ -99,7 +99,7 @@ def block_bytes(gm: fx.GraphModule) -> int:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in BUCKETED:
             continue
-        sources = _placeholders_of(node)
+        sources = _placeholders_of(node, stop_after=2)
         if len(sources) != 1:
             continue
         match = _BLOCK.match(sources[0].name)
@@ -120,8 +120,8 @@ def global_bytes(node: fx.Node) -> int:
     return max(nbytes(node.meta["val"]), nbytes(node.all_input_nodes[0].meta["val"]))
 
 
-def _placeholders_of(node: fx.Node) -> list[fx.Node]:
-    """The graph inputs a node's value is computed from."""
+def _placeholders_of(node: fx.Node, stop_after: int) -> list[fx.Node]:
+    """The graph inputs a node's value is computed from, up to ``stop_after`` of them."""
     seen: set[fx.Node] = set()
     stack, found = list(node.all_input_nodes), []
     while stack:
@@ -131,5 +131,7 @@ def _placeholders_of(node: fx.Node) -> list[fx.Node]:
         seen.add(n)
         if n.op == "placeholder":
             found.append(n)
+            if len(found) == stop_after:
+                break
         stack.extend(n.all_input_nodes)
     return found

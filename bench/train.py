@@ -76,7 +76,7 @@ def _c10d_kind(name: str) -> str | None:
     if not name.startswith("c10d::"):
         return None
     for part, kind in (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                       ("alltoall", "all_to_all"), ("broadcast", "broadcast")):
+                       ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("scatter", "scatter")):
         if part in name:
             return kind
     return None if "barrier" in name else name
