@@ -3,6 +3,8 @@
 ``torch.compile(model, backend="fxshard")`` finds this through the ``torch_dynamo_backends``
 entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
 without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
+``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
+``backend/inductor_config.py``),
 ``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
 as text: ``<graph>_<n>_<stage>.txt``).
@@ -37,7 +39,7 @@ from .dtensor_rules import lend_rules_to_dtensor  # noqa: E402
 
 lend_rules_to_dtensor()
 
-_OPTIONS = {"strict", "inductor", "cost_model", "on_graph", "debug_dir"}
+_OPTIONS = {"strict", "inductor", "bucketing", "cost_model", "on_graph", "debug_dir"}
 
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
@@ -52,9 +54,9 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
         raise ValueError(f"unknown fxshard options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     if find_device_mesh(example_inputs, gm) is None:
         # nothing is distributed: fxshard has nothing to do, Inductor compiles the program as is
-        from torch._inductor.compile_fx import compile_fx
+        from .inductor_config import compile_local
 
-        return compile_fx(gm, example_inputs) if options.get("inductor", True) else gm.forward
+        return compile_local(gm, example_inputs, None) if options.get("inductor", True) else gm.forward
     reporter = StageReporter(options.get("on_graph"), options.get("debug_dir"))
     return per_size(gm, example_inputs, lambda inputs: _compile(gm, inputs, options, reporter), reporter.graph_id)
 
@@ -65,7 +67,7 @@ def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter:
 
     return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
                            cost_model=options.get("cost_model"), inductor=options.get("inductor", True),
-                           reporter=reporter)
+                           bucketing=options.get("bucketing", True), reporter=reporter)
 
 
 def _trains(inputs: Sequence[Any]) -> bool:

@@ -101,7 +101,7 @@ def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | 
 
 
 def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
-                    inductor: bool = True, reporter: StageReporter | None = None,
+                    inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
                     **plan_options: Any) -> InferenceProgram | TrainingProgram:
     """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
     ``device_mesh`` defaults to the one of the DTensor inputs."""
@@ -111,7 +111,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     program, eager = planned.program, planned.eager_outputs
     if planned.training is not None:
         with reporter.timed("lowering the forward and backward"):
-            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, reporter=reporter,
+            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing, reporter=reporter,
                                           eager_layouts=eager)
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
@@ -121,7 +121,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     with reporter.timed("lowering"):
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
-                                  reporter=reporter, eager_layouts=eager)
+                                  bucketing=bucketing, reporter=reporter, eager_layouts=eager)
     reporter("lower", runner.local_graph)
     reporter.summarize(planned.graph)
     return runner

@@ -17,6 +17,7 @@ from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 
+from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
 from .report import StageReporter
@@ -26,7 +27,7 @@ class InferenceProgram:
     """Calls the compiled local program of this rank on the local shards of the inputs."""
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
-                 input_layouts: Sequence[Layout], inductor: bool = True, reporter: StageReporter | None = None,
+                 input_layouts: Sequence[Layout], inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
                  eager_layouts: Sequence[Any] = ()):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
@@ -38,6 +39,8 @@ class InferenceProgram:
         # per output: None (a DTensor) or the layout whose plain block the user's program holds (outputs.py)
         self.eager = list(eager_layouts) or [None] * len(self.output_layouts)
         self.inductor = inductor
+        # bytes per bucket of collectives, from this program's collective sizes (inductor_config.py)
+        self.bucket_cap = block_bytes(self.local_graph) if bucketing else None
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
@@ -61,8 +64,5 @@ class InferenceProgram:
     def _compile(self, local_inputs: list[torch.Tensor]) -> Callable:
         if not self.inductor:
             return self.local_graph
-        from torch._inductor.compile_fx import compile_fx
-
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            compiled = compile_fx(self.local_graph, local_inputs)
-        return compiled
+            return compile_local(self.local_graph, local_inputs, self.bucket_cap)

@@ -17,6 +17,7 @@ from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 
+from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
 from .joint import TrainingPlan
@@ -26,7 +27,7 @@ from .report import StageReporter
 class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
-    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True,
+    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True, bucketing: bool = True,
                  reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = ()):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         groups = MeshGroups(device_mesh)
@@ -40,6 +41,8 @@ class TrainingProgram:
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
         self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
         self.inductor = inductor
+        # bytes per bucket of collectives, forward and backward: one block's parameters (inductor_config.py)
+        self.bucket_cap = block_bytes(self.forward_graph) if bucketing else None
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
@@ -66,10 +69,8 @@ class TrainingProgram:
     def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
         if not self.inductor:
             return gm
-        from torch._inductor.compile_fx import compile_fx
-
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
-            return compile_fx(gm, inputs)
+            return compile_local(gm, inputs, self.bucket_cap)
 
 
 class _TrainingStep(torch.autograd.Function):

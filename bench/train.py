@@ -2,6 +2,7 @@
 
     python bench/train.py           # 4 gloo ranks on CPU; prints a markdown table
     python bench/train.py --json
+    python bench/train.py --no-bucketing   # fxshard's collectives as lowered (backend option bucketing=False)
 
 Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
 
@@ -13,9 +14,12 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
   model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
 
 Per system: compile time (the first step, which compiles), step time (median of the later steps),
-collectives and bytes one rank receives per step. fxshard's are read from its lowered forward and
-backward programs; DTensor's are recorded by ``CommDebugMode`` around one eager step (Inductor does not
-change which collectives DTensor issues). Bytes use one formula for both (``fxshard.backend.traffic``).
+collective calls per step and the bytes one rank receives per step. Calls are counted at runtime, on
+both systems the same way: the process-group ops (``c10d::*``) the profiler records during one more
+compiled step, so what Inductor bucketed counts once (fxshard's programs as lowered, one collective
+per redistribution, are given too). Bytes: fxshard's are read from its lowered forward and backward
+programs; DTensor's are recorded by ``CommDebugMode`` around one eager step (bucketing merges
+collectives, it does not change their bytes). One formula for both (``fxshard.backend.traffic``).
 fxshard plans with a bandwidth-only cost model (``CostModel(default_latency=0)``): bytes decide.
 Inductor's caches are off, so both systems compile from scratch. The machine is small and noisy:
 read the ratios, not the absolute times.
@@ -52,13 +56,39 @@ def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
     return summarize(calls)
 
 
+def runtime_collectives(step: Any) -> dict[str, int]:
+    """Collective calls ``step()`` makes on the process group, by kind: the c10d ops the profiler records
+    (a functional collective and a ``torch.distributed`` call each end in one; a bucket is one call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        kind = _c10d_kind(event.name)
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _c10d_kind(name: str) -> str | None:
+    """A profiler event's collective kind: c10d::_allgather_base_ -> all_gather; None for anything else."""
+    if not name.startswith("c10d::"):
+        return None
+    for part, kind in (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+                       ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("scatter", "scatter")):
+        if part in name:
+            return kind
+    return None if "barrier" in name else name
+
+
 def _data(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
             torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g))
 
 
-def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, Any, Any]:
+def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> tuple[nn.Module, Any, Any]:
     """(model, step function (tokens, targets) -> loss, batch placements or None)."""
     import fxshard
     from models.llama import Llama, fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
@@ -68,9 +98,12 @@ def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, A
     model = Llama(config)
     if case == "tp":
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
-        graphs: dict = {}  # fxshard's lowered programs, by stage
-        options = {"cost_model": fxshard.CostModel(default_latency=0.0),
-                   "on_graph": lambda stage, gm: graphs.__setitem__(stage, gm)}
+        from fxshard.backend.traffic import collective_calls
+
+        graphs: dict = {}  # the collectives of fxshard's lowered programs, by stage, read as they are reported
+        options = {"cost_model": fxshard.CostModel(default_latency=0.0), "bucketing": bucketing,
+                   "on_graph": lambda stage, gm: graphs.__setitem__(stage, collective_calls(gm))
+                   if stage.startswith("lower") else None}
         compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor",
                                  options=options if system == "fxshard" else None)
 
@@ -85,7 +118,7 @@ def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, A
     batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
     if system == "fxshard":
         distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
-        compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
+        compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0), bucketing=bucketing)
 
         def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = compiled(distribute_tensor(tokens, mesh, batch), distribute_tensor(targets, mesh, batch))
@@ -116,7 +149,7 @@ def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, A
     return model, step, None
 
 
-def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict:
+def run(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
     import fxshard  # noqa: F401 (registers the op library on this rank)
     from comm import CommBytesMode
     from fxshard.backend.traffic import collective_calls
@@ -126,7 +159,7 @@ def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict
     shape, names = ((world_size,), ("tp",)) if case == "tp" else \
         ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
     mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-    model, step, compiled = _build(case, system, mesh, config)
+    model, step, compiled = _build(case, system, mesh, config, bucketing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     for k in range(STEPS):
@@ -136,11 +169,15 @@ def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
+    calls = runtime_collectives(lambda: step(*_data(config, STEPS)))  # one more step, profiled, not timed
+    optimizer.zero_grad()
+    lowered = None
     if system == "fxshard":
         if isinstance(compiled, dict):  # torch.compile(backend="fxshard"): the stages it reported
-            calls = collective_calls(compiled["lower"]) + collective_calls(compiled["lower_backward"])
+            sized = compiled["lower"] + compiled["lower_backward"]
         else:
-            calls = collective_calls(compiled.last.forward_graph) + collective_calls(compiled.last.backward_graph)
+            sized = collective_calls(compiled.last.forward_graph) + collective_calls(compiled.last.backward_graph)
+        lowered = _counts_bytes(sized)[0]
     else:
         tokens, targets = _data(config, 0)
         with CommBytesMode() as mode:
@@ -150,26 +187,27 @@ def run(rank: int, world_size: int, device: str, case: str, system: str) -> dict
             finally:
                 torch._dynamo.config.disable = False
         optimizer.zero_grad()
-        calls = mode.calls
-    counts, nbytes = _counts_bytes(calls)
-    return {"compile_s": times[0], "step_s": statistics.median(times[1:]), "counts": counts, "bytes": nbytes}
+        sized = mode.calls
+    nbytes = _counts_bytes(sized)[1]
+    return {"compile_s": times[0], "step_s": statistics.median(times[1:]), "counts": calls, "lowered": lowered,
+            "bytes": nbytes}
 
 
-def run_rank(rank: int, world_size: int, device: str, case: str, system: str) -> dict:
+def run_rank(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
     try:
-        return run(rank, world_size, device, case, system)
+        return run(rank, world_size, device, case, system, bucketing)
     except Exception as e:  # a system that cannot run a case reports why instead of failing the table
         if rank == 0:
             print(f"{system} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
 
 
-def measure(case: str) -> dict:
+def measure(case: str, bucketing: bool = True) -> dict:
     from ranks import spawn
 
     out = {"case": case}
     for system in ("fxshard", "dtensor"):
-        results = spawn(run_rank, 4, 900.0, "cpu", case=case, system=system)
+        results = spawn(run_rank, 4, 900.0, "cpu", case=case, system=system, bucketing=bucketing)
         out[system] = results[0]
     return out
 
@@ -181,7 +219,7 @@ def _ratio(a: dict, b: dict, key: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | fxshard collectives / step | DTensor collectives / step | bytes ratio | "
+    lines = ["| case | fxshard collective calls / step | DTensor collective calls / step | bytes ratio | "
              "step time ratio | compile time ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
         f, d = r["fxshard"], r["dtensor"]
@@ -190,6 +228,8 @@ def table(rows: list[dict]) -> str:
             if "error" in x:
                 return f"fails: {x['error']}"
             counts = ", ".join(f"{n} {k}" for k, n in sorted(x["counts"].items()))
+            if x.get("lowered"):
+                counts += f" ({sum(x['lowered'].values())} as lowered)"
             return f"{counts}; {x['bytes'] / 2**20:.2f} MiB; step {x['step_s'] * 1e3:.0f} ms; compile {x['compile_s']:.0f} s"
         lines.append(f"| {r['case']} | {cell(f)} | {cell(d)} | {_ratio(f, d, 'bytes')} | "
                      f"{_ratio(f, d, 'step_s')} | {_ratio(f, d, 'compile_s')} |")
@@ -202,8 +242,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--case", choices=CASES, action="append")
+    parser.add_argument("--no-bucketing", action="store_true", help="fxshard's backend option bucketing=False")
     args = parser.parse_args()
-    rows = [measure(case) for case in (args.case or CASES)]
+    rows = [measure(case, not args.no_bucketing) for case in (args.case or CASES)]
     print(json.dumps(rows, indent=1) if args.json else table(rows))
 
 

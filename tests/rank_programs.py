@@ -172,3 +172,75 @@ def graph_breaks(rank: int, world_size: int, device: str = "cpu") -> dict:
     grad_error = max((p.grad.full_tensor() - q.grad).abs().max().item()
                      for p, q in zip(model.parameters(), reference.parameters()))
     return {"forward_error": forward_error, "grad_error": grad_error, "inputs": inputs}
+
+
+class Blocks(torch.nn.Module):
+    """Residual MLP blocks (``layers.0``, ``layers.1``, ...) ending in a sum: FSDP's model in miniature."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, n_layers: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MLPBlock(dim, hidden) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def shard_parameters(model: torch.nn.Module, mesh) -> None:
+    """FSDP as placements: every parameter a Shard(0) DTensor (uneven where its rows do not divide)."""
+    for name, param in list(model.named_parameters()):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        owner.register_parameter(name.rpartition(".")[2],
+                                 torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+
+
+def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, hidden: int = 31,
+                tokens: int = 128, steps: int = 2) -> dict:
+    """SGD steps of ``Blocks`` with every parameter Shard(0) (uneven rows for odd sizes) through
+    torch.compile(backend="fxshard") with bucketing on; the same steps on one device. Returns the worst
+    loss and parameter errors and the collectives of the compiled forward and backward (Inductor's code)."""
+    import fxshard
+    from torch._inductor.utils import run_and_get_code
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    reference = Blocks(dim, hidden)
+    model = copy.deepcopy(reference)
+    shard_parameters(model, mesh)
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel(default_latency=0.0)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    loss_error, codes = 0.0, []
+    for step in range(steps):
+        x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step))
+
+        def train_step() -> torch.Tensor:
+            loss = compiled(distribute_tensor(x, mesh, [Shard(0)]))
+            loss.backward()
+            return loss
+        if step == 0:
+            loss, codes = run_and_get_code(train_step)
+        else:
+            loss = train_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = reference(x)
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
+    param_error = max((p.full_tensor() - q).abs().max().item()
+                      for p, q in zip(model.parameters(), reference.parameters()))
+    return {"loss_error": loss_error, "param_error": param_error, "codes": codes}

@@ -176,3 +176,25 @@ def test_generate_on_two_gloo_ranks(generate, cache, programs):
         assert r["same_tokens"], f"rank {rank}: {r['tokens']}"
         assert r["programs"] == programs, f"rank {rank}: {r['programs']} programs"
         assert r["decode_collectives"] == {"all_reduce": 5, "all_gather_into_tensor": 1}, r["decode_collectives"]
+
+
+@pytest.mark.slow
+def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
+    """FSDP blocks whose rows do not divide by 2 (15 and 31: shards of 8 and 7, 16 and 15), bucketed by
+    Inductor (backend/inductor_config.py): both ranks issue the same buckets (a mismatch would hang), and
+    two SGD steps match one device. tests/test_overlap.py checks the same buckets without ranks."""
+    sys.path[:0] = [str(EXAMPLES), str(HERE)]
+    try:
+        import rank_programs
+        from ranks import spawn
+        from test_overlap import collectives, statements
+
+        results = spawn(rank_programs.fsdp_blocks, 2, timeout=900.0)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(HERE))
+    for rank, r in sorted(results.items()):
+        assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
+        kinds = [sorted(kind for kind, _ in collectives(statements(code))) for code in r["codes"]]
+        # a bucket per block forward (and the loss), backward the regathered weights and a bucket per block
+        assert kinds == [["all_gather"] * 2 + ["all_reduce"], ["all_gather"] + ["reduce_scatter"] * 2], (rank, kinds)

@@ -1,0 +1,208 @@
+"""Collectives bucketed and waits overlapped by Inductor's own passes (backend/inductor_config.py).
+
+FSDP in miniature (``rank_programs.Blocks``: two residual MLP blocks, every weight Shard(0) on 4
+ranks): fxshard lowers one all_gather per weight and one reduce_scatter per gradient, each wait
+right behind its collective; Inductor merges each block's into one and moves waits below compute.
+Counts are read from the code Inductor generates, on a fake process group (rank 0).
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import fxshard
+from fxshard.backend.inductor_config import block_bytes, inductor_patches
+from fxshard.backend.simulate import fake_world, lowered_graphs
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from rank_programs import Blocks, MLPBlock, shard_parameters  # noqa: E402
+
+COST = fxshard.CostModel(default_latency=0.0)  # bytes decide: weights are gathered, not activations
+DIM, HIDDEN, TOKENS = 32, 64, 256
+
+_COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\w*\.default\(")
+_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+
+
+def statements(code: str) -> list[str]:
+    """The statements of Inductor's ``call``: no comments, shape asserts or dels."""
+    body = code[code.index("def call(self, args):"):]
+    body = body[:body.index("\n        return ")]
+    return [s for line in body.splitlines()[1:]
+            if (s := line.strip()) and not s.startswith(("#", "assert_", "del "))]
+
+
+def collectives(lines: list[str]) -> list[tuple[str, int]]:
+    """(kind, statements of compute between its start and its wait) for each collective, in order.
+
+    Compute: an extern kernel (the matmuls; fused C++ kernels also copy into and out of buckets). The wait is the ``wait_tensor`` of the
+    collective's buffer (its result, its ``out=``, or the in-place all_reduce's argument)."""
+    found = []
+    for i, line in enumerate(lines):
+        match = _COLLECTIVE.search(line)
+        if match is None:
+            continue
+        buffer = (re.search(r"out=(\w+)\)", line) or re.match(r"(\w+) = ", line)
+                  or re.search(r"\.default\((\w+),", line)).group(1)
+        wait = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({buffer})" in lines[j])
+        compute = sum(1 for s in lines[i + 1:wait] if s.startswith("extern_kernels."))
+        found.append((_KIND[match.group(1)], compute))
+    return found
+
+
+def lowered_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """The same for fxshard's lowered program (stage 5): FX nodes, compute being any other op."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    found = []
+    for i, node in enumerate(nodes):
+        name = node.target.__name__.split(".")[0]
+        if name in _KIND:
+            wait = next(j for j in range(i + 1, len(nodes)) if nodes[j].args and nodes[j].args[0] is node)
+            found.append((_KIND[name], wait - i - 1))
+    return found
+
+
+@pytest.fixture(scope="module")
+def training_step(fake_mesh_4):
+    """{program: (fxshard's lowered collectives, Inductor's)} of one compiled training step."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = Blocks(DIM, HIDDEN)
+    shard_parameters(model, fake_mesh_4)
+    lowered: dict = {}  # read when reported: Inductor may rewrite the graph it compiles
+    options = {"cost_model": COST, "on_graph": lambda stage, gm: lowered.setdefault(stage, lowered_collectives(gm))
+               if stage.startswith("lower") else None}
+    compiled = torch.compile(model, backend="fxshard", options=options)
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+
+    def step() -> torch.Tensor:
+        loss = compiled(x)
+        loss.backward()
+        return loss
+    _, (forward, backward) = run_and_get_code(step)
+    return {"forward": (lowered["lower"], collectives(statements(forward))),
+            "backward": (lowered["lower_backward"], collectives(statements(backward)))}
+
+
+def counts(found: list[tuple[str, int]]) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for kind, _ in found:
+        result[kind] = result.get(kind, 0) + 1
+    return result
+
+
+@pytest.mark.parametrize("program, lowered, compiled", [
+    # one all_gather per weight (4), the loss summed; Inductor: one bucket per block
+    ("forward", {"all_gather": 4, "all_reduce": 1}, {"all_gather": 2, "all_reduce": 1}),
+    # the two weights the input gradients need, regathered; one reduce_scatter per gradient
+    ("backward", {"all_gather": 2, "reduce_scatter": 4}, {"all_gather": 1, "reduce_scatter": 2}),
+])
+def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
+    fxshard_lowered, inductor = training_step[program]
+    assert (counts(fxshard_lowered), counts(inductor)) == (lowered, compiled)
+
+
+@pytest.mark.parametrize("program, overlapped", [
+    ("forward", ["all_gather"]),       # the second block's weights arrive while the first block computes
+    ("backward", ["reduce_scatter"]),  # the last block's gradients are reduced while the others compute
+])
+def test_waits_move_below_compute(training_step, program, overlapped):
+    """fxshard lowers every wait right behind its collective; Inductor's scheduler moves it below the
+    compute that does not need the result (the first gather and the last reductions have none left)."""
+    fxshard_lowered, inductor = training_step[program]
+    assert all(compute == 0 for _, compute in fxshard_lowered), fxshard_lowered
+    assert [kind for kind, compute in inductor if compute > 0] == overlapped, inductor
+
+
+def test_bucketing_false_leaves_each_collective_and_its_wait(fake_mesh_4):
+    """``options={"bucketing": False}``: Inductor compiles the collectives as fxshard lowered them
+    (the forward alone: no gradient is recorded)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = Blocks(DIM, HIDDEN)
+    shard_parameters(model, fake_mesh_4)
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": COST, "bucketing": False})
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    with torch.no_grad():
+        _, (code,) = run_and_get_code(compiled, x)
+    # one gather per weight, each waited for at once (the sum stays a Partial DTensor: no all_reduce)
+    assert collectives(statements(code)) == [("all_gather", 0)] * 4
+
+
+@pytest.fixture(scope="module")
+def uneven_programs() -> dict:
+    """Every rank's lowered training program of ``Blocks`` with 30 and 62 rows on 4 ranks (8, 8, 8, 6
+    and 16, 16, 16, 14): rank 3's local program has other shapes than the others'."""
+    torch.manual_seed(0)
+    model = Blocks(dim=30, hidden=62)
+    placements = {name: (Shard(0),) for name, _ in model.named_parameters()} | {0: (Shard(0),)}
+    with fake_world(fxshard.MeshSpec(dp=4)) as device_mesh:
+        return lowered_graphs(model, torch.randn(TOKENS, 30), device_mesh=device_mesh, placements=placements,
+                              grad=True, cost_model=COST)
+
+
+def test_buckets_are_the_same_on_every_rank_of_an_uneven_program(uneven_programs):
+    """Inductor's bucketing pass on each rank's program, with the cap fxshard gives it: the same
+    collectives in the same buckets on every rank (a rank that bucketed otherwise would hang the job),
+    though rank 3's shards are smaller."""
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb, bucket_reduce_scatter_by_mb
+
+    def shapes(gm: torch.fx.GraphModule) -> list:
+        return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def buckets(gm: torch.fx.GraphModule, cap: int) -> list[list[str]]:
+        found = bucket_all_gather_by_mb(gm, lambda _: cap / 2**20) + bucket_reduce_scatter_by_mb(gm, lambda _: cap / 2**20)
+        return [[node.name for node in bucket] for bucket in found]
+
+    programs = uneven_programs
+    caps = {c: block_bytes(forward) for c, (forward, _) in programs.items()}
+    per_rank = {c: [buckets(g, caps[c]) for g in pair] for c, pair in programs.items()}
+    assert shapes(programs[(0,)][0]) != shapes(programs[(3,)][0])
+    assert len(set(caps.values())) == 1
+    assert all(b == per_rank[(0,)] for b in per_rank.values()), per_rank
+    assert [len(b) for b in per_rank[(0,)]] == [2, 3]  # forward: a gather per block; backward: one, and a
+    # reduce-scatter per block
+
+
+@pytest.mark.parametrize("ranks, same_key", [
+    (((0,), (1,)), True),    # the same local program: one cache entry serves both
+    (((0,), (3,)), False),   # rank 3's smaller shards: a program of its own
+])
+def test_ranks_share_an_inductor_cache_entry_only_for_the_same_program(uneven_programs, ranks, same_key):
+    """Inductor's FX graph cache key covers the graph (its code and shapes) and this config, not the rank."""
+    from torch._inductor import config, config_comms
+    from torch._inductor.codecache import compiled_fx_graph_hash
+
+    programs = uneven_programs
+    patches, comms = inductor_patches(block_bytes(programs[(0,)][0]))
+    keys = []
+    for c in ranks:
+        forward = programs[c][0]
+        with config.patch(patches), config_comms.patch(comms):
+            inputs = [n.meta["val"] for n in forward.graph.nodes if n.op == "placeholder"]
+            keys.append(compiled_fx_graph_hash(forward, inputs, {}, [])[0])
+    assert (keys[0] == keys[1]) == same_key
+
+
+@pytest.mark.parametrize("model, placements, expected", [
+    # the largest block: layers.0 gathers up [64, 32] and down [32, 64]; layers.1 the same
+    (Blocks(DIM, HIDDEN), "every", 2 * HIDDEN * DIM * 4),
+    # no indexed modules: the whole model is one block (an MLP's two weights)
+    (MLPBlock(DIM, HIDDEN), "every", 2 * HIDDEN * DIM * 4),
+    # no parameter moves (replicated weights, data parallel forward): Inductor's default cap
+    (Blocks(DIM, HIDDEN), "none", 2000 * 2**20),
+])
+def test_a_bucket_holds_one_block(model, placements, expected):
+    placements = {name: (Shard(0),) for name, _ in model.named_parameters()} if placements == "every" else {}
+    with fake_world(fxshard.MeshSpec(dp=4)) as device_mesh:
+        programs = lowered_graphs(model, torch.randn(TOKENS, DIM), device_mesh=device_mesh,
+                                  placements=placements | {0: (Shard(0),)}, cost_model=COST)
+    forward = programs[(0,)]
+    assert block_bytes(forward) == expected
