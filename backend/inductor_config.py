@@ -52,10 +52,13 @@ _BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
 
 def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], bucket_cap: int | None) -> Callable:
     """Inductor on one rank's lowered local program; ``bucket_cap`` (bytes per bucket, see
-    ``block_bytes``) turns bucketing and overlap on, None leaves the collectives as fxshard lowered them."""
+    ``block_bytes``) turns bucketing and overlap on, None leaves the collectives as fxshard lowered them.
+    A program without all_gathers, reduce_scatters or all_reduces is compiled without the passes."""
     from torch._inductor import config_comms
     from torch._inductor.compile_fx import compile_fx
 
+    if not any(node.target in BUCKETED for node in gm.graph.nodes):
+        bucket_cap = None  # nothing to bucket or overlap: the passes would only cost compile time
     patches, comms = inductor_patches(bucket_cap)
     with config_comms.patch(comms):
         return compile_fx(gm, list(inputs), config_patches=patches)

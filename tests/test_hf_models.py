@@ -118,7 +118,7 @@ def check(kind: str, plan, mesh: fxshard.MeshSpec, sequence_parallel: bool = Fal
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_tensor_parallel(kind, world):
     counts = check(kind, plan_tp, fxshard.MeshSpec(tp=world))
     # two block outputs per layer and the vocab-parallel embedding are reduced; GPT-2's fused q|k|v
@@ -128,7 +128,7 @@ def test_tensor_parallel(kind, world):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_tensor_and_sequence_parallel(kind, world):
     """Few tokens (fewer than twice the hidden size): moving activations is cheaper than gathering
     weights, so each block gathers its input on the sequence and reduce-scatters its output."""
@@ -138,7 +138,7 @@ def test_tensor_and_sequence_parallel(kind, world):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_fsdp_style(kind, world):
     check(kind, plan_fsdp, fxshard.MeshSpec(dp=world), batch=2 * world)
 

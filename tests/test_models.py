@@ -58,7 +58,7 @@ def counts(explanation) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_llama_tensor_parallel_two_all_reduces_per_layer(world):
     ref, out, e = run_plan(CFG, world, False, (tokens(2, 16),))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -66,7 +66,7 @@ def test_llama_tensor_parallel_two_all_reduces_per_layer(world):
     assert counts(e) == {"all_reduce": 2 * CFG.n_layers + 1}
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_llama_tensor_and_sequence_parallel(world):
     ref, out, e = run_plan(CFG, world, True, (tokens(2, 16),))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -75,7 +75,7 @@ def test_llama_tensor_and_sequence_parallel(world):
     assert counts(e) == {"all_gather": 2 * CFG.n_layers + 1, "reduce_scatter": 2 * CFG.n_layers + 1}
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_vocab_parallel_loss_moves_no_tokens_by_vocab_tensor(world):
     """Embedding and output vocab-sharded: masked lookups and a sharded log-softmax, never the logits."""
     model = fresh_model()
@@ -106,7 +106,7 @@ placements_fsdp = fsdp_placements  # every parameter Shard(0) on dp; propagation
 placements_2d = fsdp_tp_placements  # dp x tp: Megatron on tp, every weight's other dim on dp
 
 
-@pytest.mark.parametrize("dp", [4, 8])
+@pytest.mark.parametrize("dp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_llama_fsdp_gathers_parameters_only(dp):
     """Activations larger than weights (8 sequences of 64 per rank): gathering each weight where it
     is used is the cheapest plan, and nothing else moves."""
@@ -357,7 +357,7 @@ def test_cumsum_scans_locally_along_unsharded_dims(dim):
     assert [c.kind for c in e.collectives] == (["all_gather"] if dim == 0 else [])
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tokens_sharded", [False, True])
 def test_moe_expert_parallel(world, tokens_sharded):
     """Top-k routed experts (GShard-style dispatch, static shapes): experts sharded on ep. Expert

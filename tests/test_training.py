@@ -64,7 +64,7 @@ def plan_counts(model: Llama, x, y, mesh: fxshard.MeshSpec, placements: dict, co
         return collectives(fwd), collectives(bwd), collective_calls(fwd)
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
     torch.manual_seed(tp)
     model = Llama(CFG)
@@ -81,7 +81,7 @@ def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
     assert bwd == {"all_reduce": 2 * layers + 1}
 
 
-@pytest.mark.parametrize("dp", [4, 8])
+@pytest.mark.parametrize("dp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     torch.manual_seed(dp)
     model = Llama(CFG)
@@ -103,7 +103,7 @@ def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     assert bwd["all_gather"] == 7 * CFG.n_layers
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_fsdp_x_tensor_parallel(shape):
     torch.manual_seed(sum(shape))
     model = Llama(CFG)
@@ -121,7 +121,7 @@ def test_fsdp_x_tensor_parallel(shape):
     assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
     torch.manual_seed(0)
     model = Llama(CFG)

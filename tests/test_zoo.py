@@ -18,8 +18,14 @@ from zoo import ZOO, run  # noqa: E402
 TOLERANCE = 1e-4  # float32 sums in another order; T5's unscaled attention logits are the largest
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", list(ZOO))
+# at 4 ranks by default: grouped-query attention fused by kv group (falcon), kv heads = ranks (llama),
+# q/k/v and gate/up fused as Megatron stores them (phi3), an encoder (bert); the others with --slow
+AT_FOUR = {"llama", "falcon", "phi3", "bert"}
+CASES = [(name, world) if world == 2 or name in AT_FOUR else pytest.param(name, world, marks=pytest.mark.slow)
+         for world in (2, 4) for name in ZOO]
+
+
+@pytest.mark.parametrize("name, world", CASES)
 def test_megatron_tensor_parallel(name, world):
     arch = ZOO[name]
     r = run(arch, world)
