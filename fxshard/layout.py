@@ -2,8 +2,9 @@
 
 Every tensor dim is a sequence of pieces, major to minor. A local piece is held whole by
 every rank; a sharded piece on a mesh axis (or sub-axis) of size n has size n and each rank
-holds the one index equal to its coordinate on that axis. Partial axes (with their reduce
-op) and replicated axes (all the others) complete the picture.
+holds the one index equal to its coordinate on that axis. Partial axes (each with its reduce
+op: one op, or sum and avg mixed, which commute) and replicated axes (all the others) complete
+the picture.
 
 Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
 
@@ -23,7 +24,9 @@ import torch
 
 from .mesh import Coordinate, MeshAxis, MeshSpec, Size, as_size, divides, is_static
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})  # commute with each other: may be mixed over different axes
+IDENTITY = {"sum": 0.0, "product": 1.0}  # what a rank holds that does not hold the value (R -> Partial)
 
 
 class LayoutError(ValueError):
@@ -111,9 +114,9 @@ class Layout:
         return not self.partial and not self.sharded_axes()
 
     @property
-    def reduce_op(self) -> str | None:
-        ops = {op for _, op in self.partial}
-        return ops.pop() if ops else None
+    def reduce_ops(self) -> frozenset[str]:
+        """The partial reduce ops: one op, or sum and avg on different axes (they commute)."""
+        return frozenset(op for _, op in self.partial)
 
     def sharded_axes(self) -> tuple[MeshAxis, ...]:
         return tuple(p.axis for pieces in self.dims for p in pieces if p.axis is not None)
@@ -164,9 +167,10 @@ class Layout:
         return [i for row in rows for i in row]
 
     def holds_value(self, coordinate: Coordinate) -> bool:
-        """For Partial(sum): whether this rank holds the value when converting R -> P."""
+        """Whether this rank holds the value when converting R -> P: coordinate 0 of every sum and
+        product axis (the others hold the op's identity, IDENTITY); every rank for avg, max, min."""
         coord = self.mesh.coordinate_dict(coordinate)
-        return all(a.coordinate(coord[a.name]) == 0 for a, op in self.partial if op == "sum")
+        return all(a.coordinate(coord[a.name]) == 0 for a, op in self.partial if op in IDENTITY)
 
     def is_representative(self, coordinate: Coordinate) -> bool:
         """True for one rank of each group of replicas (coordinate 0 on every replicated part)."""
@@ -186,7 +190,7 @@ class Layout:
             if self.dim_is_sharded(d):
                 out = out.index_select(d, self.local_indices(d, coordinate).to(out.device))
         if self.partial and not self.holds_value(coordinate):
-            out = torch.zeros_like(out)
+            out = torch.full_like(out, IDENTITY[next(op for _, op in self.partial if op in IDENTITY)])
         return out.contiguous()
 
     def unshard(self, local: Mapping[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
@@ -200,13 +204,26 @@ class Layout:
             groups.setdefault(key, []).append((coord, local[coord]))
         first = next(iter(local.values()))
         out = first.new_zeros([int(s) for s in self.shape])
-        op = self.reduce_op
         for members in groups.values():
-            value = _reduce([t for _, t in members], op)
+            value = self._reduce([t for _, t in members])
             coord = members[0][0]
             index = [self.local_indices(d, coord) for d in range(self.ndim)]
             out[_open_mesh(index)] = value
         return out
+
+    def _reduce(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The value of one block from its shares on every coordinate of the partial axes: sum and
+        avg axes sum then divide by the avg axes' size; a single max, min or product op reduces."""
+        if not self.partial:
+            return values[0]
+        stacked = torch.stack(values)
+        if self.reduce_ops <= LINEAR_REDUCE_OPS:
+            n_avg = 1
+            for a, op in self.partial:
+                n_avg *= int(a.size) if op == "avg" else 1
+            return stacked.sum(0) / n_avg if n_avg != 1 else stacked.sum(0)
+        op = next(iter(self.reduce_ops))
+        return {"max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0), "product": lambda: stacked.prod(0)}[op]()
 
     # ---- text ---------------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -242,8 +259,11 @@ class Layout:
         for a, op in self.partial:
             if op not in REDUCE_OPS:
                 raise LayoutError(f"unknown partial reduce op {op!r}; expected one of {REDUCE_OPS}")
-        if len({op for _, op in self.partial}) > 1:
-            raise LayoutError(f"a tensor cannot be partial with two reduce ops at once: {self.partial}")
+        if len(self.reduce_ops) > 1 and not self.reduce_ops <= LINEAR_REDUCE_OPS:
+            where = ", ".join(f"Partial({op}) on {a}" for a, op in self.partial)
+            raise LayoutError(f"a tensor cannot be partial with two reduce ops at once ({where}): only sum and avg "
+                              "commute (DTensor refuses other mixes too); reduce one of them first (Replicate on "
+                              "its axes) or make them one op")
 
 
 def _merge_partial(partial: list[tuple[MeshAxis, str]]) -> list[tuple[MeshAxis, str]]:
@@ -267,13 +287,6 @@ def _open_mesh(index: list[torch.Tensor]) -> tuple:
     n = len(index)
     return tuple(i.reshape([-1 if k == j else 1 for j in range(n)]) for k, i in enumerate(index))
 
-
-def _reduce(values: list[torch.Tensor], op: str | None) -> torch.Tensor:
-    if op is None:
-        return values[0]
-    stacked = torch.stack(values)
-    return {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),
-            "max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0)}[op]()
 
 
 def _local_size(size: Size, pieces: tuple[Piece, ...], coord: Mapping[str, int]) -> Size:

@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .layout import Layout, LayoutError, Piece, exact_div
 from .mesh import MeshAxis, MeshSpec, Size, as_size, divides, is_static
 
-_REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
+_REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "product": "product"}
 
 
 def as_mesh_spec(mesh: Any) -> MeshSpec:
@@ -97,7 +97,7 @@ def layout_from_placements(mesh: Any, shape: Sequence[Any], placements: Sequence
         if isinstance(p, Partial):
             op = _REDUCE_NAMES.get(p.reduce_op)
             if op is None:
-                raise LayoutError(f"Partial({p.reduce_op!r}) is not supported; use sum, avg, max or min")
+                raise LayoutError(f"Partial({p.reduce_op!r}) is not supported; use sum, avg, max, min or product")
             partial.append((spec.axis(i), op))
         elif not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise LayoutError(f"unsupported placement {p!r} on mesh axis {spec.names[i]}")

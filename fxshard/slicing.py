@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .layout import Layout, Piece
+from .layout import LINEAR_REDUCE_OPS, Layout, Piece
 
 aten = torch.ops.aten
 
@@ -80,7 +80,7 @@ def masked_output(layout: Layout, d: int, start: int, end: int, drop_dim: bool) 
     """
     pieces = layout.dims[d]
     axes = [p.axis for p in pieces if p.axis is not None]
-    if not axes or any(p.chunked for p in pieces) or (layout.partial and layout.reduce_op != "sum"):
+    if not axes or any(p.chunked for p in pieces) or not layout.reduce_ops <= LINEAR_REDUCE_OPS:
         return None
     first_local = next((i for i, p in enumerate(pieces) if p.axis is None), len(pieces))
     if any(p.axis is not None for p in pieces[first_local:]):

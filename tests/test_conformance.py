@@ -45,13 +45,13 @@ from torch.testing._internal.distributed._tensor.common_dtensor import patched_d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fxshard import LayoutError, MeshSpec
-from fxshard.placements import layout_from_placements, placements_from_layout
+from fxshard.placements import contiguous_strides, layout_from_placements, placements_from_layout
 
 CASES = int(os.environ.get("FXSHARD_CONFORMANCE_CASES", "1000"))
 MAX_WORLD = 16 if CASES <= 1000 else 125  # the default tier stays fast on 2 cores
 SEED = 19
 NAMES = ("a", "b", "c")
-REDUCE_OPS = ("sum", "avg", "max", "min")  # DTensor's R -> Partial refuses "product" (torch 2.13)
+REDUCE_OPS = ("sum", "avg", "max", "min")  # DTensor's R -> Partial refuses "product": test_partial_product
 
 
 @dataclass(frozen=True)
@@ -251,8 +251,8 @@ def check_case(world: FakeWorld, case: Case, seed: int) -> str | None:
     mesh = world.mesh(case.sizes)
     if back == dtensor_form(case, mesh):
         return None
-    with world.ranks(case.sizes):
-        local = (theirs if theirs is not None else dtensor(world, t, replicated_partials(case)))._local_tensor
+    with world.ranks(case.sizes) as ranks:
+        local = as_local_tensor(ranks, (theirs if theirs is not None else dtensor(world, t, replicated_partials(case)))._local_tensor)
         again = DTensor.from_local(local, mesh, back, run_check=False, shape=torch.Size(case.shape), stride=t.stride())
         try:
             full = _first(again.full_tensor())
@@ -261,6 +261,13 @@ def check_case(world: FakeWorld, case: Case, seed: int) -> str | None:
     if not _close(full, t):
         return f"(b) {layout}: written back as {back}, DTensor reads another tensor"
     return None
+
+
+def as_local_tensor(ranks: LocalTensorMode, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as one tensor per rank. DTensor leaves a block equal on every rank a plain tensor, and
+    LocalTensorMode's collectives skip plain tensors: a Partial of it would never be reduced (the
+    (P(avg), R, P(sum)) mismatch on a 1x1x5 mesh: DTensor's own full_tensor() read value/5)."""
+    return local if hasattr(local, "_local_tensors") else ranks.rank_map(lambda r: local.clone())
 
 
 def _first(x: torch.Tensor) -> torch.Tensor:
@@ -281,13 +288,6 @@ def uneven_strided(case: Case, why: str) -> bool:
         isinstance(p, _StridedShard) and case.shape[p.dim] % (p.split_factor * axes_on(p.dim)) for p in case.placements)
 
 
-def mixed_sum_avg(case: Case, why: str) -> bool:
-    """Refused: Partial(sum) and Partial(avg) on different axes (DTensor accepts the pair; fxshard's
-    Layout holds one reduce op). Issue 19, not done yet."""
-    ops = {p.reduce_op for p, n in zip(case.placements, case.sizes) if isinstance(p, Partial)}
-    return ops == {"sum", "avg"} and ("two reduce ops" in why or why.startswith("(b)"))
-
-
 def dtensor_cannot_read_uneven_strided(case: Case, why: str) -> bool:
     """(b) with DTensor failing on its own placements: torch 2.13's _StridedShard._to_replicate_tensor
     asserts (_maybe_unpad_tensor) on an uneven strided block, so full_tensor() cannot read it back."""
@@ -300,7 +300,7 @@ def reversed_uneven_chunks(case: Case, why: str) -> bool:
     return "no placements written back" in why
 
 
-KNOWN_GAPS = (uneven_strided, mixed_sum_avg, dtensor_cannot_read_uneven_strided, reversed_uneven_chunks)
+KNOWN_GAPS = (uneven_strided, dtensor_cannot_read_uneven_strided, reversed_uneven_chunks)
 
 
 def test_layouts_hold_dtensors_blocks(world):
@@ -346,3 +346,69 @@ NOW_READ = [  # refused before the fix although DTensor accepts them; now exactl
 @pytest.mark.parametrize("case", NOW_READ)
 def test_placements_dtensor_accepts_are_read(world, case):
     assert check_case(world, case, 0) is None
+
+
+MIXED_PARTIALS = [  # sum and avg on different axes: DTensor accepts the pair (they commute); so does a Layout
+    pytest.param(Case((2, 2), (8, 12), (Partial("sum"), Partial("avg"))), id="P(sum),P(avg) 2x2"),
+    pytest.param(Case((2, 3), (5,), (Partial("avg"), Partial("sum"))), id="P(avg),P(sum) 2x3"),
+    pytest.param(Case((2, 2, 2), (7, 3), (Partial("avg"), Shard(0), Partial("sum"))), id="P(avg),S(0),P(sum) uneven"),
+    pytest.param(Case((3, 2, 2), (6, 4), (Shard(1), Partial("sum"), Partial("avg"))), id="S(1),P(sum),P(avg)"),
+    pytest.param(Case((1, 1, 5), (6, 5), (Partial("avg"), Replicate(), Partial("sum"))),
+                 id="P(avg),R,P(sum) 1x1x5 (size-1 axes: written back as R)"),
+]
+
+
+@pytest.mark.parametrize("case", MIXED_PARTIALS)
+def test_mixed_sum_and_avg_partials_are_dtensors(world, case):
+    assert check_case(world, case, 0) is None
+
+
+NOT_COMMUTING = [  # DTensor refuses these mixes (from_local, distribute_tensor): fxshard refuses them too
+    pytest.param(Case((2, 2), (4,), (Partial("sum"), Partial("max"))), id="P(sum),P(max)"),
+    pytest.param(Case((2, 2), (4,), (Partial("min"), Partial("avg"))), id="P(min),P(avg)"),
+    pytest.param(Case((2, 2), (4,), (Partial("max"), Partial("min"))), id="P(max),P(min)"),
+    pytest.param(Case((2, 2), (4,), (Partial("product"), Partial("sum"))), id="P(product),P(sum)"),
+]
+
+
+def _dtensor_refuses(world: FakeWorld, case: Case) -> bool:
+    with world.ranks(case.sizes):
+        try:
+            DTensor.from_local(torch.ones(case.shape), world.mesh(case.sizes), case.placements, run_check=False)
+        except ValueError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("case", NOT_COMMUTING)
+def test_reduce_ops_that_do_not_commute_are_refused_as_dtensor_does(world, case):
+    """max or min with sum: the order of the reductions would matter (DTensor refuses to pick one)."""
+    ops = [f"Partial({p.reduce_op}) on {n}" for p, n in zip(case.placements, NAMES)]
+    with pytest.raises(LayoutError, match=r"two reduce ops at once \(" + ", ".join(ops).replace("(", r"\(").replace(")", r"\)")):
+        case.layout()
+    assert _dtensor_refuses(world, case)
+
+
+PRODUCTS = [  # Partial(product): DTensor cannot distribute into it (R -> P(product) has no exact split), but
+    # from_local makes one and full_tensor() reduces it: the oracle is that reduction of random shares
+    pytest.param(Case((4,), (8, 3), (Partial("product"),)), id="P(product)"),
+    pytest.param(Case((2, 3), (5, 2), (Shard(0), Partial("product"))), id="S(0),P(product) uneven"),
+    pytest.param(Case((2, 2, 2), (4, 6), (Partial("product"), _StridedShard(1, split_factor=3), Partial("product"))),
+                 id="P(product),SS(1;3),P(product)"),
+]
+
+
+@pytest.mark.parametrize("case", PRODUCTS)
+def test_partial_product_reduces_as_dtensor_reduces_it(world, case):
+    """Every rank a random positive share of its block; the Layout's reduction of the shares is
+    DTensor's full_tensor() of them, and the placements written back are the case's."""
+    blocks = {c: (torch.rand(case.layout().local_shape(c), generator=torch.Generator().manual_seed(i)) + 0.5)
+              for i, c in enumerate(case.spec.coordinates())}
+    mesh = world.mesh(case.sizes)
+    with world.ranks(case.sizes) as ranks:
+        coords = list(case.spec.coordinates())
+        local = ranks.rank_map(lambda r: blocks[coords[r]])
+        full = _first(DTensor.from_local(local, mesh, case.placements, run_check=False, shape=torch.Size(case.shape),
+                                         stride=contiguous_strides(case.shape)).full_tensor())
+    layout = case.layout()
+    assert (placements_from_layout(layout), _close(layout.unshard(blocks), full)) == (case.placements, True)
