@@ -63,13 +63,12 @@ def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostMode
     steps: list[Step] = []
     cur = src
     removed = [(a, op) for a, op in src.partial if (a, op) not in dst.partial]
-    if removed:
-        kept = tuple(p for p in src.partial if p not in removed)
-        after = cur.with_partial(kept)
-        axes = tuple(a for a, _ in removed)
+    for op in sorted({op for _, op in removed}):  # one all_reduce per op (sum and avg may be mixed)
+        axes = tuple(a for a, o in removed if o == op)
+        after = cur.with_partial(tuple(p for p in cur.partial if p[0] not in axes))
         n = numel([a.size for a in axes])
         nbytes = collective_bytes("all_reduce", n, numel(cur.max_local_shape()) * dtype_size(dtype))
-        steps.append(Step("all_reduce", axes, cur, after, reduce_op=removed[0][1], bytes_per_rank=nbytes))
+        steps.append(Step("all_reduce", axes, cur, after, reduce_op=op, bytes_per_rank=nbytes))
         cur = after
     if cur.partial != dst.partial or not src.mesh.is_static:
         raise LayoutError(f"no redistribution plan from {src} to {dst}: their sub-axes do not nest")

@@ -197,7 +197,8 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
     d = _dim(_arg(node, 1, "dim", 0), ndim)
     best = None
     for t in _stack_candidates(kept, d):
-        equal = all(x.shape[d] == t.shape[d] for x in kept)
+        # unequal blocks (an uneven _StridedShard) split the rank's whole block: no outer piece above them
+        equal = all(x.shape[d] == t.shape[d] for x in kept) and not any(p.uneven_blocks for p in t.dims[d])
         cat_pieces = t.dims[d] if equal else ()
         required = tuple(Layout(x.mesh, x.shape, [cat_pieces if k == d else t.dims[k] for k in range(ndim)],
                                 t.partial) for x in kept)

@@ -234,6 +234,11 @@ UNEVEN = [  # torch.chunk semantics: 10 over 4 is 3,3,3,1; 9 over 4 is 3,3,3,0
     program("[9,4] S(0),S(0) on 2x2 sum(0)", f(lambda x: (x * 2).sum(0)), [(9, 4)], M22, {0: (S(0), S(0))}),
     program("[10,6] S(0),S(1) on 2x2", f(lambda x: (x * 2).sum(1)), [(10, 6)], M22, {0: (S(0), S(1))}),
     program("[10,6] SS(0;2)", f(lambda x: x * 2), [(10, 6)], TP4, {0: (SS(0, 2),)}),
+    # unequal blocks (a split factor that does not divide the dim): local ops where they lie, the rest exchanged
+    program("[10,6] SS(0;3) @ w, relu", f(lambda x, w: (x @ w).relu()), [(10, 6), (6, 3)], TP4, {0: (SS(0, 3),)}),
+    program("[10,6] SS(0;3) sum(0), cumsum(0)", f(lambda x: x.sum(0) + x.cumsum(0)), [(10, 6)], TP4, {0: (SS(0, 3),)}),
+    program("[11,4] SS(0;2),S(0) on 2x2 cat", f(lambda x: torch.cat([x, x * 2], 0).sum(1)), [(11, 4)], M22,
+            {0: (SS(0, 2), S(0))}),
 ]
 
 PARTIAL_INPUTS = [  # simulate's Layout.shard gives a Partial(sum) input to coordinate 0, zeros elsewhere
@@ -465,6 +470,12 @@ REDISTRIBUTIONS = [
     redist((2, 2, 2), (4, 6, 8), (P(), S(2), S(2)), (S(0), R, P())),
     redist((2, 2, 2), (8, 4, 8), (S(0), S(0), S(0)), (R, R, R)),
     redist((2, 2, 2), (8, 4, 8), (S(0), S(0), S(0)), (S(2), S(2), S(2))),
+    # uneven _StridedShard: unequal blocks, moved by the exchange (10 rows as 4,3,3, each over 3 ranks)
+    redist((3,), (10, 4), (SS(0, 3),), (R,)),
+    redist((3,), (10, 4), (SS(0, 3),), (S(1),)),
+    redist((3,), (10, 4), (S(0),), (SS(0, 3),)),
+    redist((2, 3), (11, 4), (SS(0, 2), S(0)), (R, S(0))),
+    redist((2, 2), (7, 4), (P(), SS(0, 3)), (S(1), R)),
     # uneven: 10 over 4 is 3,3,3,1 (torch.chunk)
     redist((4,), (10, 8), (S(0),), (R,)),
     redist((4,), (10, 8), (R,), (S(0),)),
