@@ -118,6 +118,8 @@ class Atoms:
         for pieces in layout.dims:
             out: list[AtomPiece] = []
             for p in pieces:
+                if p.uneven_blocks:
+                    raise AtomError(f"{layout} splits a dim into unequal blocks: no atom state holds it")
                 if p.axis is None:
                     out.append(AtomPiece(p.size, LOCAL))
                     continue

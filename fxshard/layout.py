@@ -2,8 +2,9 @@
 
 Every tensor dim is a sequence of pieces, major to minor. A local piece is held whole by
 every rank; a sharded piece on a mesh axis (or sub-axis) of size n has size n and each rank
-holds the one index equal to its coordinate on that axis. Partial axes (with their reduce
-op) and replicated axes (all the others) complete the picture.
+holds the one index equal to its coordinate on that axis. Partial axes (each with its reduce
+op: one op, or sum and avg mixed, which commute) and replicated axes (all the others) complete
+the picture.
 
 Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
 
@@ -11,6 +12,8 @@ Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
     [2 4@dp] [8]               strided: 2 local blocks, each split on dp (DTensor _StridedShard)
     [2@tp/4] [4@tp%4 8]        tp=8 seen as sub-axes tp/4 (size 2) and tp%4 (size 4)
     [~10@tp]                   uneven: 10 rows split over tp with torch.chunk semantics
+    [~3 ~4@tp]                 uneven strided: 10 rows as 3 torch.chunk blocks (4, 3, 3), each split
+                               over tp (DTensor's _StridedShard(0, split_factor=3) of 10 rows)
     [8] [16] P(sum@tp)         partial sums over tp
 """
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 
 from .mesh import Coordinate, MeshAxis, MeshSpec, Size, as_size, divides, is_static
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})  # commute with each other: may be mixed over different axes
+IDENTITY = {"sum": 0.0, "product": 1.0}  # what a rank holds that does not hold the value (R -> Partial)
 
 
 class LayoutError(ValueError):
@@ -42,7 +47,9 @@ class Piece:
 
     A ``chunked`` piece splits the rest of the dim (nominally ``size`` elements) over its axis
     with torch.chunk semantics, for sizes the axis does not divide; nothing follows it but
-    further chunked pieces.
+    further chunked pieces. A chunked local piece (``axis is None``) cuts the rest of the dim into
+    ``size`` torch.chunk blocks of unequal sizes (a _StridedShard's split factor that does not
+    divide the dim); the chunked sharded pieces after it split each block.
     """
 
     size: Size
@@ -51,10 +58,15 @@ class Piece:
 
     def __str__(self) -> str:
         if self.axis is None:
-            return str(self.size)
+            return f"~{self.size}" if self.chunked else str(self.size)
         if self.chunked:
             return f"~{self.size}@{self.axis}"
         return f"{self.size}@{self.axis}"
+
+    @property
+    def uneven_blocks(self) -> bool:
+        """A chunked local piece: unequal blocks, each split by the pieces after it."""
+        return self.chunked and self.axis is None
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,9 @@ class Layout:
         return not self.partial and not self.sharded_axes()
 
     @property
-    def reduce_op(self) -> str | None:
-        ops = {op for _, op in self.partial}
-        return ops.pop() if ops else None
+    def reduce_ops(self) -> frozenset[str]:
+        """The partial reduce ops: one op, or sum and avg on different axes (they commute)."""
+        return frozenset(op for _, op in self.partial)
 
     def sharded_axes(self) -> tuple[MeshAxis, ...]:
         return tuple(p.axis for pieces in self.dims for p in pieces if p.axis is not None)
@@ -142,31 +154,16 @@ class Layout:
     def local_index_list(self, d: int, coordinate: Coordinate) -> list[int]:
         """``local_indices`` as a list, computed without tensors: safe to call while a fake or tracing
         mode is active (a layout read inside a trace)."""
-        coord = self.mesh.coordinate_dict(coordinate)
         size = self.shape[d]
         if not is_static(size):
             raise LayoutError("local_indices needs static sizes")
-        rows = [list(range(int(size)))]
-        if int(size) == 0:  # an empty dim is empty on every rank
-            return []
-        for p in self.dims[d]:
-            if p.axis is None:  # a local piece: each row splits into p.size rows
-                k = int(p.size)
-                rows = [row[i * (len(row) // k):(i + 1) * (len(row) // k)] for row in rows for i in range(k)]
-                continue
-            c, n = p.axis.coordinate(coord[p.axis.name]), int(p.axis.size)
-            width = len(rows[0])
-            if p.chunked:  # torch.chunk: chunks of ceil(width / n), empty ones at the end
-                step = -(-width // n) if width else 0
-                rows = [row[c * step:(c + 1) * step] if step else [] for row in rows]
-            else:
-                rows = [row[c * (width // n):(c + 1) * (width // n)] for row in rows]
-        return [i for row in rows for i in row]
+        return _dim_indices(int(size), self.dims[d], self.mesh.coordinate_dict(coordinate))
 
     def holds_value(self, coordinate: Coordinate) -> bool:
-        """For Partial(sum): whether this rank holds the value when converting R -> P."""
+        """Whether this rank holds the value when converting R -> P: coordinate 0 of every sum and
+        product axis (the others hold the op's identity, IDENTITY); every rank for avg, max, min."""
         coord = self.mesh.coordinate_dict(coordinate)
-        return all(a.coordinate(coord[a.name]) == 0 for a, op in self.partial if op == "sum")
+        return all(a.coordinate(coord[a.name]) == 0 for a, op in self.partial if op in IDENTITY)
 
     def is_representative(self, coordinate: Coordinate) -> bool:
         """True for one rank of each group of replicas (coordinate 0 on every replicated part)."""
@@ -186,7 +183,7 @@ class Layout:
             if self.dim_is_sharded(d):
                 out = out.index_select(d, self.local_indices(d, coordinate).to(out.device))
         if self.partial and not self.holds_value(coordinate):
-            out = torch.zeros_like(out)
+            out = torch.full_like(out, IDENTITY[next(op for _, op in self.partial if op in IDENTITY)])
         return out.contiguous()
 
     def unshard(self, local: Mapping[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
@@ -200,13 +197,26 @@ class Layout:
             groups.setdefault(key, []).append((coord, local[coord]))
         first = next(iter(local.values()))
         out = first.new_zeros([int(s) for s in self.shape])
-        op = self.reduce_op
         for members in groups.values():
-            value = _reduce([t for _, t in members], op)
+            value = self._reduce([t for _, t in members])
             coord = members[0][0]
             index = [self.local_indices(d, coord) for d in range(self.ndim)]
             out[_open_mesh(index)] = value
         return out
+
+    def _reduce(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The value of one block from its shares on every coordinate of the partial axes: sum and
+        avg axes sum then divide by the avg axes' size; a single max, min or product op reduces."""
+        if not self.partial:
+            return values[0]
+        stacked = torch.stack(values)
+        if self.reduce_ops <= LINEAR_REDUCE_OPS:
+            n_avg = 1
+            for a, op in self.partial:
+                n_avg *= int(a.size) if op == "avg" else 1
+            return stacked.sum(0) / n_avg if n_avg != 1 else stacked.sum(0)
+        op = next(iter(self.reduce_ops))
+        return {"max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0), "product": lambda: stacked.prod(0)}[op]()
 
     # ---- text ---------------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -242,8 +252,11 @@ class Layout:
         for a, op in self.partial:
             if op not in REDUCE_OPS:
                 raise LayoutError(f"unknown partial reduce op {op!r}; expected one of {REDUCE_OPS}")
-        if len({op for _, op in self.partial}) > 1:
-            raise LayoutError(f"a tensor cannot be partial with two reduce ops at once: {self.partial}")
+        if len(self.reduce_ops) > 1 and not self.reduce_ops <= LINEAR_REDUCE_OPS:
+            where = ", ".join(f"Partial({op}) on {a}" for a, op in self.partial)
+            raise LayoutError(f"a tensor cannot be partial with two reduce ops at once ({where}): only sum and avg "
+                              "commute (DTensor refuses other mixes too); reduce one of them first (Replicate on "
+                              "its axes) or make them one op")
 
 
 def _merge_partial(partial: list[tuple[MeshAxis, str]]) -> list[tuple[MeshAxis, str]]:
@@ -268,17 +281,42 @@ def _open_mesh(index: list[torch.Tensor]) -> tuple:
     return tuple(i.reshape([-1 if k == j else 1 for j in range(n)]) for k, i in enumerate(index))
 
 
-def _reduce(values: list[torch.Tensor], op: str | None) -> torch.Tensor:
-    if op is None:
-        return values[0]
-    stacked = torch.stack(values)
-    return {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),
-            "max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0)}[op]()
+
+def _dim_indices(size: int, pieces: tuple[Piece, ...], coord: Mapping[str, int]) -> list[int]:
+    """The global indices of a dim of ``size`` that ``pieces`` give the rank at ``coord``: each piece
+    splits every block so far (evenly, or with torch.chunk where chunked), a sharded one keeps the
+    rank's part of each. In a dim of unequal blocks every piece but a sharded one right after a local
+    one splits the rank's whole block instead, as each DTensor placement does (``~1`` marks it)."""
+    rows = [list(range(size))] if size else []
+    whole = any(p.uneven_blocks for p in pieces)
+    for k, p in enumerate(pieces):
+        if whole and not (p.axis is not None and k and pieces[k - 1].axis is None):
+            rows = [[i for row in rows for i in row]]
+        split = _chunks if p.chunked else _equal_parts
+        if p.axis is None:
+            rows = [part for row in rows for part in split(row, int(p.size))]
+        else:
+            c = p.axis.coordinate(coord[p.axis.name])
+            rows = [split(row, int(p.axis.size))[c] for row in rows]
+    return [i for row in rows for i in row]
+
+
+def _equal_parts(row: list[int], n: int) -> list[list[int]]:
+    k = len(row) // n
+    return [row[i * k:(i + 1) * k] for i in range(n)]
+
+
+def _chunks(row: list[int], n: int) -> list[list[int]]:
+    """torch.chunk into ``n`` (chunks of ceil(len / n), empty ones at the end)."""
+    k = -(-len(row) // n)
+    return [row[i * k:(i + 1) * k] for i in range(n)]
 
 
 def _local_size(size: Size, pieces: tuple[Piece, ...], coord: Mapping[str, int]) -> Size:
     if is_static(size) and int(size) == 0:  # an empty dim (q[..., rotary_dim:] with full rotary) is empty everywhere
         return 0
+    if any(p.uneven_blocks for p in pieces):  # blocks of unequal sizes: counted (static sizes only)
+        return len(_dim_indices(int(size), pieces, coord))
     rows, cols = 1, size
     for p in pieces:
         if p.axis is None:
@@ -296,7 +334,14 @@ def _canonical_dim(size: Size, pieces: tuple[Piece, ...], d: int) -> tuple[Piece
     """Merge what can merge, drop size-1 pieces, make the trailing local piece explicit."""
     out: list[Piece] = []
     remaining: Size | None = size
+    blocks_of: Size = size
     for p in pieces:
+        if p.uneven_blocks and (out or remaining is None or not divides(p.size, remaining)):
+            if not is_static(p.size) or (out and out[-1].axis is None):
+                raise LayoutError(f"dim {d}: unequal blocks ({p}) need a static size and a sharded piece before them")
+            out.append(Piece(as_size(p.size), None, chunked=True))
+            blocks_of, remaining = remaining, None
+            continue
         if p.axis is None:
             if p.size == 1 or remaining == 0:  # an empty dim keeps one trailing Piece(0), added below
                 continue
@@ -323,6 +368,8 @@ def _canonical_dim(size: Size, pieces: tuple[Piece, ...], d: int) -> tuple[Piece
                               f"remaining {remaining}; uneven shards must be chunked pieces")
     if remaining is not None and remaining != 1:
         out.append(Piece(remaining))
+    if out and out[-1].uneven_blocks:  # unequal blocks that nothing splits: the rank's block is whole
+        out = out[:-1] + ([Piece(blocks_of)] if blocks_of not in (None, 1) else [])
     return tuple(_merge_adjacent(out))
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .layout import Layout, LayoutError
+from .layout import IDENTITY, Layout, LayoutError
 
 
 def _flat(layout: Layout, coord: dict[str, int]) -> torch.Tensor:
@@ -58,7 +58,7 @@ def lower_bound_bytes(src: Layout, dst: Layout, shape: Sequence[int] | None = No
         raise LayoutError("lower_bound_bytes enumerates elements: it needs a static mesh and shape")
     itemsize = torch.empty((), dtype=dtype).element_size()
     reduced = [a for a, op in src.partial if (a, op) not in dst.partial]
-    zeroed = [a for a, op in dst.partial if (a, op) not in src.partial and op == "sum"]
+    zeroed = [a for a, op in dst.partial if (a, op) not in src.partial and op in IDENTITY]
     coords = [mesh.coordinate_dict(c) for c in mesh.coordinates()]
     zero = [any(a.coordinate(cd[a.name]) != 0 for a in zeroed) for cd in coords]
     if not reduced:

@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .layout import Layout, LayoutError, Piece, exact_div
 from .mesh import MeshAxis, MeshSpec, Size, as_size, divides, is_static
 
-_REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
+_REDUCE_NAMES = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "product": "product"}
 
 
 def as_mesh_spec(mesh: Any) -> MeshSpec:
@@ -97,21 +97,54 @@ def layout_from_placements(mesh: Any, shape: Sequence[Any], placements: Sequence
         if isinstance(p, Partial):
             op = _REDUCE_NAMES.get(p.reduce_op)
             if op is None:
-                raise LayoutError(f"Partial({p.reduce_op!r}) is not supported; use sum, avg, max or min")
+                raise LayoutError(f"Partial({p.reduce_op!r}) is not supported; use sum, avg, max, min or product")
             partial.append((spec.axis(i), op))
         elif not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise LayoutError(f"unsupported placement {p!r} on mesh axis {spec.names[i]}")
     order = _shard_order(placements, shard_order, len(shape_t))
-    for mesh_dim, tensor_dim in order:
-        if _shards_nothing(spec.sizes[mesh_dim], shape_t[tensor_dim]):
-            continue
-        p = placements[mesh_dim]
-        skip = p.split_factor if isinstance(p, _StridedShard) else 1
-        dims[tensor_dim] = shard_local_block(dims[tensor_dim], spec.axis(mesh_dim), skip, shape_t[tensor_dim])
-    layout = Layout(spec, shape_t, dims, partial)
-    if any(p.chunked for pieces in dims for p in pieces):  # canonical form may have evened the pieces out
-        _check_uneven_blocks(layout, placements, order)
+    try:
+        for mesh_dim, tensor_dim in order:
+            if _shards_nothing(spec.sizes[mesh_dim], shape_t[tensor_dim]):
+                continue
+            p = placements[mesh_dim]
+            dims[tensor_dim] = shard_local_block(dims[tensor_dim], spec.axis(mesh_dim), _skip(p), shape_t[tensor_dim])
+        layout = Layout(spec, shape_t, dims, partial)
+        if any(p.chunked for pieces in dims for p in pieces):  # canonical form may have evened the pieces out
+            _check_uneven_blocks(layout, placements, order)
+        return layout
+    except LayoutError as e:
+        if not _literal_applies(spec, shape_t, placements):
+            raise
+        error = e
+    layout = Layout(spec, shape_t, _literal_dims(spec, shape_t, placements, order), partial)
+    _check_uneven_blocks(layout, placements, order, error)
     return layout
+
+
+def _skip(p: Placement) -> int:
+    return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def _literal_applies(spec: MeshSpec, shape: tuple[Size, ...], placements: tuple[Placement, ...]) -> bool:
+    """Static sizes and a _StridedShard: DTensor's chunks of chunks may then need unequal blocks."""
+    return spec.is_static and all(is_static(s) for s in shape) and any(isinstance(p, _StridedShard) for p in placements)
+
+
+def _literal_dims(spec: MeshSpec, shape: tuple[Size, ...], placements: tuple[Placement, ...],
+                  order: list[tuple[int, int]]) -> list[list[Piece]]:
+    """Each dim's pieces as DTensor applies its placements, one by one: the rank's whole block cut
+    into ``split_factor`` torch.chunk blocks (``~f``; ``~1`` keeps it one block), each chunked over
+    the axis (``~n@axis``, n nominal: the largest block's size)."""
+    dims: list[list[Piece]] = [[] for _ in shape]
+    block = [int(s) for s in shape]
+    for mesh_dim, d in order:
+        if _shards_nothing(spec.sizes[mesh_dim], shape[d]):
+            continue
+        skip, n = _skip(placements[mesh_dim]), int(spec.sizes[mesh_dim])
+        per_block = -(-block[d] // skip)
+        dims[d] += [Piece(skip, None, chunked=True), Piece(per_block, spec.axis(mesh_dim), chunked=True)]
+        block[d] = min(block[d], skip * -(-per_block // n))
+    return [pieces or [Piece(s)] for pieces, s in zip(dims, shape)]
 
 
 def _shards_nothing(axis_size: Size, dim_size: Size) -> bool:
@@ -119,7 +152,8 @@ def _shards_nothing(axis_size: Size, dim_size: Size) -> bool:
     return (is_static(axis_size) and int(axis_size) == 1) or (is_static(dim_size) and int(dim_size) == 0)
 
 
-def _check_uneven_blocks(layout: Layout, placements: tuple[Placement, ...], order: list[tuple[int, int]]) -> None:
+def _check_uneven_blocks(layout: Layout, placements: tuple[Placement, ...], order: list[tuple[int, int]],
+                         cause: LayoutError | None = None) -> None:
     """Refuse an uneven layout whose pieces would give some rank another block than DTensor does.
 
     DTensor's blocks, by its documented semantics (each Shard a torch.chunk of the rank's block,
@@ -136,7 +170,8 @@ def _check_uneven_blocks(layout: Layout, placements: tuple[Placement, ...], orde
                 raise LayoutError(
                     f"dim {d} of size {layout.shape[d]} split unevenly by {steps}: the rank at {coord} holds "
                     f"elements {expected[:8]}{'...' if len(expected) > 8 else ''}, which no fxshard layout holds; "
-                    "pad the dim to a multiple of the split factor times the mesh axis sizes")
+                    "pad the dim to a multiple of the split factor times the mesh axis sizes"
+                    + (f" ({cause})" if cause else ""))
 
 
 def _dtensor_indices(size: int, placements: tuple[Placement, ...], order: list[tuple[int, int]], d: int,
@@ -164,6 +199,18 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
         # nested uneven shard of a block that is one chunk: chunk whatever the last chunk left
         last = pieces[-1]
         return pieces + [Piece(-(-int(last.size) // int(last.axis.size)), axis, chunked=True)]
+    if any(p.uneven_blocks for p in pieces):  # every later shard splits the rank's whole block (Layout's pieces)
+        last = pieces[-1]
+        block = -(-int(last.size) // int(last.axis.size))
+        if skip == 1:
+            return list(pieces) + [Piece(block, axis, chunked=True)]
+        return list(pieces) + [Piece(skip, None, chunked=True), Piece(-(-block // int(skip)), axis, chunked=True)]
+    if skip != 1 and all(p.axis is not None for p in pieces[:-1]) and _unequal_blocks(pieces, skip):
+        # the rank's block (one run of the dim) viewed as [skip, rest] with torch.chunk: unequal blocks
+        last = pieces[-1] if pieces else Piece(dim_size)
+        block = int(last.size) if last.axis is None else -(-int(last.size) // int(last.axis.size))
+        head = list(pieces) if last.axis is not None else list(pieces[:-1])
+        return head + [Piece(skip, None, chunked=True), Piece(-(-block // int(skip)), axis, chunked=True)]
     out: list[Piece] = []
     todo = list(pieces)
     # 1. split off `skip` elements of local extent, major first
@@ -221,6 +268,15 @@ def shard_local_block(pieces: list[Piece], axis: MeshAxis, skip: Size, dim_size:
     return out + todo
 
 
+def _unequal_blocks(pieces: list[Piece], skip: Size) -> bool:
+    """Whether a _StridedShard's split factor ``skip`` cuts the rank's block of a dim (its last
+    piece; sharded pieces before it) into torch.chunk blocks of unequal sizes on some rank."""
+    if not pieces or not is_static(skip) or not all(is_static(p.size) for p in pieces):
+        return False
+    last = pieces[-1]
+    return last.chunked or last.axis is not None or int(last.size) % int(skip) != 0
+
+
 def _next_local(todo: list[Piece], out: list[Piece]) -> Piece | None:
     """The next local piece of ``todo`` (taken off it); sharded pieces before it pass to ``out``."""
     while todo:
@@ -240,6 +296,10 @@ def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
             return None
         result[spec.index(a.name)] = Partial(op)
     for d, pieces in enumerate(layout.dims):
+        if any(p.uneven_blocks for p in pieces):
+            if not _write_unequal_blocks(result, d, pieces, spec):
+                return None
+            continue
         # a later mesh axis chunks what earlier ones left, so it may come out as sub-axes around
         # their pieces ([2@b/2 2@a 2@b%2] is _StridedShard(0, 2), Shard(0)): group by mesh axis
         by_axis: dict[int, list[int]] = {}
@@ -307,6 +367,22 @@ def _ordered_placements(layout: Layout) -> tuple[tuple[Placement, ...], tuple] |
     except LayoutError:
         return None
     return placements, tuple(ShardOrderEntry(tensor_dim=d, mesh_dims=m) for d, m in order)
+
+
+def _write_unequal_blocks(result: list[Placement], d: int, pieces: tuple[Piece, ...], spec: MeshSpec) -> bool:
+    """A dim of unequal blocks as DTensor placements, one per sharded piece in mesh order: Shard, or
+    _StridedShard by the local pieces before it. False where the pieces are not in mesh order."""
+    factor, last = 1, -1
+    for p in pieces:
+        if p.axis is None:
+            factor *= int(p.size)
+            continue
+        m = spec.index(p.axis.name)
+        if not p.axis.is_whole or m <= last:
+            return False
+        result[m] = Shard(d) if factor == 1 else _StridedShard(d, split_factor=factor)
+        factor, last = 1, m
+    return True
 
 
 def placements_to_str(placements: Sequence[Placement]) -> str:

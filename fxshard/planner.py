@@ -1,8 +1,9 @@
 """Redistribution plans: the cheapest sequence of steps from one layout to another.
 
 The entry points: ``plan_redistribute`` (cached; the search is fxshard/search.py) and
-``redistribute_cost``. Layouts whose sub-axes the search's atom states cannot hold together are
-planned as partial reductions then one exchange. A plan made under other size hints (symbolic
+``redistribute_cost``. Layouts the search's atom states cannot hold together (sub-axes that do not
+nest, unequal blocks of an uneven _StridedShard) are planned as partial reductions, one exchange,
+then local partials. A plan made under other size hints (symbolic
 meshes) is another plan: the cache is keyed by them.
 """
 from __future__ import annotations
@@ -59,25 +60,32 @@ def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel,
 
 
 def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
-    """Layouts the atom states cannot hold together: reduce partials, then one exchange."""
+    """Layouts the atom states cannot hold together (sub-axes that do not nest, unequal blocks): reduce
+    partials, one exchange, then make the target's other partials locally."""
     steps: list[Step] = []
     cur = src
     removed = [(a, op) for a, op in src.partial if (a, op) not in dst.partial]
-    if removed:
-        kept = tuple(p for p in src.partial if p not in removed)
-        after = cur.with_partial(kept)
-        axes = tuple(a for a, _ in removed)
+    for op in sorted({op for _, op in removed}):  # one all_reduce per op (sum and avg may be mixed)
+        axes = tuple(a for a, o in removed if o == op)
+        after = cur.with_partial(tuple(p for p in cur.partial if p[0] not in axes))
         n = numel([a.size for a in axes])
         nbytes = collective_bytes("all_reduce", n, numel(cur.max_local_shape()) * dtype_size(dtype))
-        steps.append(Step("all_reduce", axes, cur, after, reduce_op=removed[0][1], bytes_per_rank=nbytes))
+        steps.append(Step("all_reduce", axes, cur, after, reduce_op=op, bytes_per_rank=nbytes))
         cur = after
-    if cur.partial != dst.partial or not src.mesh.is_static:
+    added = [(a, op) for a, op in dst.partial if (a, op) not in cur.partial]
+    mid = dst.with_partial(tuple(p for p in dst.partial if p not in added))
+    if cur.partial != mid.partial or not src.mesh.is_static:
         raise LayoutError(f"no redistribution plan from {src} to {dst}: their sub-axes do not nest")
-    kept = {a.name for a, _ in dst.partial}
-    names = {a.name for a in cur.sharded_axes() + dst.sharded_axes()} - kept
+    kept = {a.name for a, _ in mid.partial}
+    names = {a.name for a in cur.sharded_axes() + mid.sharded_axes()} - kept
     group = tuple(src.mesh.axis(n) for n in src.mesh.names if n in names)
-    if group and cur != dst:
-        nbytes = received_elements(cur, dst) * dtype_size(dtype)
-        steps.append(Step("exchange", tuple(group), cur, dst, bytes_per_rank=nbytes))
-    cost = sum(model.collective_cost(s.axes, s.bytes_per_rank) for s in steps)
+    if group and cur != mid:
+        nbytes = received_elements(cur, mid) * dtype_size(dtype)
+        steps.append(Step("exchange", tuple(group), cur, mid, bytes_per_rank=nbytes))
+    cur = mid
+    for op in sorted({op for _, op in added}):  # then the partials the target has: local, one step per op
+        after = cur.with_partial(cur.partial + tuple(p for p in added if p[1] == op))
+        steps.append(Step("local_partial", tuple(a for a, o in added if o == op), cur, after, reduce_op=op))
+        cur = after
+    cost = sum(model.collective_cost(s.axes, s.bytes_per_rank) for s in steps if not s.is_local)
     return Plan(src, dst, tuple(steps), cost, dtype)

@@ -18,7 +18,7 @@ import torch
 aten = torch.ops.aten
 
 LINEAR_OPS = ("sum", "avg")  # partial reduce ops that pass through linear maps
-ALL_OPS = ("sum", "avg", "max", "min")  # ... and through pure data movement
+ALL_OPS = ("sum", "avg", "max", "min", "product")  # ... and through pure data movement (and zero fills)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ def reduction(ndim: int, dims: Sequence[int] | None, keepdim: bool, reduce: str,
     names = _letters(ndim)
     reduced = set(range(ndim)) if not dims else {d % ndim for d in dims} if ndim else set()
     out = tuple(None if i in reduced else names[i] for i in range(ndim) if keepdim or i not in reduced)
-    ok_ops = tuple(op for op in partial_ops if op == reduce or (reduce == "sum" and op == "avg")) or ()
+    # a linear reduction passes a sum or avg Partial (the output may then mix them: they commute)
+    ok_ops = tuple(op for op in partial_ops if op == reduce or {op, reduce} <= set(LINEAR_OPS)) or ()
     return Signature((tuple(names),), out, reduce, ((0,),) if ok_ops else (), ok_ops)
 
 

@@ -39,7 +39,7 @@ from .atoms import (
 )
 from .costs import CostModel, collective_bytes, dtype_size
 from .exchange import cuts_nest, received_elements, received_even, spans
-from .layout import Layout
+from .layout import LINEAR_REDUCE_OPS, Layout
 from .mesh import MeshAxis, Size, as_size
 from .plans import Plan, Step
 
@@ -127,7 +127,7 @@ class Search:
                 yield Move("local_shard", ids, make_state((new, partial)))
         elif dst_kind is Pending:
             op = self.goal_where[next(iter(ids))].op
-            if all(p.op == op for p in partial):
+            if all(p.op == op or {p.op, op} <= LINEAR_REDUCE_OPS for p in partial):
                 pending = tuple(sorted(partial + tuple(PartialAtom(a, op) for a in ids)))
                 yield Move("local_partial", ids, make_state((dims, pending)), op)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .layout import Layout, Piece
+from .layout import LINEAR_REDUCE_OPS, Layout, Piece
 
 aten = torch.ops.aten
 
@@ -80,7 +80,7 @@ def masked_output(layout: Layout, d: int, start: int, end: int, drop_dim: bool) 
     """
     pieces = layout.dims[d]
     axes = [p.axis for p in pieces if p.axis is not None]
-    if not axes or any(p.chunked for p in pieces) or (layout.partial and layout.reduce_op != "sum"):
+    if not axes or any(p.chunked for p in pieces) or not layout.reduce_ops <= LINEAR_REDUCE_OPS:
         return None
     first_local = next((i for i, p in enumerate(pieces) if p.axis is None), len(pieces))
     if any(p.axis is not None for p in pieces[first_local:]):
@@ -197,7 +197,8 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
     d = _dim(_arg(node, 1, "dim", 0), ndim)
     best = None
     for t in _stack_candidates(kept, d):
-        equal = all(x.shape[d] == t.shape[d] for x in kept)
+        # unequal blocks (an uneven _StridedShard) split the rank's whole block: no outer piece above them
+        equal = all(x.shape[d] == t.shape[d] for x in kept) and not any(p.uneven_blocks for p in t.dims[d])
         cat_pieces = t.dims[d] if equal else ()
         required = tuple(Layout(x.mesh, x.shape, [cat_pieces if k == d else t.dims[k] for k in range(ndim)],
                                 t.partial) for x in kept)

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.exchange import exchange_tables
+from fxshard.layout import IDENTITY
 from fxshard.graph import PLAN, copy_graph_module
 from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.ops import REDISTRIBUTE
@@ -181,8 +182,8 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
         return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
 
     if kind == "local_partial":
-        holds = step.reduce_op != "sum" or all(a.coordinate(coord[a.name]) == 0 for a in step.axes)
-        return e(aten.clone.default, x) if holds else e(aten.zeros_like.default, x)
+        holds = step.reduce_op not in IDENTITY or all(a.coordinate(coord[a.name]) == 0 for a in step.axes)
+        return e(aten.clone.default, x) if holds else e(aten.full_like.default, x, IDENTITY[step.reduce_op])
 
     if kind == "exchange":
         return _exchange(e, x, step, coordinate, group)

@@ -234,6 +234,11 @@ UNEVEN = [  # torch.chunk semantics: 10 over 4 is 3,3,3,1; 9 over 4 is 3,3,3,0
     program("[9,4] S(0),S(0) on 2x2 sum(0)", f(lambda x: (x * 2).sum(0)), [(9, 4)], M22, {0: (S(0), S(0))}),
     program("[10,6] S(0),S(1) on 2x2", f(lambda x: (x * 2).sum(1)), [(10, 6)], M22, {0: (S(0), S(1))}),
     program("[10,6] SS(0;2)", f(lambda x: x * 2), [(10, 6)], TP4, {0: (SS(0, 2),)}),
+    # unequal blocks (a split factor that does not divide the dim): local ops where they lie, the rest exchanged
+    program("[10,6] SS(0;3) @ w, relu", f(lambda x, w: (x @ w).relu()), [(10, 6), (6, 3)], TP4, {0: (SS(0, 3),)}),
+    program("[10,6] SS(0;3) sum(0), cumsum(0)", f(lambda x: x.sum(0) + x.cumsum(0)), [(10, 6)], TP4, {0: (SS(0, 3),)}),
+    program("[11,4] SS(0;2),S(0) on 2x2 cat", f(lambda x: torch.cat([x, x * 2], 0).sum(1)), [(11, 4)], M22,
+            {0: (SS(0, 2), S(0))}),
 ]
 
 PARTIAL_INPUTS = [  # simulate's Layout.shard gives a Partial(sum) input to coordinate 0, zeros elsewhere
@@ -254,6 +259,10 @@ PARTIAL_INPUTS = [  # simulate's Layout.shard gives a Partial(sum) input to coor
     program("P(max) view", f(lambda x: x.view(32) * 1), [(4, 8)], TP4, {0: (P("max"),)}),
     program("P(max) * R", f(lambda x, y: x * y), [(4, 8), (4, 8)], TP4, {0: (P("max"),)}),
     program("P(sum)@a S(1)@b on 2x2", f(lambda x: (x * 2).sum(1) + 1), [(4, 8)], M22, {0: (P(), S(1))}),
+    program("P(sum)@a P(avg)@b on 2x2 @ w", f(lambda x, w: x @ w * 3), [(4, 8), (8, 3)], M22, {0: (P(), P("avg"))}),
+    program("P(sum) S(1) mean(1): P(sum) and P(avg)", f(lambda x: x.mean(1)), [(4, 8)], M22, {0: (P(), S(1))}),
+    program("P(avg)@a P(sum)@b on 2x2 mean(1)", f(lambda x: x.mean(1)), [(4, 8)], M22, {0: (P("avg"), P())}),
+    program("P(product) t()", f(lambda x: x.t() * 1), [(4, 8)], TP4, {0: (P("product"),)}),
     program("baddbmm P(sum) bias and batch1", f(lambda s, a, b: torch.baddbmm(s, a, b, beta=0.5, alpha=2.0)),
             [(4, 3, 2), (4, 3, 5), (4, 5, 2)], TP4, {0: (P(),), 1: (P(),)}),
     program("baddbmm P(sum) batch2, bias R", f(lambda s, a, b: torch.baddbmm(s, a, b)),
@@ -445,11 +454,28 @@ REDISTRIBUTIONS = [
     redist((2, 2), (8, 12), (P(), P()), (S(0), R)),
     redist((2, 2), (8, 12), (P(), S(1)), (S(1), P())),
     redist((2, 2), (8, 12), (SS(0, 2), S(0)), (R, R)),
+    # sum and avg on different axes (DTensor accepts the pair; they commute), product
+    redist((2, 2), (8, 12), (P(), P("avg")), (R, R)),
+    redist((2, 2), (8, 12), (P("avg"), P()), (S(0), S(1))),
+    redist((2, 2), (10, 6), (P(), P("avg")), (S(0), R)),
+    redist((2, 2), (8, 12), (P(), P("avg")), (P(), R)),
+    redist((2, 2), (8, 12), (P("avg"), S(1)), (P("avg"), P())),
+    redist((2, 2), (8, 12), (R, R), (P(), P("avg"))),
+    redist((4,), (8, 12), (P("product"),), (R,)),
+    redist((4,), (10, 12), (P("product"),), (S(0),)),
+    redist((4,), (8, 12), (R,), (P("product"),)),
+    redist((2, 2), (8, 12), (P("product"), S(1)), (S(1), R)),
     redist((2, 2), (8, 12), (SS(0, 2), S(0)), (S(1), R)),
     redist((2, 2, 2), (4, 6, 8), (S(0), S(1), S(2)), (S(2), S(0), S(1))),
     redist((2, 2, 2), (4, 6, 8), (P(), S(2), S(2)), (S(0), R, P())),
     redist((2, 2, 2), (8, 4, 8), (S(0), S(0), S(0)), (R, R, R)),
     redist((2, 2, 2), (8, 4, 8), (S(0), S(0), S(0)), (S(2), S(2), S(2))),
+    # uneven _StridedShard: unequal blocks, moved by the exchange (10 rows as 4,3,3, each over 3 ranks)
+    redist((3,), (10, 4), (SS(0, 3),), (R,)),
+    redist((3,), (10, 4), (SS(0, 3),), (S(1),)),
+    redist((3,), (10, 4), (S(0),), (SS(0, 3),)),
+    redist((2, 3), (11, 4), (SS(0, 2), S(0)), (R, S(0))),
+    redist((2, 2), (7, 4), (P(), SS(0, 3)), (S(1), R)),
     # uneven: 10 over 4 is 3,3,3,1 (torch.chunk)
     redist((4,), (10, 8), (S(0),), (R,)),
     redist((4,), (10, 8), (R,), (S(0),)),
@@ -485,9 +511,10 @@ def random_partials(coords: list, gen: torch.Generator) -> Callable[[Layout, tor
             return blocks
         partial_names = {a.name for a, _ in layout.partial}
         sharded_names = {a.name for a in layout.sharded_axes()}
-        op, n = layout.reduce_op, 1
-        for a, _ in layout.partial:
+        ops, n, n_avg = layout.reduce_ops, 1, 1
+        for a, op in layout.partial:
             n *= int(a.size)
+            n_avg *= int(a.size) if op == "avg" else 1
         names = layout.mesh.names
 
         def key(c, among):
@@ -500,13 +527,23 @@ def random_partials(coords: list, gen: torch.Generator) -> Callable[[Layout, tor
             shares = sorted({key(c, partial_names) for c in members})
             base = blocks[members[0]]
             noise = torch.randn((len(shares),) + tuple(base.shape), generator=gen)
-            shift = {"sum": noise.mean(0), "avg": noise.mean(0), "max": noise.amax(0), "min": noise.amin(0)}[op]
-            scaled = base / n if op == "sum" else base
             for c in members:
-                out[c] = scaled + noise[shares.index(key(c, partial_names))] - shift
+                out[c] = share(ops, base, noise, shares.index(key(c, partial_names)), n_avg / n)
         return out
 
     return split
+
+
+def share(ops: frozenset, base: torch.Tensor, noise: torch.Tensor, i: int, linear_scale: float) -> torch.Tensor:
+    """Share ``i`` of ``base`` among ``len(noise)`` ranks: the shares reduce to ``base`` under ``ops``
+    (sum and avg mixed: their sum is ``base`` times the avg axes' size, ``linear_scale * len(noise)``)."""
+    if ops <= {"sum", "avg"}:
+        return base * linear_scale + noise[i] - noise.mean(0)
+    (op,) = ops
+    if op == "product":
+        factor = torch.exp(noise[i] - noise.mean(0))
+        return factor * base if i == 0 else factor
+    return base + noise[i] - {"max": noise.amax(0), "min": noise.amin(0)}[op]
 
 
 def check_redistribution(mesh: MeshSpec, shape: tuple, src: tuple, dst: tuple, seed: int) -> None:
