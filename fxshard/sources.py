@@ -1,0 +1,109 @@
+"""Redistribute the source of a relabelling, not the relabelled value.
+
+A value that relabels another (``t(w)``, a permute, a view, an expand: ``registry.RELABELS``)
+holds the source's elements under other indices. Gathering ``t(w)`` sharded on dim 1 gathers a
+strided block, which lowering wraps in permutes and copies; gathering ``w`` as it is stored
+(sharded on dim 0) is one contiguous collective, and ``t`` then runs on the whole tensor for
+free. So where a consumer needs a relabelled value in another layout, stage 3 moves the
+furthest source of its relabelling chain into the layout that relabels into the wanted one,
+when that moves no more than the value itself would, and replays the chain on the result.
+Two consumers of different relabellings of one source (``t(w)`` forward, ``t(t(w))`` backward)
+then share one redistribution.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .costs import CostModel
+from .graph import LAYOUT, dtype_of, required_layouts
+from .layout import Layout, LayoutError
+from .op_kinds import VIEW, Context, Declared
+from .planner import redistribute_cost
+from .registry import RELABELS, entry_of
+from .views import view_layout
+
+
+@dataclass(frozen=True)
+class SourceMove:
+    """Move ``source`` into ``layout``, then replay ``chain`` (source side first) on the result;
+    ``layouts`` are the chain's outputs' layouts (the last one is the layout wanted)."""
+
+    source: fx.Node
+    layout: Layout
+    chain: tuple[fx.Node, ...]
+    layouts: tuple[Layout, ...]
+
+
+def relabelled(node: fx.Node, src: Layout) -> Layout | None:
+    """The layout of relabelling ``node``'s output when its input has layout ``src`` and nothing
+    moves (None: the op needs ``src`` moved first); asked of the op's registry entry, as stage 2 does."""
+    entry = entry_of(node.target)
+    if entry is None or entry.kind is None:
+        return None
+    ctx = Context(src.mesh, [src], [src], lambda i, dst: 0.0 if dst == src else math.inf, lambda a, b: 0.0)
+    try:
+        decision = entry.kind(node, ctx)
+    except LayoutError:
+        return None
+    if decision is None or tuple(decision[0]) != (src,) or not isinstance(decision[1], Layout):
+        return None
+    return decision[1]
+
+
+def unrelabelled(node: fx.Node, want: Layout) -> Layout | None:
+    """A layout of ``node``'s input that ``node`` relabels into ``want`` without moving anything, or None."""
+    entry = entry_of(node.target)
+    shape = tuple(node.args[0].meta["val"].shape)
+    try:
+        if entry is not None and entry.kind is VIEW:
+            required, out = view_layout(want, shape)  # a view's inverse is the view back
+            candidate = out if required == want else None
+        elif entry is not None and isinstance(entry.kind, Declared):
+            sig = entry.kind.rule(node)  # a permute or broadcast: each input dim is an output dim's factor
+            if sig is None or len(sig.inputs) != 1:
+                return None
+            dims = [want.dims[sig.output.index(f)] if f in sig.output else () for f in sig.inputs[0]]
+            candidate = Layout(want.mesh, shape, dims, want.partial)
+        else:
+            return None
+    except (LayoutError, ValueError):
+        return None
+    return candidate if candidate is not None and relabelled(node, candidate) == want else None
+
+
+def _chain(value: fx.Node) -> list[fx.Node]:
+    """The relabelling ops that lead to ``value`` (its own first, towards its source), each taking
+    its input as that input is laid out (a relabelling that needed its input moved ends the chain)."""
+    chain = []
+    node = value
+    while node.op == "call_function" and node.target in RELABELS and isinstance(node.args[0], fx.Node) \
+            and LAYOUT in node.args[0].meta and isinstance(node.args[0].meta.get("val"), torch.Tensor) \
+            and (required_layouts(node) or (None,))[0] == node.args[0].meta[LAYOUT]:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = None) -> SourceMove | None:
+    """The furthest source of ``value``'s relabelling chain whose move into ``want`` costs no more
+    than moving ``value`` itself, or None (``value`` relabels nothing, or no source does better)."""
+    chain = _chain(value)
+    if not chain:
+        return None
+    own = redistribute_cost(value.meta[LAYOUT], want, dtype_of(value), cost_model)
+    wants = [want]  # wants[k]: the layout chain[k]'s output must have
+    for node in chain:
+        w = unrelabelled(node, wants[-1])
+        if w is None:
+            break
+        wants.append(w)
+    for k in range(len(wants) - 1, 0, -1):  # the furthest source first
+        source = chain[k - 1].args[0]
+        if redistribute_cost(source.meta[LAYOUT], wants[k], dtype_of(source), cost_model) <= own:
+            replay = tuple(reversed(chain[:k]))
+            return SourceMove(source, wants[k], replay, tuple(reversed(wants[:k])))
+    return None
