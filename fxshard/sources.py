@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .costs import CostModel
+from .costs import DEFAULT_COST_MODEL, CostModel
 from .graph import LAYOUT, dtype_of, required_layouts
 from .layout import Layout, LayoutError
 from .op_kinds import VIEW, Context, Declared
-from .planner import redistribute_cost
+from .planner import plan_redistribute
+from .plans import Step
 from .registry import RELABELS, entry_of
+from .strategies import numeric_size
 from .views import view_layout
 
 
@@ -88,13 +90,55 @@ def _chain(value: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def _leads(layout: Layout, names: set[str]) -> bool | None:
+    """Whether the first piece on the axes ``names`` leads ``layout``'s block in row-major order (no
+    local piece larger than 1 before it); None when no piece is on them."""
+    if not _holds(layout, names):
+        return None
+    for pieces in layout.dims:
+        for p in pieces:
+            if p.axis is not None and p.axis.name in names:
+                return True
+            if p.axis is None and p.size != 1:
+                return False
+    return None
+
+
+def _holds(layout: Layout, names: set[str]) -> bool:
+    return any(p.axis is not None and p.axis.name in names for pieces in layout.dims for p in pieces)
+
+
+def _copied_block(step: Step) -> Layout | None:
+    """The larger block of a collective that acts behind a local piece (lowering permutes it and
+    copies: a gather of dim 1 of a matrix), None where it acts on the leading piece."""
+    names = {a.name for a in step.axes}
+    if all(_leads(layout, names) is not False for layout in (step.before, step.after)):
+        return None
+    return max((step.before, step.after), key=lambda l: numeric_size(l.max_local_shape()))
+
+
+def moving_cost(value: fx.Node, layout: Layout, want: Layout, cost_model: CostModel | None = None) -> float:
+    """The planned cost of moving ``value`` from ``layout`` into ``want``, plus the copies lowering
+    adds: its block when it is a strided view (a collective reads contiguous memory) and the block
+    of every collective that acts behind a local piece."""
+    plan = plan_redistribute(layout, want, dtype=dtype_of(value), cost_model=cost_model)
+    collectives = plan.collectives
+    copied = [b for b in map(_copied_block, collectives) if b is not None]
+    val = value.meta["val"]
+    if collectives and not val.is_contiguous():
+        copied.append(layout)
+    nbytes = sum(numeric_size(l.max_local_shape()) for l in copied) * val.element_size()
+    return plan.cost + (cost_model or DEFAULT_COST_MODEL).copy_cost(nbytes)
+
+
 def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = None) -> SourceMove | None:
     """The furthest source of ``value``'s relabelling chain whose move into ``want`` costs no more
-    than moving ``value`` itself, or None (``value`` relabels nothing, or no source does better)."""
+    (copies included) than moving ``value`` itself, or None (``value`` relabels nothing, or no
+    source does better)."""
     chain = _chain(value)
     if not chain:
         return None
-    own = redistribute_cost(value.meta[LAYOUT], want, dtype_of(value), cost_model)
+    own = moving_cost(value, value.meta[LAYOUT], want, cost_model)
     wants = [want]  # wants[k]: the layout chain[k]'s output must have
     for node in chain:
         w = unrelabelled(node, wants[-1])
@@ -103,7 +147,7 @@ def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = Non
         wants.append(w)
     for k in range(len(wants) - 1, 0, -1):  # the furthest source first
         source = chain[k - 1].args[0]
-        if redistribute_cost(source.meta[LAYOUT], wants[k], dtype_of(source), cost_model) <= own:
+        if moving_cost(source, source.meta[LAYOUT], wants[k], cost_model) <= own:
             replay = tuple(reversed(chain[:k]))
             return SourceMove(source, wants[k], replay, tuple(reversed(wants[:k])))
     return None
