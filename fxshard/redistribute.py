@@ -3,7 +3,7 @@
 Layout pins (``fxshard.constrain``) have done their job once propagation honoured them and
 are removed here. The plan of every inserted node is in ``node.meta["plan"]``, the consumers that need it in
 ``node.meta["needed_by"]`` (as text; ``redistribution_reason`` says it in words). A relabelled value
-(``t(w)``, a view) is moved at its source where that costs no more, its relabelling replayed after
+(``t(w)``, a view) is moved at its source where that costs less, its relabelling replayed after
 (fxshard/sources.py): an FSDP weight is gathered as stored, not as a strided block of its transpose.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 return a
             key = (a, want)
             if key not in made:
-                move = source_move(a, want, cost_model)
+                move = source_move(a, want, cost_model, moved=lambda n, layout: (n, layout) in made)
                 if move is None:
                     made[key] = moves[key] = _redistribute_node(graph, a, have, want, cost_model)
                 else:

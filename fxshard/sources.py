@@ -4,16 +4,17 @@ A value that relabels another (``t(w)``, a permute, a view, an expand: ``registr
 holds the source's elements under other indices. Gathering ``t(w)`` sharded on dim 1 gathers a
 strided block, which lowering wraps in permutes and copies; gathering ``w`` as it is stored
 (sharded on dim 0) is one contiguous collective, and ``t`` then runs on the whole tensor for
-free. So where a consumer needs a relabelled value in another layout, stage 3 moves the
-furthest source of its relabelling chain into the layout that relabels into the wanted one,
-when that moves no more than the value itself would, and replays the chain on the result.
-Two consumers of different relabellings of one source (``t(w)`` forward, ``t(t(w))`` backward)
-then share one redistribution.
+free. So where a consumer needs a relabelled value in another layout, stage 3 moves a source
+of its relabelling chain into the layout that relabels into the wanted one, when that costs
+less than moving the value itself (copies lowering adds included; a source already moved so
+costs nothing), and replays the chain on the result. Two consumers of different relabellings
+of one source (``t(w)`` forward, ``t(t(w))`` backward) then share one redistribution.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -131,14 +132,15 @@ def moving_cost(value: fx.Node, layout: Layout, want: Layout, cost_model: CostMo
     return plan.cost + (cost_model or DEFAULT_COST_MODEL).copy_cost(nbytes)
 
 
-def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = None) -> SourceMove | None:
-    """The furthest source of ``value``'s relabelling chain whose move into ``want`` costs no more
-    (copies included) than moving ``value`` itself, or None (``value`` relabels nothing, or no
-    source does better)."""
+def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = None,
+                moved: Callable[[fx.Node, Layout], bool] = lambda node, layout: False) -> SourceMove | None:
+    """The source of ``value``'s relabelling chain whose move into ``want`` costs less than moving
+    ``value`` itself, copies included (a source ``moved`` into that layout already costs nothing),
+    the furthest of equals; None where no source does better (ties keep the move where it was)."""
     chain = _chain(value)
     if not chain:
         return None
-    own = moving_cost(value, value.meta[LAYOUT], want, cost_model)
+    best, best_cost = None, moving_cost(value, value.meta[LAYOUT], want, cost_model)
     wants = [want]  # wants[k]: the layout chain[k]'s output must have
     for node in chain:
         w = unrelabelled(node, wants[-1])
@@ -147,7 +149,10 @@ def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = Non
         wants.append(w)
     for k in range(len(wants) - 1, 0, -1):  # the furthest source first
         source = chain[k - 1].args[0]
-        if moving_cost(source, source.meta[LAYOUT], wants[k], cost_model) <= own:
-            replay = tuple(reversed(chain[:k]))
-            return SourceMove(source, wants[k], replay, tuple(reversed(wants[:k])))
-    return None
+        cost = 0.0 if moved(source, wants[k]) else moving_cost(source, source.meta[LAYOUT], wants[k], cost_model)
+        if cost < best_cost:
+            best, best_cost = k, cost
+    if best is None:
+        return None
+    return SourceMove(chain[best - 1].args[0], wants[best], tuple(reversed(chain[:best])),
+                      tuple(reversed(wants[:best])))

@@ -307,9 +307,9 @@ def test_mlp_training_forward_and_backward_megatron():
 %t_1: f32[16, 8] [4@tp 4] [8] = aten.t(%arg2)
 %mm_1: f32[4, 8] [4] [8] P(sum@tp) = aten.mm(%relu, %t_1)
 %sum_1: f32[] [] P(sum@tp) = aten.sum(%mm_1)
-%redistribute_default: f32[] [] = redistribute(%sum_1) from [] P(sum@tp): all_reduce(tp sum)
-%detach_3: f32[] [] = aten.detach(%redistribute_default)
-return [%detach_3, %arg1, %arg0, %arg2, %relu]
+%detach_2: f32[] [] P(sum@tp) = aten.detach(%sum_1)
+%redistribute_default: f32[] [] = redistribute(%detach_2) from [] P(sum@tp): all_reduce(tp sum)
+return [%redistribute_default, %arg1, %arg0, %arg2, %relu]
 == backward
 %saved_arg1: f32[16, 8] [4@tp 4] [8] = input
 %saved_arg0: f32[4, 8] [4] [8] = input
