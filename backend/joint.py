@@ -152,10 +152,15 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
     pairs = [(b, f) for b in gathers if b not in forward for f in gathers if f in forward
              and input_root(f.args[0]) is input_root(b.args[0]) and not b.meta[LAYOUT].partial
              and held_as(f, (parity(b) - parity(f)) % 2) == b.meta[LAYOUT]]
-    if not pairs:
-        return set()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    b, f = min(pairs, key=lambda bf: order[bf[0]])
+    # a gather both passes read (stage 3 moved the parameter, not its transposes): no rewrite needed
+    shared = [(use, f) for f in gathers if f in forward
+              for use in [_first_backward_use(f, forward, order)] if use is not None]
+    if not pairs and not shared:
+        return set()
+    b, f = min(pairs + shared, key=lambda bf: order[bf[0]])
+    if b not in gathers:
+        return {f}
     odd = (parity(b) - parity(f)) % 2
     replacement = f
     if odd:
@@ -165,6 +170,14 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
     b.replace_all_uses_with(replacement)
     gm.graph.erase_node(b)
     return {f}
+
+
+def _first_backward_use(node: fx.Node, forward: set[fx.Node], order: Mapping[fx.Node, int]) -> fx.Node | None:
+    """The first backward node that reads ``node``, directly or through relabellings (None: none does)."""
+    uses = [u for u in node.users if u not in forward]
+    uses += [v for u in node.users if u in forward and u.target in RELABELS
+             for v in [_first_backward_use(u, forward, order)] if v is not None]
+    return min(uses, key=order.__getitem__, default=None)
 
 
 def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) -> set[fx.Node]:

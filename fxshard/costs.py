@@ -48,13 +48,18 @@ class CostModel:
         return dict(self.latency)
 
     def collective_cost(self, axes: Sequence[MeshAxis], nbytes: Size) -> float:
-        return max(self.axis_latency(a) for a in axes) + numeric(nbytes) / min(self.axis_bandwidth(a) for a in axes)
+        latency = max(max(self.axis_latency(a) for a in axes), TIE_BREAK)
+        return latency + numeric(nbytes) / min(self.axis_bandwidth(a) for a in axes)
 
     def copy_cost(self, nbytes: Size) -> float:
         return numeric(nbytes) / self.copy_bandwidth
 
 
 DEFAULT_COST_MODEL = CostModel()
+# the least a collective costs (s): between plans that move the same bytes, fewer collectives win even
+# under a bandwidth-only model (latency 0), which would otherwise tie one all_reduce with two
+# reduce_scatters and an all_gather; far below a byte's cost, so it never outweighs bytes
+TIE_BREAK = 1e-15
 
 
 def numel(shape: Sequence[Size]) -> Size:

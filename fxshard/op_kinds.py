@@ -45,6 +45,7 @@ class Context:
     offered: Sequence[Layout]  # as the node may take them (a shared Partial offered reduced: refine.py)
     move_cost: Callable[[int, Layout], float]  # what moving input i into a layout costs here
     price: Price  # what a redistribution of one of the node's values costs
+    requested: Sequence[Sequence[Layout]] = ()  # per input, layouts other consumers already move it into
 
 
 class Kind:
@@ -68,7 +69,8 @@ class Declared(Kind):
         sig = self.rule(node)
         if sig is None:
             return None
-        strategy = choose(sig, ctx.offered, output_shapes(node.meta["val"]), ctx.mesh, ctx.move_cost, ctx.price)
+        strategy = choose(sig, ctx.offered, output_shapes(node.meta["val"]), ctx.mesh, ctx.move_cost, ctx.price,
+                          ctx.requested)
         return None if strategy is None else (strategy.inputs, strategy.output)
 
 

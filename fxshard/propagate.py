@@ -47,6 +47,10 @@ class _Requested:
     def has(self, a: fx.Node, want: Layout) -> bool:
         return want in self._seen.get(a, ())
 
+    def of(self, a: fx.Node) -> tuple[Layout, ...]:
+        """The layouts ``a`` is moved into already, in a fixed order."""
+        return tuple(sorted(self._seen.get(a, ()), key=str))
+
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
               strict: bool = False, cost_model: CostModel | None = None,
@@ -136,7 +140,8 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
 
         offered = reduce_shared(ins, in_layouts) if Pin.REDUCE_SHARED in pinned else in_layouts
         ctx = Context(mesh, in_layouts, offered, move_cost,
-                      lambda src, dst: redistribute_cost(src, dst, dtype_of(node), cost_model))
+                      lambda src, dst: redistribute_cost(src, dst, dtype_of(node), cost_model),
+                      [requested.of(a) for a in ins])
         decision = entry.kind(node, ctx)
         if decision is not None:
             set_strategy(node, *decision)

@@ -2,7 +2,9 @@
 
 Layout pins (``fxshard.constrain``) have done their job once propagation honoured them and
 are removed here. The plan of every inserted node is in ``node.meta["plan"]``, the consumers that need it in
-``node.meta["needed_by"]`` (as text; ``redistribution_reason`` says it in words).
+``node.meta["needed_by"]`` (as text; ``redistribution_reason`` says it in words). A relabelled value
+(``t(w)``, a view) is moved at its source where that costs less, its relabelling replayed after
+(fxshard/sources.py): an FSDP weight is gathered as stored, not as a strided block of its transpose.
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .planner import plan_redistribute
+from .sources import SourceMove, source_move
 
 
 def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None) -> fx.GraphModule:
     """Rewrite ``gm`` (propagated) in place so every edge carries the layout its consumer needs."""
     graph = gm.graph
-    made: dict[tuple[fx.Node, Layout], fx.Node] = {}
+    made: dict[tuple[fx.Node, Layout], fx.Node] = {}  # (value, layout) -> the value in that layout
+    moves: dict[tuple[fx.Node, Layout], fx.Node] = {}  # (value, layout) -> the redistribution behind it
+    bypassed: list[fx.Node] = []
     for node in list(graph.nodes):
         required = node.meta.get(ARG_LAYOUTS)
         if required is None:
@@ -36,14 +41,28 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 return a
             key = (a, want)
             if key not in made:
-                made[key] = _redistribute_node(graph, a, have, want, cost_model)
-            made[key].meta[NEEDED_BY].append(_consumer(node))
+                move = source_move(a, want, cost_model, moved=lambda n, layout: (n, layout) in made)
+                if move is None:
+                    made[key] = moves[key] = _redistribute_node(graph, a, have, want, cost_model)
+                else:
+                    source_key = (move.source, move.layout)
+                    if source_key not in made:
+                        made[source_key] = moves[source_key] = _redistribute_node(
+                            graph, move.source, move.source.meta[LAYOUT], move.layout, cost_model, after=a)
+                    made[key] = _replay(graph, move, made[source_key], before=node)
+                    moves[key] = moves[source_key]
+                    bypassed.extend(move.chain)
+            moves[key].meta[NEEDED_BY].append(_consumer(node))
             return made[key]
 
         if node.op == "output":
             node.args = pytree.tree_map(fix, node.args)
         else:
             node.args, node.kwargs = pytree.tree_map(fix, (node.args, node.kwargs))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(bypassed), key=order.__getitem__, reverse=True):  # relabellings no one reads now
+        if not node.users:
+            graph.erase_node(node)
     for node in list(graph.nodes):
         if node.target is CONSTRAIN:
             node.replace_all_uses_with(node.args[0])
@@ -53,13 +72,25 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     return gm
 
 
-def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None) -> fx.Node:
+def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None,
+                       after: fx.Node | None = None) -> fx.Node:
+    """A planned redistribution of ``x`` from ``src`` to ``dst``, placed right after ``after`` (default: ``x``)."""
     val = x.meta["val"]
     plan = plan_redistribute(src, dst, dtype=val.dtype, cost_model=cost_model)
-    with graph.inserting_after(x):
+    with graph.inserting_after(after if after is not None else x):
         node = graph.call_function(REDISTRIBUTE, (x, str(src), str(dst), list(val.shape)))
     node.meta.update({"val": val, LAYOUT: dst, SRC_LAYOUT: src, PLAN: plan, NEEDED_BY: []})
     return node
+
+
+def _replay(graph: fx.Graph, move: SourceMove, moved: fx.Node, before: fx.Node) -> fx.Node:
+    """``move``'s relabelling chain applied to the moved source, placed right before its consumer."""
+    value = moved
+    for original, layout in zip(move.chain, move.layouts):
+        with graph.inserting_before(before):
+            value = graph.node_copy(original, lambda a, src=original.args[0], new=value: new if a is src else a)
+        value.meta.update({ARG_LAYOUTS: (value.args[0].meta[LAYOUT],), LAYOUT: layout})
+    return value
 
 
 def redistribution_reason(node: fx.Node) -> str:

@@ -43,9 +43,14 @@ def numeric_size(shape: Sequence[Any]) -> float:
     return n
 
 
-def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout]) -> dict[str, list[tuple[Piece, ...]]]:
+def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout],
+                       requested: Sequence[Sequence[Layout]] = ()) -> dict[str, list[tuple[Piece, ...]]]:
+    """Each factor's options: the pieces an input has it in, or is already being moved into for
+    another consumer (free to share: one reduce_scatter of a gradient serves both of its uses), or local."""
     cands: dict[str, list[tuple[Piece, ...]]] = {}
-    for dims, layout in zip(sig.inputs, in_layouts):
+    pairs = list(zip(sig.inputs, in_layouts))
+    pairs += [(dims, layout) for dims, layouts in zip(sig.inputs, requested) for layout in layouts]
+    for dims, layout in pairs:
         for d, f in enumerate(dims):
             if f is None:
                 continue
@@ -122,12 +127,13 @@ def output_shapes(val: Any) -> tuple:
 
 
 def choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
-            cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
+           cost_of: Callable[[int, Layout], float], price: "Price",
+           requested: Sequence[Sequence[Layout]] = ()) -> Strategy | None:
     """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i,
-    ``price(src, dst)`` a redistribution of the output."""
+    ``price(src, dst)`` a redistribution of the output; ``requested[i]``: layouts input i is moved into already."""
     if len(sig.inputs) != len(in_layouts):
         return None
-    cands = _factor_candidates(sig, in_layouts)
+    cands = _factor_candidates(sig, in_layouts, requested)
     factors = sorted(cands)
     best: Strategy | None = None
     for choice in itertools.product(*(cands[f] for f in factors)):

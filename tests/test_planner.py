@@ -89,6 +89,20 @@ def test_plan(sizes, shape, src, dst, src_order, dst_order, expected):
     assert run.received == [s.bytes_per_rank for s in plan.steps]
 
 
+# a bandwidth-only model (latency 0) still takes one collective where several move the same bytes
+BANDWIDTH_ONLY = [
+    case((2, 4), (64, 64), (S(0), S(0)), (R, R), "all_gather(a,b dim 0)"),
+    case((2, 4), (64, 64), (P(), P()), (R, R), "all_reduce(a,b sum)"),
+    case((2, 4), (64, 64), (P(), P()), (S(0), S(0)), "reduce_scatter(a,b dim 0 sum)"),
+]
+
+
+@pytest.mark.parametrize("sizes, shape, src, dst, src_order, dst_order, expected", BANDWIDTH_ONLY)
+def test_bandwidth_only_plans_take_the_fewest_collectives(sizes, shape, src, dst, src_order, dst_order, expected):
+    a, b = layouts(sizes, shape, src, dst, src_order, dst_order)
+    assert ", ".join(str(s) for s in plan_redistribute(a, b, cost_model=CostModel(default_latency=0.0)).steps) == expected
+
+
 def test_plan_cache_and_errors():
     a, b = layouts((2, 2), (8, 12), (S(0), S(1)), (S(1), S(0)))
     assert plan_redistribute(a, b) is plan_redistribute(a, b)

@@ -138,11 +138,18 @@ def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
         loss, grads = fxshard.simulate(sharded.loss, x, targets, grad=True)
         with fake_world(fxshard.MeshSpec(tp=tp)) as device_mesh:
             fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True)[(0,)]
-            fwd_counts, bwd_calls = collectives(fwd), collective_calls(bwd)
+            fwd_counts, bwd_counts, bwd_calls = collectives(fwd), collectives(bwd), collective_calls(bwd)
     assert_matches(loss, grads, ref_loss, ref_grads)
-    # per layer 2 all_gather + 2 reduce_scatter forward, as parallelize_module's plan says
-    assert fwd_counts["reduce_scatter"] == 2 * CFG.n_layers + 1  # + the embedding's output
-    # the backward all-reduces only the norm weights' gradients (their tokens are sharded)
+    layers = CFG.n_layers
+    # forward per layer: 2 all_gather + 2 reduce_scatter, as parallelize_module's plan says; + the
+    # embedding's reduce_scatter, the output projection's gather and the logits' (replicated loss)
+    assert fwd_counts == {"all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers + 1}
+    # backward per layer, Megatron-LM's sequence parallel: per block the output gradient gathered
+    # once (both the input and the weight gradient read it), the block input gathered again (for
+    # the weight gradient) and the input gradient reduce-scattered once (the norm scales the shard);
+    # + the output projection's input and the embedding's gradient gathered, its input's gradient
+    # reduce-scattered; the norm weights' gradients all-reduced (their tokens are sharded)
+    assert bwd_counts == {"all_gather": 4 * layers + 2, "reduce_scatter": 2 * layers + 1, "all_reduce": 2 * layers + 1}
     assert {c.input_bytes for c in bwd_calls if c.kind == "all_reduce"} == {CFG.dim * 4}
 
 
