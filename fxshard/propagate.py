@@ -47,12 +47,33 @@ class _Requested:
     def has(self, a: fx.Node, want: Layout) -> bool:
         return want in self._seen.get(a, ())
 
+    def of(self, a: fx.Node) -> frozenset[Layout]:
+        return frozenset(self._seen.get(a, ()))
+
+
+class Decisions:
+    """The strategies one program's propagations chose, keyed by all a decision reads: the node,
+    its inputs' layouts, which of them are asked for already and which are pinned.
+
+    Refinement propagates the same graph up to ~18 times with other pins; most nodes see the
+    same inputs each time, and their decision (the costly part: every strategy priced) is reused.
+    """
+
+    def __init__(self) -> None:
+        self.made: dict[tuple, Any] = {}
+
+    @staticmethod
+    def key(node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
+            pinned: frozenset[str]) -> tuple:
+        return (node, tuple(layouts), tuple(requested.of(a) for a in ins),
+                tuple(is_pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
+
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
               strict: bool = False, cost_model: CostModel | None = None,
               pinned: frozenset[str] = frozenset(),
               output_layouts: Sequence[Layout | None] | None = None,
-              fallbacks: dict[str, str] | None = None) -> fx.GraphModule:
+              fallbacks: dict[str, str] | None = None, memo: Decisions | None = None) -> fx.GraphModule:
     """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
 
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
@@ -60,6 +81,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     ``output_layouts`` requires layouts of the outputs (None: the cheapest DTensor-expressible
     one), as a joint graph requires each gradient in its parameter's layout. Ops replicated for
     want of a strategy are recorded in ``fallbacks`` (op -> input layouts), for one warning each.
+    ``memo`` carries decisions from one propagation of ``gm`` to the next (refinement: see ``Decisions``).
     """
     input_layouts = dict(input_layouts or {})
     requested = _Requested()
@@ -77,7 +99,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             if isinstance(val, torch.Tensor):
                 node.meta[LAYOUT] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
-            _propagate_call(node, mesh, strict, cost_model, requested, pinned, fallbacks)
+            _propagate_call(node, mesh, strict, cost_model, requested, pinned, fallbacks, memo)
             requested.add(node, required_layouts(node) or ())
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and LAYOUT in a.meta]
@@ -115,7 +137,8 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
 
 
 def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
-                    requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None) -> None:
+                    requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None,
+                    memo: Decisions | None) -> None:
     ins = tensor_inputs(node)
     in_layouts = [a.meta[LAYOUT] for a in ins]
     val = value(node)
@@ -126,6 +149,10 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         return
     if not isinstance(val, (torch.Tensor, tuple, list)):
         return  # symbolic sizes and other non-tensor values carry no layout
+    key = memo.key(node, ins, in_layouts, requested, pinned) if memo is not None else None
+    if key is not None and key in memo.made:
+        set_strategy(node, *memo.made[key])
+        return
     entry = lookup(node, has_tensor_inputs=bool(ins))
     if entry is not None and entry.kind is not None:
         def move_cost(i: int, dst: Layout) -> float:
@@ -140,6 +167,8 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         decision = entry.kind(node, ctx)
         if decision is not None:
             set_strategy(node, *decision)
+            if key is not None:
+                memo.made[key] = decision
             return
     _fallback(node, in_layouts, mesh, strict, fallbacks)
 
