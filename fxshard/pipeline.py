@@ -17,6 +17,7 @@ from .propagate import Decisions, propagate
 from .redistribute import insert_redistributes
 from .refine import propagate_with_pins
 from .registry import recipe_of
+from .timing import stage
 
 
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
@@ -37,12 +38,13 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
                       "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",
                       stacklevel=2)
-    shard_factories(gm)
-    check_local_regions(gm)
-    insert_redistributes(gm, cost_model=cost_model)
-    for node in gm.graph.nodes:
-        recipe = recipe_of(node)
-        if recipe is not None:
-            node.meta[LOCALIZE] = recipe
+    with stage("plan"):
+        shard_factories(gm)
+        check_local_regions(gm)
+        insert_redistributes(gm, cost_model=cost_model)
+        for node in gm.graph.nodes:
+            recipe = recipe_of(node)
+            if recipe is not None:
+                node.meta[LOCALIZE] = recipe
     return gm
 
