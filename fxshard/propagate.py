@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -52,21 +52,58 @@ class _Requested:
 
 
 class Decisions:
-    """The strategies one program's propagations chose, keyed by all a decision reads: the node,
-    its inputs' layouts, which of them are asked for already and which are pinned.
+    """The strategies one program's propagations chose, keyed by all a decision reads: the node's
+    structure (``structure``), its inputs' layouts, which of them are asked for already and which
+    are pinned.
 
-    Refinement propagates the same graph up to ~18 times with other pins; most nodes see the
-    same inputs each time, and their decision (the costly part: every strategy priced) is reused.
+    Refinement propagates the same graph up to ~18 times with other pins, and a model repeats its
+    layers: most nodes meet a decision made before (the costly part: every strategy priced).
     """
 
     def __init__(self) -> None:
         self.made: dict[tuple, Any] = {}
+        self._structures: dict[fx.Node, Hashable] = {}
 
-    @staticmethod
-    def key(node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
+    def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
             pinned: frozenset[str]) -> tuple:
-        return (node, tuple(layouts), tuple(requested.of(a) for a in ins),
+        static = self._structures.get(node)
+        if static is None:
+            static = self._structures[node] = structure(node, ins)
+        return (static, tuple(layouts), tuple(requested.of(a) for a in ins),
                 tuple(is_pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
+
+
+def structure(node: fx.Node, ins: Sequence[fx.Node]) -> Hashable:
+    """What an op kind reads of ``node`` besides its inputs' layouts: its op, its arguments (constants
+    by type and value, inputs by first position and value's metadata), its value's metadata, and
+    which inputs have several consumers (``reduce_shared``). Two layers' matmuls share it; a node
+    with an unhashable argument keys by itself."""
+    first: dict[fx.Node, int] = {}
+
+    def leaf(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("input", first.setdefault(a, len(first)), _metadata(value(a)))
+        if isinstance(a, (tuple, list)):
+            return (type(a), tuple(leaf(x) for x in a))
+        if isinstance(a, dict):
+            return (type(a), tuple((k, leaf(x)) for k, x in a.items()))
+        return (type(a), a)
+
+    key = (node.target, leaf(node.args), leaf(node.kwargs), _metadata(value(node)), tuple(len(a.users) > 1 for a in ins))
+    try:
+        hash(key)
+    except TypeError:
+        return node
+    return key
+
+
+def _metadata(v: Any) -> Any:
+    """A value as rules see it: a tensor's shape, strides, dtype and device (its elements are fake)."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_metadata(x) for x in v))
+    return (type(v), v)
 
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
