@@ -1,0 +1,148 @@
+"""Compile time against the number of layers: fxshard's own stages, Inductor, and DTensor's FSDP2.
+
+    python bench/compile.py                 # layers 1, 2, 4, 8; prints markdown tables
+    python bench/compile.py --layers 1 2 --json
+
+bench/train.py's Llama (vocab 2048, dim 256, 8 heads (4 kv), ffn 768) with ``n_layers`` layers,
+FSDP on dp=4, AdamW-free (compile only), batch 8 x 128 tokens. One process, rank 0 of a fake
+process group of 4 (``fake`` backend: collectives move nothing, so a step costs only compute);
+every rank compiles the same programs, so one rank's compile is the job's.
+
+- fxshard: ``fxshard.compile(model.loss)`` with the parameters DTensors ``Shard(0)`` on dp, as
+  bench/train.py. Its time is the first training step (forward + backward: Dynamo capture, the
+  stages, Inductor on the forward and the backward, the step itself); the stages are read from
+  the program's ``StageReporter.times`` (what ``TORCH_LOGS=fxshard`` prints).
+- FSDP2: ``fully_shard`` per block and the root, each block compiled by Inductor (``block.compile()``),
+  as bench/train.py; its time is its first step.
+
+A warm-up run of one layer (not reported) comes first. Inductor's caches are off and it compiles in this process (``compile_threads=1``), so both
+compile from scratch on one core. The machine is shared and noisy: the table records the load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+# before torch reads its config: every run compiles from scratch, in this process
+os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+LLAMA = dict(vocab_size=2048, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768)
+BATCH, SEQ, WORLD = 8, 128, 4
+OWN = ("capture",) + ("trace", "propagate", "refine", "plan", "split", "localize", "lower")
+
+
+def _model(layers: int, mesh: Any) -> nn.Module:
+    from models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(n_layers=layers, **LLAMA))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g),
+            torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g))
+
+
+def fxshard_compile(layers: int, mesh: Any) -> dict:
+    """The first step of ``fxshard.compile(model.loss)``: its wall time and the time of each stage."""
+    import fxshard
+    from fxshard.timing import STAGES
+    from models.llama import fsdp_placements
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from train_llama import distribute_parameters
+
+    model = _model(layers, mesh)
+    distribute_parameters(model, mesh, fsdp_placements(model))
+    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
+    tokens, targets = (distribute_tensor(t, mesh, (Shard(0),)) for t in _data())
+    start = time.perf_counter()
+    compiled(tokens, targets).backward()
+    total = time.perf_counter() - start
+    times = compiled.last.reporter.times
+    stages = {s: times.get(s, 0.0) for s in STAGES}
+    stages["capture"] = times.get("capturing the function with Dynamo", 0.0)
+    inductor = sum(t for k, t in times.items() if "Inductor" in k)
+    return {"total_s": total, "stages_s": stages, "own_s": sum(stages.values()), "inductor_s": inductor}
+
+
+def fsdp2_compile(layers: int, mesh: Any) -> dict:
+    """The first step of FSDP2 with each block compiled by Inductor: its wall time."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(layers, mesh)
+    for layer in model.layers:
+        layer.compile()
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tokens, targets = _data()
+    mine = slice(0, BATCH // WORLD)  # rank 0's sequences
+    start = time.perf_counter()
+    logits = model(tokens[mine])
+    F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+    return {"total_s": time.perf_counter() - start}
+
+
+def measure(layers: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    row: dict[str, Any] = {"layers": layers, "load_before": os.getloadavg()[0]}
+    torch._dynamo.reset()
+    row["fxshard"] = fxshard_compile(layers, mesh)
+    torch._dynamo.reset()
+    row["fsdp2"] = fsdp2_compile(layers, mesh)
+    torch._dynamo.reset()
+    row["load_after"] = os.getloadavg()[0]
+    return row
+
+
+def tables(rows: list[dict]) -> str:
+    lines = ["| layers | fxshard's stages (s) | Inductor in fxshard (s) | fxshard step 1 (s) | stages / step 1 | "
+             "FSDP2 step 1 (s) | fxshard / FSDP2 | load (1 min) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f, d = r["fxshard"], r["fsdp2"]
+        lines.append(f"| {r['layers']} | {f['own_s']:.1f} | {f['inductor_s']:.1f} | {f['total_s']:.1f} | "
+                     f"{f['own_s'] / f['total_s']:.0%} | {d['total_s']:.1f} | {f['total_s'] / d['total_s']:.2f} | "
+                     f"{r['load_before']:.1f} -> {r['load_after']:.1f} |")
+    lines += ["", "| layers | " + " | ".join(OWN) + " |", "|---" * (len(OWN) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['layers']} | " + " | ".join(f"{r['fxshard']['stages_s'][s]:.2f}" for s in OWN) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxshard  # noqa: F401 (registers the backend's ops before any timing)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        measure(1)  # warm-up, not reported: imports and Inductor's first compile cost both systems once
+        rows = [measure(n) for n in args.layers]
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(rows, indent=1) if args.json else tables(rows))
+
+
+if __name__ == "__main__":
+    main()
