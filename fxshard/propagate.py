@@ -39,8 +39,9 @@ class _Requested:
     def __init__(self) -> None:
         self._seen: dict[fx.Node, set[Layout]] = {}
 
-    def add(self, node: fx.Node, layouts: Sequence[Layout]) -> None:
-        for a, want in zip(tensor_inputs(node), layouts):
+    def add(self, ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> None:
+        """``ins``: a node's tensor inputs; ``layouts``: what it requires of them."""
+        for a, want in zip(ins, layouts):
             if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
                 self._seen.setdefault(a, set()).add(want)
 
@@ -63,6 +64,14 @@ class Decisions:
     def __init__(self) -> None:
         self.made: dict[tuple, Any] = {}
         self._structures: dict[fx.Node, Hashable] = {}
+        self._inputs: dict[fx.Node, list[fx.Node]] = {}
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        """``graph.tensor_inputs(node)``, read once per program (the graph does not change between runs)."""
+        ins = self._inputs.get(node)
+        if ins is None:
+            ins = self._inputs[node] = tensor_inputs(node)
+        return ins
 
     def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
             pinned: frozenset[str]) -> tuple:
@@ -136,8 +145,9 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             if isinstance(val, torch.Tensor):
                 node.meta[LAYOUT] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
-            _propagate_call(node, mesh, strict, cost_model, requested, pinned, fallbacks, memo)
-            requested.add(node, required_layouts(node) or ())
+            ins = memo.inputs(node) if memo is not None else tensor_inputs(node)
+            _propagate_call(node, ins, mesh, strict, cost_model, requested, pinned, fallbacks, memo)
+            requested.add(ins, required_layouts(node) or ())
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and LAYOUT in a.meta]
             wanted = list(output_layouts or ()) + [None] * len(outs)
@@ -173,10 +183,9 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
     return best[1] if best is not None else Layout.replicated(mesh, layout.shape)
 
 
-def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
+def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
                     requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None,
                     memo: Decisions | None) -> None:
-    ins = tensor_inputs(node)
     in_layouts = [a.meta[LAYOUT] for a in ins]
     val = value(node)
     if node.target is operator.getitem:
