@@ -157,7 +157,10 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         warm_up()
-        rows = [measure(n) for n in args.layers]
+        rows = []
+        for n in args.layers:
+            rows.append(measure(n))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
     finally:
         dist.destroy_process_group()
     print(json.dumps(rows, indent=1) if args.json else tables(rows))
