@@ -114,7 +114,7 @@ class Layout:
         return h
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_max_local_shape")}
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -160,8 +160,13 @@ class Layout:
         return tuple(_local_size(size, pieces, coord) for size, pieces in zip(self.shape, self.dims))
 
     def max_local_shape(self) -> tuple[Size, ...]:
-        """Local shape of the rank with the most elements (coordinate 0 under torch.chunk)."""
-        return self.local_shape({n: 0 for n in self.mesh.names})
+        """Local shape of the rank with the most elements (coordinate 0 under torch.chunk); computed
+        once per layout (strategies rank candidates by it)."""
+        shape = self.__dict__.get("_max_local_shape")
+        if shape is None:
+            shape = self.local_shape({n: 0 for n in self.mesh.names})
+            object.__setattr__(self, "_max_local_shape", shape)
+        return shape
 
     def local_indices(self, d: int, coordinate: Coordinate) -> torch.Tensor:
         """Global indices along dim ``d`` held by the rank at ``coordinate``, in local order."""

@@ -149,3 +149,19 @@ def test_a_model_plans_each_repeated_layer_once():
         propagate(program.gm, mesh, program.input_layouts, cost_model=BANDWIDTH_BOUND, memo=memo)
         made.append(len(memo.made))
     assert made[1] == made[0], made
+
+
+def test_a_layouts_cached_hash_is_not_pickled():
+    """Layouts keep their hash and largest local shape once computed; neither travels in a pickle
+    (str hashes differ between processes: a rank would look a layout up under another's hash)."""
+    import pickle
+
+    from fxshard.layout import Layout, Piece
+    from fxshard.mesh import MeshAxis
+
+    mesh = fxshard.MeshSpec(dp=2, tp=4)
+    layout = Layout(mesh, (8, 16), [[Piece(4, MeshAxis("tp", 4))], []], [(MeshAxis("dp", 2), "sum")])
+    hash(layout), layout.max_local_shape()
+    copy = pickle.loads(pickle.dumps(layout))
+    fields = set(copy.__dict__)  # before == computes the copy's own hash
+    assert (fields, copy == layout) == ({"mesh", "shape", "dims", "partial"}, True)
