@@ -15,7 +15,9 @@ every rank compiles the same programs, so one rank's compile is the job's.
 - FSDP2: ``fully_shard`` per block and the root, each block compiled by Inductor (``block.compile()``),
   as bench/train.py; its time is its first step.
 
-A warm-up (imports, Inductor's first compile) comes first; besides wall times the table gives the
+Each row runs in a fresh process (Inductor keeps compiled kernels in memory, fxshard its plans:
+a deeper model measured after a shallower one would reuse them), after a warm-up (imports,
+Inductor's first compile); besides wall times the table gives the
 CPU seconds of each step 1 (this process and the C++ compilers it waited for), which a loaded
 machine inflates less. Inductor's caches are off and it compiles in this process (``compile_threads=1``), so both
 compile from scratch on one core. The machine is shared and noisy: the table records the load.
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 from typing import Any
@@ -143,11 +146,8 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def one_row(layers: int) -> dict:
+    """One row, in this process: a fake process group, the warm-up, both systems."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -157,12 +157,26 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         warm_up()
-        rows = []
-        for n in args.layers:
-            rows.append(measure(n))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
+        return measure(layers)
     finally:
         dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row in this process (the parent's child)
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(one_row(args.one)))
+        return
+    rows = []
+    for n in args.layers:  # each row in a fresh process: Inductor's in-memory kernels and fxshard's planner
+        # cache would otherwise carry over from the smaller model and flatter the larger one
+        run = subprocess.run([sys.executable, __file__, "--one", str(n)], check=True, capture_output=True, text=True)
+        rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
     print(json.dumps(rows, indent=1) if args.json else tables(rows))
 
 
