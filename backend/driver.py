@@ -5,7 +5,7 @@ the joint graph, planned whole and split); ``compile_program`` adds stages 4-6 f
 (the backend and ``fxshard.compile``); ``plan_function`` first captures a Python function with
 Dynamo as one graph and turns every way its inputs were given a sharding into layouts
 (``simulate(grad=True)``, ``lowered_graphs``; ``explain`` and ``simulate`` plan graph by graph:
-``graph_runs.py``). Each stage is timed and reported (``StageReporter``:
+``graph_runs.py``). Each stage is timed (``fxshard.timing``) and reported (``StageReporter``:
 ``on_graph``, ``debug_dir``, ``TORCH_LOGS``).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
+from fxshard.timing import stage
 
 from . import outputs as outputs_
 from .capture import Captured, capture
@@ -56,22 +57,27 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
     """Stages 1-3 of ``gm`` for ``inputs`` (concrete sizes). ``layouts``: by input position (default:
     DTensors bring theirs, plain tensors are replicated); ``training``: the joint program."""
     reporter = reporter or StageReporter()
+    with reporter.timing():
+        return _plan_program(gm, inputs, training=training, mesh=mesh, layouts=layouts, names=names, strict=strict,
+                             cost_model=cost_model, reporter=reporter)
+
+
+def _plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None,
+                  layouts: Mapping[int, Layout] | None, names: Sequence[str] | None, strict: bool,
+                  cost_model: CostModel | None, reporter: StageReporter) -> PlannedProgram:
     if training:
-        with reporter.timed("tracing and planning the joint forward+backward graph"):
-            plan = plan_training(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict,
-                                 cost_model=cost_model)
+        plan = plan_training(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict, cost_model=cost_model)
         reporter("plan", plan.joint)
         reporter("plan_forward", plan.forward)
         reporter("plan_backward", plan.backward)
         eager = outputs_.eager_layouts(gm, plan.program, plan.num_outputs) if layouts is None else []
         return PlannedProgram(plan.program, plan.joint, plan, eager)
-    with reporter.timed("tracing"):
+    with stage("trace"):
         program = trace_global(gm, inputs, mesh=mesh, layouts=layouts, names=names)
     reporter("trace", program.gm)
     eager = outputs_.eager_layouts(gm, program, len(outputs(program.gm))) if layouts is None else []
-    with reporter.timed("planning"):
-        planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
-                              output_layouts=wanted_output_layouts(gm, program, eager))
+    planned = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
+                          output_layouts=wanted_output_layouts(gm, program, eager))
     reporter("plan", planned)
     return PlannedProgram(program, planned, eager_outputs=eager)
 
@@ -110,18 +116,20 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     if planned.training is not None:
-        with reporter.timed("lowering the forward and backward"):
-            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing, reporter=reporter,
-                                          eager_layouts=eager)
+        with reporter.timing():
+            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing,
+                                          reporter=reporter, eager_layouts=eager)
+        reporter.stage_summary()
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
         reporter.summarize(planned.training.forward)
         reporter.summarize(planned.training.backward)
         return runner
-    with reporter.timed("lowering"):
+    with reporter.timing():
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
                                   bucketing=bucketing, reporter=reporter, eager_layouts=eager)
+    reporter.stage_summary()
     reporter("lower", runner.local_graph)
     reporter.summarize(planned.graph)
     return runner

@@ -16,6 +16,7 @@ from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
+from fxshard.timing import stage
 
 from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
@@ -32,7 +33,10 @@ class InferenceProgram:
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        self.local_graph = lower(localize(planned, coordinate), coordinate, MeshGroups(device_mesh))
+        with stage("localize"):
+            localized = localize(planned, coordinate)
+        with stage("lower"):
+            self.local_graph = lower(localized, coordinate, MeshGroups(device_mesh))
         self.positions = list(tensor_positions)
         self.input_layouts = list(input_layouts)
         self.output_layouts = output_layouts(planned)

@@ -34,8 +34,9 @@ from fxshard.pipeline import shard_graph
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
+from fxshard.timing import stage
 
-from .trace import JointSignature, TracedProgram, trace_global
+from .trace import JointSignature, TangentMismatch, TracedProgram, trace_global
 
 aten = torch.ops.aten
 
@@ -65,14 +66,7 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
                   split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> TrainingPlan:
     """Stages 1-3 for training: trace the joint graph in global shapes, plan it, split it (``split``
     says which gathered values the forward keeps for the backward)."""
-    forward_only = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names)
-    planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,
-                                  cost_model=cost_model)
-    # outputs leave reduced: the tangent of a Partial output would be Replicate, not Partial
-    out_layouts = tuple(l.with_partial(()) for l in output_layouts(planned_forward))
-    values = [n.meta["val"] for n in outputs(planned_forward)]
-    program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names,
-                           tangents=values)
+    program, out_layouts = _joint_program(gm, example_inputs, mesh, layouts, names, strict, cost_model)
     signature = program.joint
     assert signature is not None
     for name, layout in zip(signature.tangent_names, out_layouts):
@@ -80,9 +74,40 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
     grad_layouts = tuple(program.input_layouts[program.input_names[k]] for k in signature.grad_inputs)
     joint = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
                         output_layouts=list(out_layouts) + list(grad_layouts))
-    forward, backward = partition(joint, signature, split)
+    with stage("split"):
+        forward, backward = partition(joint, signature, split)
     return TrainingPlan(forward, backward, joint, program, signature.num_forward_outputs, signature.grad_inputs,
                         out_layouts, grad_layouts)
+
+
+def _joint_program(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec | None,
+                   layouts: Mapping[int, Layout] | None, names: Sequence[str] | None, strict: bool,
+                   cost_model: CostModel | None) -> tuple[TracedProgram, tuple[Layout, ...]]:
+    """The joint trace, and the layouts of its tangents: each forward output's, reduced (the tangent
+    of a Partial output would be Replicate, not Partial).
+
+    A program that returns scalars only (a loss) is traced once: a scalar is Replicate or Partial,
+    so its tangent is replicated whatever the plan, and its shape and dtype are Dynamo's example
+    value's (the trace checks them, and says when they differ). Other programs are first traced and
+    planned forward-only, to learn the layouts their outputs leave in.
+    """
+    examples = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in outputs(gm)]
+    if examples and all(isinstance(e, torch.Tensor) and e.dim() == 0 for e in examples):
+        try:
+            with stage("trace"):
+                program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names, tangents=examples)
+            return program, tuple(Layout.replicated(program.mesh, ()) for _ in examples)
+        except TangentMismatch:
+            pass  # an output is not what Dynamo's example value says (a to_local() region): plan the forward
+    with stage("trace"):
+        forward_only = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names)
+    planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,
+                                  cost_model=cost_model)
+    out_layouts = tuple(l.with_partial(()) for l in output_layouts(planned_forward))
+    values = [n.meta["val"] for n in outputs(planned_forward)]
+    with stage("trace"):
+        program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names, tangents=values)
+    return program, out_layouts
 
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:

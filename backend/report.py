@@ -18,6 +18,7 @@ import torch.fx as fx
 from fxshard.graph import PLAN
 from fxshard.memory import memory_report
 from fxshard.printing import format_graph
+from fxshard.timing import STAGES, timed_by
 
 log = logging.getLogger("fxshard")
 # what each stage did and how long it took (INFO); when a stage starts (DEBUG, with
@@ -34,6 +35,7 @@ class StageReporter:
         self.graph_id = label if label is not None else dynamo_compile_id()
         self.debug_dir = pathlib.Path(debug_dir) if debug_dir is not None else None
         self.stage_index = itertools.count()
+        self.times: dict[str, float] = {}  # seconds per stage (fxshard.timing.STAGES) or timed block, summed
 
     def __call__(self, stage: str, gm: fx.GraphModule) -> None:
         if self.on_graph is not None:
@@ -51,12 +53,27 @@ class StageReporter:
 
     @contextlib.contextmanager
     def timed(self, doing: str) -> Iterator[None]:
-        """Logs ``fxshard graph N: <doing> took X s`` (INFO on ``fxshard.progress``) once the block ran."""
+        """Logs ``fxshard graph N: <doing> took X s`` (INFO on ``fxshard.progress``) once the block ran;
+        adds the time to ``times[doing]``."""
         progress.debug("fxshard graph %s: %s ...", self.graph_id, doing,
                        extra={"fxshard_stage": f"{doing} (fxshard graph {self.graph_id})"})
         start = time.perf_counter()
         yield
-        progress.info("fxshard graph %s: %s took %.1f s", self.graph_id, doing, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.times[doing] = self.times.get(doing, 0.0) + took
+        progress.info("fxshard graph %s: %s took %.2f s", self.graph_id, doing, took)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Within the block each stage of fxshard's passes (``fxshard.timing.stage``) is timed here."""
+        with timed_by(self.timed):
+            yield
+
+    def stage_summary(self) -> None:
+        """One INFO line: the seconds of each of fxshard's stages so far (Inductor's come as it compiles)."""
+        shown = ", ".join(f"{s} {self.times[s]:.2f} s" for s in STAGES if s in self.times)
+        total = sum(self.times.get(s, 0.0) for s in STAGES)
+        progress.info("fxshard graph %s: fxshard's stages took %.2f s (%s)", self.graph_id, total, shown)
 
     def summarize(self, planned: fx.GraphModule) -> None:
         """One INFO line per compiled graph: its collectives and memory per rank."""

@@ -35,6 +35,15 @@ class TraceError(RuntimeError):
     """The program cannot be read as one global-shape program."""
 
 
+class TangentMismatch(TraceError):
+    """The tangents a joint trace was given do not match the forward's outputs (``outputs``: their
+    shapes, dtypes and devices), so the caller may trace again with these."""
+
+    def __init__(self, outputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]):
+        super().__init__(f"the tangents do not match the forward's outputs {list(outputs)}")
+        self.outputs = list(outputs)
+
+
 DERIVED = "derived from a local shard"
 
 
@@ -364,6 +373,9 @@ def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:
             outs = torch.func.functionalize(forward, remove="mutations")(*primals)
         if len(outs) != len(tangents):
             raise TraceError(f"the program has {len(outs)} outputs but {len(tangents)} tangents were given")
+        metas = [(tuple(o.shape), o.dtype, o.device) for o in outs]
+        if metas != [(tuple(t.shape), t.dtype, t.device) for t in tangents]:
+            raise TangentMismatch(metas)
         pairs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
         wrt = [primals[k] for k in grad_inputs]
         grads: Sequence[Any] = [None] * len(wrt)

@@ -16,6 +16,7 @@ import torch.fx as fx
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
+from fxshard.timing import stage
 
 from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
@@ -34,8 +35,11 @@ class TrainingProgram:
         self.plan = plan
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        self.forward_graph = lower(localize(plan.forward, coordinate), coordinate, groups)
-        self.backward_graph = lower(localize(plan.backward, coordinate), coordinate, groups)
+        with stage("localize"):
+            forward, backward = localize(plan.forward, coordinate), localize(plan.backward, coordinate)
+        with stage("lower"):
+            self.forward_graph = lower(forward, coordinate, groups)
+            self.backward_graph = lower(backward, coordinate, groups)
         program = plan.program
         self.positions = list(program.tensor_positions)
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]

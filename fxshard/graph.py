@@ -32,7 +32,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .layout import Layout
 
@@ -75,9 +74,24 @@ def dtype_of(node: fx.Node) -> torch.dtype:
 
 
 # ---- graph questions -------------------------------------------------------------------------------
+def argument_leaves(tree: Any, out: list[Any] | None = None) -> list[Any]:
+    """The leaves of a node's arguments (tuples, lists, dicts, in order), as ``pytree.tree_leaves``
+    gives them for fx's containers: a plain recursion, several times faster (propagation asks per node)."""
+    out = [] if out is None else out
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            argument_leaves(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            argument_leaves(x, out)
+    else:
+        out.append(tree)
+    return out
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor-valued input nodes of ``node`` in argument order (duplicates kept)."""
-    flat = pytree.tree_leaves((node.args, node.kwargs))
+    flat = argument_leaves((node.args, node.kwargs))
     return [a for a in flat if isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor)]
 
 
@@ -86,7 +100,7 @@ def requirements(node: fx.Node) -> list[tuple[fx.Node, Layout]]:
     required = required_layouts(node)
     if required is None:
         return []
-    args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
+    args = [a for a in argument_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
             if isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(value(a), torch.Tensor)]
     return list(zip(args, required))
 

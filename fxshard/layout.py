@@ -91,14 +91,42 @@ class Layout:
         if len(dims) != len(shape_t):
             raise LayoutError(f"layout has {len(dims)} dims but the shape {list(shape_t)} has {len(shape_t)}")
         canon = tuple(_canonical_dim(size, tuple(p), d) for d, (size, p) in enumerate(zip(shape_t, dims)))
-        part = partial.items() if isinstance(partial, Mapping) else partial
-        part_t = tuple(sorted(_merge_partial([(a, op) for a, op in part if a.size != 1]),
-                              key=lambda ao: (ao[0].name, str(ao[0]))))
+        self._set(mesh, shape_t, canon, _canonical_partial(partial))
+
+    def _set(self, mesh: MeshSpec, shape: tuple[Size, ...], dims: tuple[tuple[Piece, ...], ...],
+             partial: tuple[tuple[MeshAxis, str], ...]) -> None:
         object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "shape", shape_t)
-        object.__setattr__(self, "dims", canon)
-        object.__setattr__(self, "partial", part_t)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "partial", partial)
         self._validate()
+
+    def _derived(self, dims: tuple[tuple[Piece, ...], ...], partial: tuple[tuple[MeshAxis, str], ...]) -> "Layout":
+        """A layout of this one's mesh and shape from dims already canonical: propagation derives
+        layouts by the thousand, and canonicalizing dims that are canonical is most of a Layout's cost."""
+        new = object.__new__(Layout)
+        new._set(self.mesh, self.shape, dims, partial)
+        return new
+
+    # equality reads the fields, as the dataclass would; the hash is computed once (layouts key the
+    # planner's cache and propagation's memo) and is never pickled (str hashes differ between processes)
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return hash(self) == hash(other) and (self.mesh, self.shape, self.dims, self.partial) == (
+            other.mesh, other.shape, other.dims, other.partial)
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.shape, self.dims, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_max_local_shape")}
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -107,11 +135,11 @@ class Layout:
 
     def with_dim(self, d: int, pieces: Sequence[Piece]) -> "Layout":
         dims = list(self.dims)
-        dims[d] = tuple(pieces)
-        return Layout(self.mesh, self.shape, dims, self.partial)
+        dims[d] = _canonical_dim(self.shape[d], tuple(pieces), d)
+        return self._derived(tuple(dims), self.partial)
 
     def with_partial(self, partial: Iterable[tuple[MeshAxis, str]]) -> "Layout":
-        return Layout(self.mesh, self.shape, self.dims, tuple(partial))
+        return self._derived(self.dims, _canonical_partial(partial))
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -144,8 +172,13 @@ class Layout:
         return tuple(_local_size(size, pieces, coord) for size, pieces in zip(self.shape, self.dims))
 
     def max_local_shape(self) -> tuple[Size, ...]:
-        """Local shape of the rank with the most elements (coordinate 0 under torch.chunk)."""
-        return self.local_shape({n: 0 for n in self.mesh.names})
+        """Local shape of the rank with the most elements (coordinate 0 under torch.chunk); computed
+        once per layout (strategies rank candidates by it)."""
+        shape = self.__dict__.get("_max_local_shape")
+        if shape is None:
+            shape = self.local_shape({n: 0 for n in self.mesh.names})
+            object.__setattr__(self, "_max_local_shape", shape)
+        return shape
 
     def local_indices(self, d: int, coordinate: Coordinate) -> torch.Tensor:
         """Global indices along dim ``d`` held by the rank at ``coordinate``, in local order."""
@@ -257,6 +290,14 @@ class Layout:
             raise LayoutError(f"a tensor cannot be partial with two reduce ops at once ({where}): only sum and avg "
                               "commute (DTensor refuses other mixes too); reduce one of them first (Replicate on "
                               "its axes) or make them one op")
+
+
+def _canonical_partial(partial: Iterable[tuple[MeshAxis, str]] | Mapping[MeshAxis, str]
+                       ) -> tuple[tuple[MeshAxis, str], ...]:
+    """Partial axes without size-1 ones, adjacent sub-axes merged, sorted by axis."""
+    part = partial.items() if isinstance(partial, Mapping) else partial
+    return tuple(sorted(_merge_partial([(a, op) for a, op in part if a.size != 1]),
+                        key=lambda ao: (ao[0].name, str(ao[0]))))
 
 
 def _merge_partial(partial: list[tuple[MeshAxis, str]]) -> list[tuple[MeshAxis, str]]:

@@ -13,10 +13,11 @@ from .layout import Layout
 from .local_regions import check_local_regions
 from .mesh import MeshSpec
 from .policies import DEFAULT_REFINEMENT, Refinement
-from .propagate import propagate
+from .propagate import Decisions, propagate
 from .redistribute import insert_redistributes
 from .refine import propagate_with_pins
 from .registry import recipe_of
+from .timing import stage
 
 
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
@@ -29,19 +30,21 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
     Every node whose arguments stage 4 rewrites gets its localization recipe (``graph.LOCALIZE``).
     """
     fallbacks: dict[str, str] = {}
+    memo = Decisions()
     propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
                                                  pinned=pinned, output_layouts=output_layouts,
-                                                 fallbacks=fallbacks), gm, cost_model, refinement)
+                                                 fallbacks=fallbacks, memo=memo), gm, cost_model, refinement)
     for op, seen in fallbacks.items():
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
                       "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",
                       stacklevel=2)
-    shard_factories(gm)
-    check_local_regions(gm)
-    insert_redistributes(gm, cost_model=cost_model)
-    for node in gm.graph.nodes:
-        recipe = recipe_of(node)
-        if recipe is not None:
-            node.meta[LOCALIZE] = recipe
+    with stage("plan"):
+        shard_factories(gm)
+        check_local_regions(gm)
+        insert_redistributes(gm, cost_model=cost_model)
+        for node in gm.graph.nodes:
+            recipe = recipe_of(node)
+            if recipe is not None:
+                node.meta[LOCALIZE] = recipe
     return gm
 

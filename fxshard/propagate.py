@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -39,8 +39,9 @@ class _Requested:
     def __init__(self) -> None:
         self._seen: dict[fx.Node, set[Layout]] = {}
 
-    def add(self, node: fx.Node, layouts: Sequence[Layout]) -> None:
-        for a, want in zip(tensor_inputs(node), layouts):
+    def add(self, ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> None:
+        """``ins``: a node's tensor inputs; ``layouts``: what it requires of them."""
+        for a, want in zip(ins, layouts):
             if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
                 self._seen.setdefault(a, set()).add(want)
 
@@ -52,11 +53,74 @@ class _Requested:
         return tuple(sorted(self._seen.get(a, ()), key=str))
 
 
+class Decisions:
+    """The strategies one program's propagations chose, keyed by all a decision reads: the node's
+    structure (``structure``), its inputs' layouts, which of them are asked for already and which
+    are pinned.
+
+    Refinement propagates the same graph up to ~18 times with other pins, and a model repeats its
+    layers: most nodes meet a decision made before (the costly part: every strategy priced).
+    """
+
+    def __init__(self) -> None:
+        self.made: dict[tuple, Any] = {}
+        self._structures: dict[fx.Node, Hashable] = {}
+        self._inputs: dict[fx.Node, list[fx.Node]] = {}
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        """``graph.tensor_inputs(node)``, read once per program (the graph does not change between runs)."""
+        ins = self._inputs.get(node)
+        if ins is None:
+            ins = self._inputs[node] = tensor_inputs(node)
+        return ins
+
+    def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
+            pinned: frozenset[str]) -> tuple:
+        static = self._structures.get(node)
+        if static is None:
+            static = self._structures[node] = structure(node, ins)
+        return (static, tuple(layouts), tuple(requested.of(a) for a in ins),
+                tuple(is_pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
+
+
+def structure(node: fx.Node, ins: Sequence[fx.Node]) -> Hashable:
+    """What an op kind reads of ``node`` besides its inputs' layouts: its op, its arguments (constants
+    by type and value, inputs by first position and value's metadata), its value's metadata, and
+    which inputs have several consumers (``reduce_shared``). Two layers' matmuls share it; a node
+    with an unhashable argument keys by itself."""
+    first: dict[fx.Node, int] = {}
+
+    def leaf(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("input", first.setdefault(a, len(first)), _metadata(value(a)))
+        if isinstance(a, (tuple, list)):
+            return (type(a), tuple(leaf(x) for x in a))
+        if isinstance(a, dict):
+            return (type(a), tuple((k, leaf(x)) for k, x in a.items()))
+        return (type(a), a)
+
+    key = (node.target, leaf(node.args), leaf(node.kwargs), _metadata(value(node)), tuple(len(a.users) > 1 for a in ins))
+    try:
+        hash(key)
+    except TypeError:
+        return node
+    return key
+
+
+def _metadata(v: Any) -> Any:
+    """A value as rules see it: a tensor's shape, strides, dtype and device (its elements are fake)."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_metadata(x) for x in v))
+    return (type(v), v)
+
+
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
               strict: bool = False, cost_model: CostModel | None = None,
               pinned: frozenset[str] = frozenset(),
               output_layouts: Sequence[Layout | None] | None = None,
-              fallbacks: dict[str, str] | None = None) -> fx.GraphModule:
+              fallbacks: dict[str, str] | None = None, memo: Decisions | None = None) -> fx.GraphModule:
     """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
 
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
@@ -64,6 +128,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     ``output_layouts`` requires layouts of the outputs (None: the cheapest DTensor-expressible
     one), as a joint graph requires each gradient in its parameter's layout. Ops replicated for
     want of a strategy are recorded in ``fallbacks`` (op -> input layouts), for one warning each.
+    ``memo`` carries decisions from one propagation of ``gm`` to the next (refinement: see ``Decisions``).
     """
     input_layouts = dict(input_layouts or {})
     requested = _Requested()
@@ -81,8 +146,9 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
             if isinstance(val, torch.Tensor):
                 node.meta[LAYOUT] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
-            _propagate_call(node, mesh, strict, cost_model, requested, pinned, fallbacks)
-            requested.add(node, required_layouts(node) or ())
+            ins = memo.inputs(node) if memo is not None else tensor_inputs(node)
+            _propagate_call(node, ins, mesh, strict, cost_model, requested, pinned, fallbacks, memo)
+            requested.add(ins, required_layouts(node) or ())
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and LAYOUT in a.meta]
             wanted = list(output_layouts or ()) + [None] * len(outs)
@@ -118,9 +184,9 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
     return best[1] if best is not None else Layout.replicated(mesh, layout.shape)
 
 
-def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
-                    requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None) -> None:
-    ins = tensor_inputs(node)
+def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
+                    requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None,
+                    memo: Decisions | None) -> None:
     in_layouts = [a.meta[LAYOUT] for a in ins]
     val = value(node)
     if node.target is operator.getitem:
@@ -130,6 +196,10 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         return
     if not isinstance(val, (torch.Tensor, tuple, list)):
         return  # symbolic sizes and other non-tensor values carry no layout
+    key = memo.key(node, ins, in_layouts, requested, pinned) if memo is not None else None
+    if key is not None and key in memo.made:
+        set_strategy(node, *memo.made[key])
+        return
     entry = lookup(node, has_tensor_inputs=bool(ins))
     if entry is not None and entry.kind is not None:
         def move_cost(i: int, dst: Layout) -> float:
@@ -145,6 +215,8 @@ def _propagate_call(node: fx.Node, mesh: MeshSpec, strict: bool, cost_model: Cos
         decision = entry.kind(node, ctx)
         if decision is not None:
             set_strategy(node, *decision)
+            if key is not None:
+                memo.made[key] = decision
             return
     _fallback(node, in_layouts, mesh, strict, fallbacks)
 

@@ -25,6 +25,7 @@ from .layout import Layout
 from .planner import redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
 from .registry import RELABELS
+from .timing import stage
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
@@ -78,8 +79,16 @@ def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModul
     (``Pin.REDUCE_SHARED``), every activation pinned (``Pin.ACTIVATIONS``), the smallest moved
     inputs pinned one by one, all of them pinned.
     """
-    run(frozenset())
-    best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
+    with stage("propagate"):
+        run(frozenset())
+        best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
+    with stage("refine"):
+        return _refine(run, gm, cost_model, policy, best)
+
+
+def _refine(run: Callable[[frozenset[str]], None], gm: fx.GraphModule, cost_model: CostModel | None,
+            policy: Refinement, best: tuple) -> frozenset[str]:
+    """The rounds of ``propagate_with_pins`` after the greedy plan ``best``: (cost, snapshot, pins, moved)."""
     tried: set[frozenset[str]] = {frozenset()}
     if policy.reduce_shared and _has_shared_partial(gm):
         tried.add(frozenset({Pin.REDUCE_SHARED}))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxshard.exchange import exchange_tables
 from fxshard.layout import IDENTITY
@@ -266,6 +267,8 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
     """A copy of the localized ``gm`` with every redistribution replaced by its lowered steps."""
     out = copy_graph_module(gm)
     graph = out.graph
+    before = set(graph.nodes)
+    replaced: list[tuple[fx.Node, Any]] = []  # (the lowered value, the redistribution's local value)
     for node in list(graph.nodes):
         if node.target is not REDISTRIBUTE:
             continue
@@ -279,9 +282,30 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
             x = lower_step(e, x, step, coordinate, group_name)
         if is_bool and node.meta[PLAN].collectives:
             x = e(aten._to_copy.default, x, dtype=torch.bool)
+        replaced.append((x, node.meta.get("val")))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     graph.lint()
     out.recompile()
-    propagate_local_shapes(out, coordinate, check=True)
+    if not _propagate_lowered(out, [n for n in graph.nodes if n not in before], replaced):
+        propagate_local_shapes(out, coordinate, check=True)
     return out
+
+
+def _propagate_lowered(gm: fx.GraphModule, new: Sequence[fx.Node], replaced: Sequence[tuple[fx.Node, Any]]) -> bool:
+    """Fake values for the nodes lowering added, in the fake mode of the localized graph's values;
+    True when each lowered redistribution's value has the metadata (shape, strides, dtype) its
+    marker's had. Then every other value is what propagating the whole graph again would give, and
+    localize checked those already; otherwise (False) the caller propagates and checks it all."""
+    mode = next((v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor)), None)
+    if mode is None:
+        return False
+    for node in new:
+        if node.op == "get_attr":
+            node.meta["val"] = mode.from_tensor(getattr(gm, node.target))
+        else:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+    return all(isinstance(v := x.meta.get("val"), torch.Tensor) and isinstance(old, torch.Tensor)
+               and (v.shape, v.stride(), v.dtype) == (old.shape, old.stride(), old.dtype) for x, old in replaced)

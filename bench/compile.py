@@ -1,0 +1,184 @@
+"""Compile time against the number of layers: fxshard's own stages, Inductor, and DTensor's FSDP2.
+
+    python bench/compile.py                 # layers 1, 2, 4, 8; prints markdown tables
+    python bench/compile.py --layers 1 2 --json
+
+bench/train.py's Llama (vocab 2048, dim 256, 8 heads (4 kv), ffn 768) with ``n_layers`` layers,
+FSDP on dp=4, AdamW-free (compile only), batch 8 x 128 tokens. One process, rank 0 of a fake
+process group of 4 (``fake`` backend: collectives move nothing, so a step costs only compute);
+every rank compiles the same programs, so one rank's compile is the job's.
+
+- fxshard: ``fxshard.compile(model.loss)`` with the parameters DTensors ``Shard(0)`` on dp, as
+  bench/train.py. Its time is the first training step (forward + backward: Dynamo capture, the
+  stages, Inductor on the forward and the backward, the step itself); the stages are read from
+  the program's ``StageReporter.times`` (what ``TORCH_LOGS=fxshard`` prints).
+- FSDP2: ``fully_shard`` per block and the root, each block compiled by Inductor (``block.compile()``),
+  as bench/train.py; its time is its first step.
+
+Each row runs in a fresh process (Inductor keeps compiled kernels in memory, fxshard its plans:
+a deeper model measured after a shallower one would reuse them), after a warm-up (imports,
+Inductor's first compile); besides wall times the table gives the
+CPU seconds of each step 1 (this process and the C++ compilers it waited for), which a loaded
+machine inflates less. Inductor's caches are off and it compiles in this process (``compile_threads=1``), so both
+compile from scratch on one core. The machine is shared and noisy: the table records the load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+# before torch reads its config: every run compiles from scratch, in this process
+os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+LLAMA = dict(vocab_size=2048, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768)
+BATCH, SEQ, WORLD = 8, 128, 4
+OWN = ("capture",) + ("trace", "propagate", "refine", "plan", "split", "localize", "lower")
+
+
+def _model(layers: int, mesh: Any) -> nn.Module:
+    from models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(n_layers=layers, **LLAMA))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g),
+            torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g))
+
+
+def fxshard_compile(layers: int, mesh: Any) -> dict:
+    """The first step of ``fxshard.compile(model.loss)``: its wall time and the time of each stage."""
+    import fxshard
+    from fxshard.timing import STAGES
+    from models.llama import fsdp_placements
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from train_llama import distribute_parameters
+
+    model = _model(layers, mesh)
+    distribute_parameters(model, mesh, fsdp_placements(model))
+    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
+    tokens, targets = (distribute_tensor(t, mesh, (Shard(0),)) for t in _data())
+    start, cpu = time.perf_counter(), cpu_seconds()
+    compiled(tokens, targets).backward()
+    total, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    times = compiled.last.reporter.times
+    stages = {s: times.get(s, 0.0) for s in STAGES}
+    stages["capture"] = times.get("capturing the function with Dynamo", 0.0)
+    inductor = sum(t for k, t in times.items() if "Inductor" in k)
+    return {"total_s": total, "cpu_s": cpu, "stages_s": stages, "own_s": sum(stages.values()), "inductor_s": inductor}
+
+
+def fsdp2_compile(layers: int, mesh: Any) -> dict:
+    """The first step of FSDP2 with each block compiled by Inductor: its wall time."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(layers, mesh)
+    for layer in model.layers:
+        layer.compile()
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tokens, targets = _data()
+    mine = slice(0, BATCH // WORLD)  # rank 0's sequences
+    start, cpu = time.perf_counter(), cpu_seconds()
+    logits = model(tokens[mine])
+    F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+    return {"total_s": time.perf_counter() - start, "cpu_s": cpu_seconds() - cpu}
+
+
+def warm_up() -> None:
+    """Imports and Inductor's first compile, paid once before any timing (not by the first row)."""
+    torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(4))
+    torch._dynamo.reset()
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the compilers it waited for (Inductor's C++ builds): under a
+    shared machine's load, wall time measures the load; CPU time the work."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def measure(layers: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    row: dict[str, Any] = {"layers": layers, "load_before": os.getloadavg()[0]}
+    torch._dynamo.reset()
+    row["fxshard"] = fxshard_compile(layers, mesh)
+    torch._dynamo.reset()
+    row["fsdp2"] = fsdp2_compile(layers, mesh)
+    torch._dynamo.reset()
+    row["load_after"] = os.getloadavg()[0]
+    return row
+
+
+def tables(rows: list[dict]) -> str:
+    lines = ["| layers | fxshard's stages (s) | Inductor in fxshard (s) | fxshard step 1 (s) | stages / step 1 | "
+             "FSDP2 step 1 (s) | fxshard / FSDP2 | CPU s: fxshard, FSDP2, ratio | load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f, d = r["fxshard"], r["fsdp2"]
+        lines.append(f"| {r['layers']} | {f['own_s']:.1f} | {f['inductor_s']:.1f} | {f['total_s']:.1f} | "
+                     f"{f['own_s'] / f['total_s']:.0%} | {d['total_s']:.1f} | {f['total_s'] / d['total_s']:.2f} | "
+                     f"{f['cpu_s']:.1f}, {d['cpu_s']:.1f}, {f['cpu_s'] / d['cpu_s']:.2f} | "
+                     f"{r['load_before']:.1f} -> {r['load_after']:.1f} |")
+    lines += ["", "| layers | " + " | ".join(OWN) + " |", "|---" * (len(OWN) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['layers']} | " + " | ".join(f"{r['fxshard']['stages_s'][s]:.2f}" for s in OWN) + " |")
+    return "\n".join(lines)
+
+
+def one_row(layers: int) -> dict:
+    """One row, in this process: a fake process group, the warm-up, both systems."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxshard  # noqa: F401 (registers the backend's ops before any timing)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        warm_up()
+        return measure(layers)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row in this process (the parent's child)
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(one_row(args.one)))
+        return
+    rows = []
+    for n in args.layers:  # each row in a fresh process: Inductor's in-memory kernels and fxshard's planner
+        # cache would otherwise carry over from the smaller model and flatter the larger one
+        run = subprocess.run([sys.executable, __file__, "--one", str(n)], check=True, capture_output=True, text=True)
+        rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
+    print(json.dumps(rows, indent=1) if args.json else tables(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""fxshard's own compile time: every stage timed and logged, and the shortcuts that make the stages
+cheaper leave every plan as it was (bench/compile.py measures the times themselves)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import fxshard
+from fxshard.backend.capture import capture
+from fxshard.backend.inputs import input_layouts, named_inputs
+from fxshard.backend.joint import plan_training
+from fxshard.backend.trace import trace_global
+from fxshard.printing import format_graph
+from fxshard.propagate import Decisions, propagate
+from fxshard.refine import propagate_with_pins
+from fxshard.timing import STAGES, timed_by
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)
+
+
+@pytest.mark.parametrize("training, stages", [
+    (False, [s for s in STAGES if s != "split"]),
+    (True, list(STAGES)),
+])
+def test_every_stage_is_timed_and_logged(fake_mesh_4, make_mlp, capfd, training, stages):
+    """TORCH_LOGS=fxshard prints each stage's time (inference and training) and a per-graph summary."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    for name, p in list(model.named_parameters()):
+        owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        placements = (Shard(0),) if name.startswith("up") else (Replicate(),)
+        owner.register_parameter(leaf, torch.nn.Parameter(distribute_tensor(p.detach(), fake_mesh_4, placements),
+                                                          requires_grad=training))
+    compiled = fxshard.compile(model, inductor=False)
+    torch._logging.set_logs(modules={"fxshard": logging.INFO})
+    try:
+        compiled(torch.randn(4, 8))
+    finally:
+        torch._logging.set_logs()
+    err = capfd.readouterr().err
+    logged = [s for s in STAGES if f"fxshard graph MLP: {s} took" in err]
+    assert logged == stages and "fxshard's stages took" in err, err[-3000:]
+
+
+def _count_stages() -> tuple[Counter, contextlib.AbstractContextManager]:
+    seen: Counter = Counter()
+
+    @contextlib.contextmanager
+    def count(name: str):
+        seen[name] += 1
+        yield
+
+    return seen, timed_by(count)
+
+
+def mlp_loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (torch.relu(x @ w1.t()) @ w2.t()).sum()
+
+
+def _planned_joint(example_value) -> tuple[str, Counter]:
+    """The planned joint graph of a Megatron MLP's loss as text, and how often each stage ran;
+    Dynamo's example value of the loss is kept (``"as captured"``), removed (None) or replaced."""
+    torch.manual_seed(0)
+    args = (torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True))
+    mesh = fxshard.MeshSpec(tp=4)
+    captured = capture(mlp_loss, args)
+    names = named_inputs(mlp_loss, args, captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {1: (Shard(0),), 2: (Shard(1),)})
+    if not isinstance(example_value, str):
+        out = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0][0]
+        out.meta["example_value"] = example_value
+    seen, timer = _count_stages()
+    with timer:
+        plan = plan_training(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts,
+                             names=[n for n, _ in names])
+    return format_graph(plan.joint), seen
+
+
+@pytest.mark.parametrize("example_value, traces", [
+    ("as captured", 1),  # a scalar loss: its tangent is replicated, the joint is traced once
+    (None, 2),  # no example value to shape the tangent: the forward is traced and planned first
+    (torch.zeros((), dtype=torch.float64), 3),  # a wrong one: the joint trace stops, the forward is planned
+])
+def test_a_scalar_loss_is_planned_without_a_forward_plan(example_value, traces):
+    """The joint plan of a loss is the same whether its tangent's layout comes from a forward-only plan
+    or is known replicated (one trace and one plan instead of two each)."""
+    reference, _ = _planned_joint(None)
+    planned, seen = _planned_joint(example_value)
+    assert (planned, seen["trace"]) == (reference, traces)
+
+
+def _mesh_and_placements(style: str, model: Llama) -> tuple[fxshard.MeshSpec, dict]:
+    if style == "fsdp":
+        return fxshard.MeshSpec(dp=4), {**fsdp_placements(model), 0: (Shard(0),)}
+    if style == "megatron":
+        return fxshard.MeshSpec(tp=4), megatron_placements(model)
+    batch = (Shard(0), Replicate())
+    return fxshard.MeshSpec(dp=2, tp=2), {**fsdp_tp_placements(model), 0: batch}
+
+
+@pytest.mark.parametrize("style", ["fsdp", "megatron", pytest.param("fsdp_tp", marks=pytest.mark.slow)])
+def test_refinement_reusing_decisions_leaves_the_plan_unchanged(style):
+    """Refinement's propagations share decisions (``Decisions``: across rounds and across a model's
+    repeated layers); every layout is the one propagating each node afresh gives."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    x = torch.randint(0, CFG.vocab_size, (8, 16))
+    mesh, placements = _mesh_and_placements(style, model)
+    captured = capture(model, (x,))
+    names = named_inputs(model, (x,), captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names], placements)
+
+    def planned(memo: Decisions | None) -> list:
+        program = trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts)
+        propagate_with_pins(lambda pinned: propagate(program.gm, mesh, program.input_layouts, pinned=pinned,
+                                                     cost_model=BANDWIDTH_BOUND, memo=memo),
+                            program.gm, BANDWIDTH_BOUND)
+        return [(n.name, n.meta.get("layout"), n.meta.get("arg_layouts")) for n in program.gm.graph.nodes]
+
+    assert planned(Decisions()) == planned(None)
+
+
+def test_a_model_plans_each_repeated_layer_once():
+    """Decisions are keyed by a node's structure: a deeper model adds no new strategy choices (the
+    layers after the first reuse the first's), and the plan is the fresh one."""
+    torch.manual_seed(0)
+    made = []
+    for layers in (2, 3):
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64))
+        x = torch.randint(0, 64, (8, 16))
+        mesh = fxshard.MeshSpec(dp=4)
+        captured = capture(model, (x,))
+        names = named_inputs(model, (x,), captured.objects)
+        layouts = input_layouts(captured.objects, mesh, [k for _, k in names],
+                                {**fsdp_placements(model), 0: (Shard(0),)})
+        program = trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts)
+        memo = Decisions()
+        propagate(program.gm, mesh, program.input_layouts, cost_model=BANDWIDTH_BOUND, memo=memo)
+        made.append(len(memo.made))
+    assert made[1] == made[0], made
+
+
+def test_a_layouts_cached_hash_is_not_pickled():
+    """Layouts keep their hash and largest local shape once computed; neither travels in a pickle
+    (str hashes differ between processes: a rank would look a layout up under another's hash)."""
+    import pickle
+
+    from fxshard.layout import Layout, Piece
+    from fxshard.mesh import MeshAxis
+
+    mesh = fxshard.MeshSpec(dp=2, tp=4)
+    layout = Layout(mesh, (8, 16), [[Piece(4, MeshAxis("tp", 4))], []], [(MeshAxis("dp", 2), "sum")])
+    hash(layout), layout.max_local_shape()
+    copy = pickle.loads(pickle.dumps(layout))
+    fields = set(copy.__dict__)  # before == computes the copy's own hash
+    assert (fields, copy == layout) == ({"mesh", "shape", "dims", "partial"}, True)
