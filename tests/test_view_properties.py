@@ -35,6 +35,8 @@ import fxshard
 from fxshard import Layout, LayoutError, MeshSpec, Piece
 from fxshard.ops import REDISTRIBUTE
 from fxshard.placements import layout_from_placements
+from fxshard.registry import RELABELS
+from fxshard.sources import relabelled
 
 R = Replicate()
 MAX_NUMEL = 2048
@@ -428,13 +430,27 @@ def shapes_along(shape: Sequence[int], ops: Sequence[Op]) -> list[tuple[int, ...
 
 
 def feeds_only_output(node: fx.Node) -> bool:
-    return all(u.op == "output" for u in node.users)
+    """A value only the graph output reads, itself or through relabellings (stage 3 may move the
+    output's redistribution to the source of a relabelling chain, fxshard/sources.py)."""
+    return all(u.op == "output" or (u.target in RELABELS and feeds_only_output(u)) for u in node.users)
 
 
 def result_layout(gm: fx.GraphModule) -> Layout:
-    """The layout the chain computes its result in, before any redistribution for the graph output."""
+    """The layout the chain computes its result in, before any redistribution for the graph output
+    (one moved to the source of relabellings before the output is undone: they are replayed on the
+    layout it moved from)."""
     (value,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    return value.meta["src_layout"] if value.target is REDISTRIBUTE else value.meta["layout"]
+    chain = []
+    source = value
+    while source.target in RELABELS and isinstance(source.args[0], fx.Node):
+        chain.append(source)
+        source = source.args[0]
+    if source.target is not REDISTRIBUTE:
+        return value.meta["layout"]
+    layout = source.meta["src_layout"]
+    for node in reversed(chain):
+        layout = relabelled(node, layout)
+    return layout
 
 
 def tell(text: str, count: bool = False) -> None:
