@@ -287,14 +287,23 @@ def _next_local(todo: list[Piece], out: list[Piece]) -> Piece | None:
     return None
 
 
-def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
-    """Left-to-right DTensor placements for ``layout``, or None when DTensor cannot express it."""
-    spec = layout.mesh
-    result: list[Placement] = [Replicate() for _ in spec.names]
+def _partial_placements(layout: Layout) -> list[Placement] | None:
+    """Replicate on every axis but the partial ones, which get their Partial; None where a partial
+    axis is a sub-axis (no placement expresses it)."""
+    result: list[Placement] = [Replicate() for _ in layout.mesh.names]
     for a, op in layout.partial:
         if not a.is_whole:
             return None
-        result[spec.index(a.name)] = Partial(op)
+        result[layout.mesh.index(a.name)] = Partial(op)
+    return result
+
+
+def placements_from_layout(layout: Layout) -> tuple[Placement, ...] | None:
+    """Left-to-right DTensor placements for ``layout``, or None when DTensor cannot express it."""
+    spec = layout.mesh
+    result = _partial_placements(layout)
+    if result is None:
+        return None
     for d, pieces in enumerate(layout.dims):
         if any(p.uneven_blocks for p in pieces):
             if not _write_unequal_blocks(result, d, pieces, spec):
@@ -346,11 +355,9 @@ def _ordered_placements(layout: Layout) -> tuple[tuple[Placement, ...], tuple] |
     except ImportError:  # a torch without shard orders
         return None
     spec = layout.mesh
-    result: list[Placement] = [Replicate() for _ in spec.names]
-    for a, op in layout.partial:
-        if not a.is_whole:
-            return None
-        result[spec.index(a.name)] = Partial(op)
+    result = _partial_placements(layout)
+    if result is None:
+        return None
     order: list[tuple[int, tuple[int, ...]]] = []
     for d, pieces in enumerate(layout.dims):
         axes = [p.axis for p in pieces if p.axis is not None]
