@@ -19,6 +19,7 @@ import faulthandler
 import logging
 import multiprocessing.util
 import os
+import pickle
 import queue
 import shutil
 import socket
@@ -70,13 +71,24 @@ def _as_torchrun_rank(run: Callable, device: str, setup: Callable[[str], None] |
             dist.barrier()
             kwargs = dict(kwargs, workdir=workdir)
         result = run(rank, world_size, device, **kwargs)
-        results: list[Any] = [None] * world_size
-        dist.all_gather_object(results, result)  # every rank is done with the workdir once this returns
+        results = _all_gather_pickled(result, world_size)  # every rank is done with the workdir once this returns
         if workdir is not None and node_leader:
             shutil.rmtree(workdir, ignore_errors=True)
         return dict(enumerate(results))
     finally:
         dist.destroy_process_group()
+
+
+def _all_gather_pickled(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, as ``dist.all_gather_object`` gives it, without numpy (which torch's
+    version needs and a plain ``pip install torch`` does not bring)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    longest = max(int(n) for n in sizes)
+    blocks = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(blocks, torch.cat([data, torch.zeros(longest - data.numel(), dtype=torch.uint8)]))
+    return [pickle.loads(bytes(b[:int(n)].tolist())) for b, n in zip(blocks, sizes)]
 
 
 def show_progress(enabled: bool = True) -> None:

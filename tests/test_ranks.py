@@ -55,3 +55,19 @@ def test_a_rank_that_crashes_is_named_before_the_peers_it_broke(ranks, capfd):
     with pytest.raises(launcher.RanksFailed, match=r"rank 1 (died with exit code -6|exited with code -6)"):
         launcher.spawn(programs.one_rank_crashes_in_a_collective, 2, timeout=60)
     assert "Fatal Python error: Aborted" in capfd.readouterr().err
+
+
+def test_torchrun_results_are_gathered_without_numpy(ranks, monkeypatch):
+    """Under torchrun the ranks' results are gathered by pickling into tensors: the README's quickstart
+    venv (plain torch) has no numpy, which dist.all_gather_object needs."""
+    import torch
+    import torch.distributed as dist
+
+    launcher, _ = ranks
+    monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("no numpy")))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        result = {"losses": [1.5, 2.25], "counts": {"all_reduce": 3}, "name": "rank 0"}
+        assert launcher._all_gather_pickled(result, 1) == [result]
+    finally:
+        dist.destroy_process_group()
