@@ -4,13 +4,35 @@ Few and bounded: each run has a timeout, so a hung collective fails the test, no
 """
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
+from typing import Any, Iterator
 
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
+
+
+@contextlib.contextmanager
+def examples_and_tests_on_path() -> Iterator[None]:
+    """examples/ and tests/ importable by name (spawned ranks inherit sys.path and import them so)."""
+    sys.path[:0] = [str(EXAMPLES), str(HERE)]
+    try:
+        yield
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(HERE))
+
+
+def run_program(name: str, world_size: int, timeout: float, **kwargs: Any) -> dict:
+    """tests/rank_programs.py's ``name`` on spawned gloo ranks (examples/ranks.py); {rank: result}."""
+    with examples_and_tests_on_path():
+        import rank_programs
+        from ranks import spawn
+
+        return spawn(getattr(rank_programs, name), world_size, timeout=timeout, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +130,7 @@ def test_data_parallel_training_with_a_short_last_batch_on_two_gloo_ranks():
     Dynamo guards a DTensor on its local shape only, so before the global shape was guarded rank 0 (2 rows
     of 4 and of 3) ran the program planned for 4 rows on a batch of 3, a wrong loss, while rank 1 recompiled.
     """
-    sys.path[:0] = [str(EXAMPLES), str(HERE)]
-    try:
-        import rank_programs
-        from ranks import spawn
-
-        results = spawn(rank_programs.data_parallel_epochs, 2, timeout=900.0, reads_shape=True)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-        sys.path.remove(str(HERE))
+    results = run_program("data_parallel_epochs", 2, timeout=900.0, reads_shape=True)
     for rank, r in sorted(results.items()):
         assert r["sizes"] == [4, 4, 3] * 2
         for a, b in zip(r["losses"], r["ref_losses"]):
@@ -133,15 +147,7 @@ def test_graph_breaks_on_two_gloo_ranks():
     """A model Dynamo splits three ways (an ``if`` on a tensor, ``.item()``) under torch.compile: both
     branches and a training step match one device, the activation crosses each break sharded as the
     graph before left it, and ``.item()`` reads the same max on every rank (it leaves its graph replicated)."""
-    sys.path[:0] = [str(EXAMPLES), str(HERE)]
-    try:
-        import rank_programs
-        from ranks import spawn
-
-        results = spawn(rank_programs.graph_breaks, 2, timeout=600.0)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-        sys.path.remove(str(HERE))
+    results = run_program("graph_breaks", 2, timeout=600.0)
     for rank, r in sorted(results.items()):
         assert r["forward_error"] <= 1e-5 and r["grad_error"] <= 1e-5, (rank, r)
         carried = [graph["h"] for graph in r["inputs"] if "h" in graph]
@@ -183,16 +189,9 @@ def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     """FSDP blocks whose rows do not divide by 2 (15 and 31: shards of 8 and 7, 16 and 15), bucketed by
     Inductor (backend/inductor_config.py): both ranks issue the same buckets (a mismatch would hang), and
     two SGD steps match one device. tests/test_overlap.py checks the same buckets without ranks."""
-    sys.path[:0] = [str(EXAMPLES), str(HERE)]
-    try:
-        import rank_programs
-        from ranks import spawn
+    with examples_and_tests_on_path():
         from test_overlap import collectives, statements
-
-        results = spawn(rank_programs.fsdp_blocks, 2, timeout=900.0)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-        sys.path.remove(str(HERE))
+    results = run_program("fsdp_blocks", 2, timeout=900.0)
     for rank, r in sorted(results.items()):
         assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
         kinds = [sorted(kind for kind, _ in collectives(statements(code))) for code in r["codes"]]
