@@ -30,53 +30,61 @@ uneven program, and the cache keys.
 from __future__ import annotations
 
 import functools
-import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-__all__ = ["compile_local", "block_bytes", "inductor_patches"]
+from .buckets import ROOT, BlockBuckets, _placeholders_of, block_of, tag_blocks
+
+__all__ = ["BucketPolicy", "compile_local", "block_bytes", "inductor_patches"]
 
 _c10d = torch.ops._c10d_functional
-# bucketed collective -> the Inductor config that buckets it (inductor config key prefix)
-BUCKETED = {
-    _c10d.all_gather_into_tensor.default: "bucket_all_gathers_fx",
-    _c10d.reduce_scatter_tensor.default: "bucket_reduce_scatters_fx",
-    _c10d.all_reduce.default: "bucket_all_reduces_fx",
-}
-# the first indexed module in a parameter's name: "s_layers_0_attention_wq_weight" -> "s_layers_0"
-_BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
+# the collectives compile_local buckets
+BUCKETED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 
 
-def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], bucket_cap: int | None) -> Callable:
-    """Inductor on one rank's lowered local program; ``bucket_cap`` (bytes per bucket, see
-    ``block_bytes``) turns bucketing and overlap on, None leaves the collectives as fxshard lowered them.
-    A program without all_gathers, reduce_scatters or all_reduces is compiled without the passes."""
+@dataclass(frozen=True)
+class BucketPolicy:
+    """How ``compile_local`` buckets one program's collectives: a block's parameter gathers and gradient
+    reduce_scatters one each (``backend/buckets.py``), the rest greedily under ``cap`` bytes."""
+
+    cap: int  # bytes per bucket of the collectives of no block (all_reduces, activations): ``block_bytes``
+    output_names: tuple[str | None, ...] = ()  # per output, the input it is the gradient of (a backward)
+
+
+def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: BucketPolicy | None) -> Callable:
+    """Inductor on one rank's lowered local program; ``policy`` turns bucketing and overlap on, None
+    leaves the collectives as fxshard lowered them. A program without all_gathers, reduce_scatters or
+    all_reduces is compiled without the passes."""
     from torch._inductor import config_comms
     from torch._inductor.compile_fx import compile_fx
 
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
-        bucket_cap = None  # nothing to bucket or overlap: the passes would only cost compile time
-    patches, comms = inductor_patches(bucket_cap)
+        policy = None  # nothing to bucket or overlap: the passes would only cost compile time
+    tags = tag_blocks(gm, policy.output_names) if policy is not None else ()
+    patches, comms = inductor_patches(policy, tags)
     with config_comms.patch(comms):
         return compile_fx(gm, list(inputs), config_patches=patches)
 
 
-def inductor_patches(bucket_cap: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(Inductor config patches, ``config_comms`` patches) for a bucket cap in bytes; none for None."""
-    if bucket_cap is None:
+def inductor_patches(policy: BucketPolicy | None, tags: Sequence[str | None] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Inductor config patches, ``config_comms`` patches) for a policy and the blocks ``tag_blocks``
+    gave the program's all_gathers and reduce_scatters; none for None."""
+    if policy is None:
         return {}, {}
-    cap = functools.partial(_cap_mb, bucket_cap)  # picklable: the FX graph cache hashes it with the config
-    patches: dict[str, Any] = {}
-    for key in BUCKETED.values():
-        patches[key] = "all"
-        patches[f"{key}_bucket_size_determinator"] = cap
-    patches["reorder_for_compute_comm_overlap"] = True
-    patches["reorder_for_compute_comm_overlap_passes"] = [
-        "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
-        "reorder_communication_preserving_peak_memory"]
+    cap = functools.partial(_cap_mb, policy.cap)  # picklable: the FX graph cache hashes it with the config
+    patches: dict[str, Any] = {
+        # all_gathers and reduce_scatters: by block, and the others capped, in one pass of ours
+        "post_grad_custom_post_pass": BlockBuckets(policy.cap, tags),
+        "bucket_all_reduces_fx": "all", "bucket_all_reduces_fx_bucket_size_determinator": cap,
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory"],
+    }
     comms = {"reorder_iterative_unsafe_collectives_reorder": False,
              "sink_waits_iterative_unsafe_collectives_reorder": False,
              "runtime_estimations_align_across_all_distributed_ranks": False}
@@ -105,9 +113,9 @@ def block_bytes(gm: fx.GraphModule) -> int:
         sources = _placeholders_of(node, stop_after=2)
         if len(sources) != 1:
             continue
-        match = _BLOCK.match(sources[0].name)
-        if match:
-            indexed[node.target, match.group(1)] += global_bytes(node)
+        block = block_of(sources[0].name)
+        if block != ROOT:
+            indexed[node.target, block] += global_bytes(node)
         whole[node.target] += global_bytes(node)
     blocks = indexed or whole
     if blocks:
@@ -122,19 +130,3 @@ def global_bytes(node: fx.Node) -> int:
 
     return max(nbytes(node.meta["val"]), nbytes(node.all_input_nodes[0].meta["val"]))
 
-
-def _placeholders_of(node: fx.Node, stop_after: int) -> list[fx.Node]:
-    """The graph inputs a node's value is computed from, up to ``stop_after`` of them."""
-    seen: set[fx.Node] = set()
-    stack, found = list(node.all_input_nodes), []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(n)
-            if len(found) == stop_after:
-                break
-        stack.extend(n.all_input_nodes)
-    return found
