@@ -1,31 +1,38 @@
 """Stage 6's one call into Inductor: ``compile_local``, with collectives bucketed and waits overlapped.
 
 fxshard lowers each redistribution to its own functional collective, its wait right behind it
-(FSDP: one all_gather per parameter). Inductor's own passes fix both, given the config here:
-its FX bucketing passes (``torch/_inductor/fx_passes/bucketing.py``) merge independent
-all_gathers, reduce_scatters and all_reduces of one process group and dtype into one collective
-each, and its scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute
-that does not need its result and raise collectives earlier, as far as peak memory allows.
+(FSDP: one all_gather per parameter). ``compile_local(gm, inputs, policy)`` fixes both for one
+lowered program (the whole program, or one region of it: nothing here looks past the graph given):
 
-A bucket holds about one block (``block_bytes``): one bucket for the whole model would gather
-every parameter before the first layer and give up FSDP's memory bound.
+- buckets aligned to blocks (``backend/buckets.py``): the all_gathers of one block's parameters
+  (the first indexed module in their names, ``layers.0``; parameters in none are the ``root``
+  block), forward and backward regathers, and the reduce_scatters of its gradients are merged into
+  one collective per (kind, process group, dtype, block) by an Inductor post-grad pass calling
+  Inductor's own merge functions (``torch/_inductor/fx_passes/bucketing.py``): FSDP2's grouping, one
+  gather and one reduce_scatter per block. A group is cut where a member depends on another;
+- the other all_gathers and reduce_scatters, and all all_reduces, are bucketed by Inductor's greedy
+  passes: runs of independent collectives of one kind, group and dtype in program order, capped at
+  ``block_bytes`` (the largest block's parameter bytes: one bucket for the whole model would
+  gather every parameter before the first layer and give up FSDP's memory bound);
+- Inductor's scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute that
+  does not need its result and raise collectives earlier, as far as peak memory allows: a block's
+  merged gather, placed before the first use of its weights, is prefetched during the block before.
 
 Every rank must issue the same collectives, of the same sizes, in the same order, or the job
-hangs. The passes keep that here, also for uneven layouts whose local programs differ by rank:
+hangs. Here, also for uneven layouts whose local programs differ by rank:
 
-- a bucket is a run of collectives taken in program order with the same (kind, group, dtype,
-  reduce op), cut where the next one's bytes would pass the cap or depend on the bucket. The
-  bytes are a collective's global (gathered, or before scattering) size, which a collective's
-  contract makes equal on every rank (fxshard pads uneven gathers); the cap comes from those
-  sizes and the parameters' names: nothing rank-local decides a bucket;
+- a block bucket's members come from parameter names and the program's structure (which input a
+  gather reads, which gradient a reduce_scatter makes), never from local sizes; greedy buckets from
+  collectives' global sizes (gathered, or before scattering), which a collective's contract makes
+  equal on every rank (fxshard pads uneven gathers);
 - the scheduler passes may move compute across collectives, never one collective past another
   (the ``*_unsafe_collectives_reorder`` switches of ``config_comms`` are off), and use no measured
   runtimes, so they synchronize nothing across ranks at compile time.
 
-Inductor's FX graph cache keys an entry by the graph's code, its inputs' shapes and this
-config: two ranks share an entry only where their local programs are the same program.
-``tests/test_overlap.py`` checks the counts, the wait placement, the buckets of every rank of an
-uneven program, and the cache keys.
+Inductor's FX graph cache keys an entry by the graph's code, its inputs' shapes and this config
+(the block pass by its code and the blocks it was given): two ranks share an entry only where their
+local programs are the same program. ``tests/test_overlap.py`` checks the counts, the wait
+placement, the buckets of every rank of an uneven program, and the cache keys.
 """
 from __future__ import annotations
 
