@@ -1,82 +1,97 @@
 """Stage 6's one call into Inductor: ``compile_local``, with collectives bucketed and waits overlapped.
 
 fxshard lowers each redistribution to its own functional collective, its wait right behind it
-(FSDP: one all_gather per parameter). Inductor's own passes fix both, given the config here:
-its FX bucketing passes (``torch/_inductor/fx_passes/bucketing.py``) merge independent
-all_gathers, reduce_scatters and all_reduces of one process group and dtype into one collective
-each, and its scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute
-that does not need its result and raise collectives earlier, as far as peak memory allows.
+(FSDP: one all_gather per parameter). ``compile_local(gm, inputs, policy)`` fixes both for one
+lowered program (the whole program, or one region of it: nothing here looks past the graph given):
 
-A bucket holds about one block (``block_bytes``): one bucket for the whole model would gather
-every parameter before the first layer and give up FSDP's memory bound.
+- buckets aligned to blocks (``backend/buckets.py``): the all_gathers of one block's parameters
+  (the first indexed module in their names, ``layers.0``; parameters in none are the ``root``
+  block), forward and backward regathers, and the reduce_scatters of its gradients are merged into
+  one collective per (kind, process group, dtype, block) by an Inductor post-grad pass calling
+  Inductor's own merge functions (``torch/_inductor/fx_passes/bucketing.py``): FSDP2's grouping, one
+  gather and one reduce_scatter per block. A group is cut where a member depends on another;
+- the other all_gathers and reduce_scatters, and all all_reduces, are bucketed by Inductor's greedy
+  passes: runs of independent collectives of one kind, group and dtype in program order, capped at
+  ``block_bytes`` (the largest block's parameter bytes: one bucket for the whole model would
+  gather every parameter before the first layer and give up FSDP's memory bound);
+- Inductor's scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute that
+  does not need its result and raise collectives earlier, as far as peak memory allows: a block's
+  merged gather, placed before the first use of its weights, is prefetched during the block before.
 
 Every rank must issue the same collectives, of the same sizes, in the same order, or the job
-hangs. The passes keep that here, also for uneven layouts whose local programs differ by rank:
+hangs. Here, also for uneven layouts whose local programs differ by rank:
 
-- a bucket is a run of collectives taken in program order with the same (kind, group, dtype,
-  reduce op), cut where the next one's bytes would pass the cap or depend on the bucket. The
-  bytes are a collective's global (gathered, or before scattering) size, which a collective's
-  contract makes equal on every rank (fxshard pads uneven gathers); the cap comes from those
-  sizes and the parameters' names: nothing rank-local decides a bucket;
+- a block bucket's members come from parameter names and the program's structure (which input a
+  gather reads, which gradient a reduce_scatter makes), never from local sizes; greedy buckets from
+  collectives' global sizes (gathered, or before scattering), which a collective's contract makes
+  equal on every rank (fxshard pads uneven gathers);
 - the scheduler passes may move compute across collectives, never one collective past another
   (the ``*_unsafe_collectives_reorder`` switches of ``config_comms`` are off), and use no measured
   runtimes, so they synchronize nothing across ranks at compile time.
 
-Inductor's FX graph cache keys an entry by the graph's code, its inputs' shapes and this
-config: two ranks share an entry only where their local programs are the same program.
-``tests/test_overlap.py`` checks the counts, the wait placement, the buckets of every rank of an
-uneven program, and the cache keys.
+Inductor's FX graph cache keys an entry by the graph's code, its inputs' shapes and this config
+(the block pass by its code and the blocks it was given): two ranks share an entry only where their
+local programs are the same program. ``tests/test_overlap.py`` checks the counts, the wait
+placement, the buckets of every rank of an uneven program, and the cache keys.
 """
 from __future__ import annotations
 
 import functools
-import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-__all__ = ["compile_local", "block_bytes", "inductor_patches"]
+from .buckets import ROOT, BlockBuckets, _placeholders_of, block_of, tag_blocks
+
+__all__ = ["BucketPolicy", "compile_local", "block_bytes", "inductor_patches"]
 
 _c10d = torch.ops._c10d_functional
-# bucketed collective -> the Inductor config that buckets it (inductor config key prefix)
-BUCKETED = {
-    _c10d.all_gather_into_tensor.default: "bucket_all_gathers_fx",
-    _c10d.reduce_scatter_tensor.default: "bucket_reduce_scatters_fx",
-    _c10d.all_reduce.default: "bucket_all_reduces_fx",
-}
-# the first indexed module in a parameter's name: "s_layers_0_attention_wq_weight" -> "s_layers_0"
-_BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
+# the collectives compile_local buckets
+BUCKETED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 
 
-def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], bucket_cap: int | None) -> Callable:
-    """Inductor on one rank's lowered local program; ``bucket_cap`` (bytes per bucket, see
-    ``block_bytes``) turns bucketing and overlap on, None leaves the collectives as fxshard lowered them.
-    A program without all_gathers, reduce_scatters or all_reduces is compiled without the passes."""
+@dataclass(frozen=True)
+class BucketPolicy:
+    """How ``compile_local`` buckets one program's collectives: a block's parameter gathers and gradient
+    reduce_scatters one each (``backend/buckets.py``), the rest greedily under ``cap`` bytes."""
+
+    cap: int  # bytes per bucket of the collectives of no block (all_reduces, activations): ``block_bytes``
+    output_names: tuple[str | None, ...] = ()  # per output, the input it is the gradient of (a backward)
+
+
+def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: BucketPolicy | None) -> Callable:
+    """Inductor on one rank's lowered local program; ``policy`` turns bucketing and overlap on, None
+    leaves the collectives as fxshard lowered them. A program without all_gathers, reduce_scatters or
+    all_reduces is compiled without the passes."""
     from torch._inductor import config_comms
     from torch._inductor.compile_fx import compile_fx
 
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
-        bucket_cap = None  # nothing to bucket or overlap: the passes would only cost compile time
-    patches, comms = inductor_patches(bucket_cap)
+        policy = None  # nothing to bucket or overlap: the passes would only cost compile time
+    tags = tag_blocks(gm, policy.output_names) if policy is not None else ()
+    patches, comms = inductor_patches(policy, tags)
     with config_comms.patch(comms):
         return compile_fx(gm, list(inputs), config_patches=patches)
 
 
-def inductor_patches(bucket_cap: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(Inductor config patches, ``config_comms`` patches) for a bucket cap in bytes; none for None."""
-    if bucket_cap is None:
+def inductor_patches(policy: BucketPolicy | None, tags: Sequence[str | None] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Inductor config patches, ``config_comms`` patches) for a policy and the blocks ``tag_blocks``
+    gave the program's all_gathers and reduce_scatters; none for None."""
+    if policy is None:
         return {}, {}
-    cap = functools.partial(_cap_mb, bucket_cap)  # picklable: the FX graph cache hashes it with the config
-    patches: dict[str, Any] = {}
-    for key in BUCKETED.values():
-        patches[key] = "all"
-        patches[f"{key}_bucket_size_determinator"] = cap
-    patches["reorder_for_compute_comm_overlap"] = True
-    patches["reorder_for_compute_comm_overlap_passes"] = [
-        "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
-        "reorder_communication_preserving_peak_memory"]
+    cap = functools.partial(_cap_mb, policy.cap)  # picklable: the FX graph cache hashes it with the config
+    patches: dict[str, Any] = {
+        # all_gathers and reduce_scatters: by block, and the others capped, in one pass of ours
+        "post_grad_custom_post_pass": BlockBuckets(policy.cap, tags),
+        "bucket_all_reduces_fx": "all", "bucket_all_reduces_fx_bucket_size_determinator": cap,
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory"],
+    }
     comms = {"reorder_iterative_unsafe_collectives_reorder": False,
              "sink_waits_iterative_unsafe_collectives_reorder": False,
              "runtime_estimations_align_across_all_distributed_ranks": False}
@@ -105,9 +120,9 @@ def block_bytes(gm: fx.GraphModule) -> int:
         sources = _placeholders_of(node, stop_after=2)
         if len(sources) != 1:
             continue
-        match = _BLOCK.match(sources[0].name)
-        if match:
-            indexed[node.target, match.group(1)] += global_bytes(node)
+        block = block_of(sources[0].name)
+        if block != ROOT:
+            indexed[node.target, block] += global_bytes(node)
         whole[node.target] += global_bytes(node)
     blocks = indexed or whole
     if blocks:
@@ -122,19 +137,3 @@ def global_bytes(node: fx.Node) -> int:
 
     return max(nbytes(node.meta["val"]), nbytes(node.all_input_nodes[0].meta["val"]))
 
-
-def _placeholders_of(node: fx.Node, stop_after: int) -> list[fx.Node]:
-    """The graph inputs a node's value is computed from, up to ``stop_after`` of them."""
-    seen: set[fx.Node] = set()
-    stack, found = list(node.all_input_nodes), []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(n)
-            if len(found) == stop_after:
-                break
-        stack.extend(n.all_input_nodes)
-    return found

@@ -18,7 +18,7 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .inductor_config import block_bytes, compile_local
+from .inductor_config import BucketPolicy, block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
 from .report import StageReporter
@@ -43,8 +43,8 @@ class InferenceProgram:
         # per output: None (a DTensor) or the layout whose plain block the user's program holds (outputs.py)
         self.eager = list(eager_layouts) or [None] * len(self.output_layouts)
         self.inductor = inductor
-        # bytes per bucket of collectives, from this program's collective sizes (inductor_config.py)
-        self.bucket_cap = block_bytes(self.local_graph) if bucketing else None
+        # a bucket per block's parameter gathers, others capped at a block's bytes (inductor_config.py)
+        self.buckets = BucketPolicy(block_bytes(self.local_graph)) if bucketing else None
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
@@ -69,4 +69,4 @@ class InferenceProgram:
         if not self.inductor:
             return self.local_graph
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            return compile_local(self.local_graph, local_inputs, self.bucket_cap)
+            return compile_local(self.local_graph, local_inputs, self.buckets)

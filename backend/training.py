@@ -18,7 +18,7 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .inductor_config import block_bytes, compile_local
+from .inductor_config import BucketPolicy, block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
 from .joint import TrainingPlan
@@ -45,8 +45,11 @@ class TrainingProgram:
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
         self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
         self.inductor = inductor
-        # bytes per bucket of collectives, forward and backward: one block's parameters (inductor_config.py)
-        self.bucket_cap = block_bytes(self.forward_graph) if bucketing else None
+        # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
+        # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
+        cap = block_bytes(self.forward_graph)
+        grads = tuple(program.input_names[k] for k in plan.grad_inputs)
+        self.buckets = {"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, grads)} if bucketing else None
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
@@ -74,7 +77,7 @@ class TrainingProgram:
         if not self.inductor:
             return gm
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
-            return compile_local(gm, inputs, self.bucket_cap)
+            return compile_local(gm, inputs, self.buckets and self.buckets[which])
 
 
 class _TrainingStep(torch.autograd.Function):

@@ -11,7 +11,9 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
   program; DTensor: ``backend="inductor"``) and compute the loss outside it under ``loss_parallel()``.
 - FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
   on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the unchanged
-  model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
+  model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``. Both
+  read each rank's rows of the batch locally (fxshard: ``DTensor.from_local``, as a data loader would
+  feed it), so no collective builds the batch.
 
 Per system: compile time (the first step, which compiles), step time (median of the later steps),
 collective calls per step and the bytes one rank receives per step. Calls are counted at runtime, on
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -116,12 +118,16 @@ def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> t
         return model, step, graphs
     dp_mesh = mesh if case == "fsdp" else mesh["dp"]
     batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
+    rank = dp_mesh.get_local_rank()
+    per_rank = BATCH // dp_mesh.size()
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's rows, as a data loader gives them
     if system == "fxshard":
         distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
         compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0), bucketing=bucketing)
 
         def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = compiled(distribute_tensor(tokens, mesh, batch), distribute_tensor(targets, mesh, batch))
+            # the global batch made of each rank's rows, nothing sent (as FSDP2's step below)
+            loss = compiled(DTensor.from_local(tokens[mine], mesh, batch), DTensor.from_local(targets[mine], mesh, batch))
             loss.backward()
             return loss
         return model, step, compiled
@@ -134,11 +140,8 @@ def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> t
         layer.compile()
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    rank = dp_mesh.get_local_rank()
-    per_rank = BATCH // dp_mesh.size()
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
         logits = model(tokens[mine])
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()

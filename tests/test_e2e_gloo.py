@@ -187,7 +187,7 @@ def test_generate_on_two_gloo_ranks(generate, cache, programs):
 @pytest.mark.slow
 def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     """FSDP blocks whose rows do not divide by 2 (15 and 31: shards of 8 and 7, 16 and 15), bucketed by
-    Inductor (backend/inductor_config.py): both ranks issue the same buckets (a mismatch would hang), and
+    block (backend/buckets.py): both ranks issue the same buckets (a mismatch would hang), and
     two SGD steps match one device. tests/test_overlap.py checks the same buckets without ranks."""
     with examples_and_tests_on_path():
         from test_overlap import collectives, statements
@@ -195,5 +195,6 @@ def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     for rank, r in sorted(results.items()):
         assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
         kinds = [sorted(kind for kind, _ in collectives(statements(code))) for code in r["codes"]]
-        # a bucket per block forward (and the loss), backward the regathered weights and a bucket per block
-        assert kinds == [["all_gather"] * 2 + ["all_reduce"], ["all_gather"] + ["reduce_scatter"] * 2], (rank, kinds)
+        # a bucket per block forward (and the loss); backward, each block's regathered weight and a bucket
+        # of its gradients
+        assert kinds == [["all_gather"] * 2 + ["all_reduce"], ["all_gather"] * 2 + ["reduce_scatter"] * 2], (rank, kinds)

@@ -16,7 +16,8 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.inductor_config import block_bytes, inductor_patches
+from fxshard.backend.buckets import BLOCK_KEY, block_buckets, tag_blocks
+from fxshard.backend.inductor_config import BucketPolicy, block_bytes, inductor_patches
 from fxshard.backend.simulate import fake_world, lowered_graphs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -100,8 +101,9 @@ def counts(found: list[tuple[str, int]]) -> dict[str, int]:
 @pytest.mark.parametrize("program, lowered, compiled", [
     # one all_gather per weight (4), the loss summed; Inductor: one bucket per block
     ("forward", {"all_gather": 4, "all_reduce": 1}, {"all_gather": 2, "all_reduce": 1}),
-    # the two weights the input gradients need, regathered; one reduce_scatter per gradient
-    ("backward", {"all_gather": 2, "reduce_scatter": 4}, {"all_gather": 1, "reduce_scatter": 2}),
+    # the two weights the input gradients need (one per block), regathered; one reduce_scatter per
+    # gradient; Inductor: one bucket per block and kind
+    ("backward", {"all_gather": 2, "reduce_scatter": 4}, {"all_gather": 2, "reduce_scatter": 2}),
 ])
 def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
     fxshard_lowered, inductor = training_step[program]
@@ -110,10 +112,10 @@ def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
 
 @pytest.mark.parametrize("program, overlapped", [
     ("forward", ["all_gather"]),       # the second block's weights arrive while the first block computes
-    # the regathered weights arrive while the gradients before them compute (the gather reads the
-    # parameter itself: nothing delays its start), and the last block's gradients are reduced while
-    # the others compute
-    ("backward", ["all_gather", "reduce_scatter"]),
+    # each block's regathered weights arrive while the gradients before them compute (the gather reads
+    # the parameter itself: nothing delays its start), and the last block's gradients are reduced while
+    # the first block's compute
+    ("backward", ["all_gather", "all_gather", "reduce_scatter"]),
 ])
 def test_waits_move_below_compute(training_step, program, overlapped):
     """fxshard lowers every wait right behind its collective; Inductor's scheduler moves it below the
@@ -141,38 +143,50 @@ def test_bucketing_false_leaves_each_collective_and_its_wait(fake_mesh_4):
 
 
 @pytest.fixture(scope="module")
-def uneven_programs() -> dict:
+def uneven_programs() -> tuple[dict, tuple[str, ...]]:
     """Every rank's lowered training program of ``Blocks`` with 30 and 62 rows on 4 ranks (8, 8, 8, 6
-    and 16, 16, 16, 14): rank 3's local program has other shapes than the others'."""
+    and 16, 16, 16, 14): rank 3's local program has other shapes than the others'; and the names of
+    the parameters whose gradients the backward returns."""
     torch.manual_seed(0)
     model = Blocks(dim=30, hidden=62)
     placements = {name: (Shard(0),) for name, _ in model.named_parameters()} | {0: (Shard(0),)}
     with fake_world(fxshard.MeshSpec(dp=4)) as device_mesh:
-        return lowered_graphs(model, torch.randn(TOKENS, 30), device_mesh=device_mesh, placements=placements,
-                              grad=True, cost_model=COST)
+        programs = lowered_graphs(model, torch.randn(TOKENS, 30), device_mesh=device_mesh, placements=placements,
+                                  grad=True, cost_model=COST)
+    return programs, tuple(name.replace(".", "_") for name, _ in model.named_parameters())
 
 
 def test_buckets_are_the_same_on_every_rank_of_an_uneven_program(uneven_programs):
-    """Inductor's bucketing pass on each rank's program, with the cap fxshard gives it: the same
-    collectives in the same buckets on every rank (a rank that bucketed otherwise would hang the job),
-    though rank 3's shards are smaller."""
-    from torch._inductor.fx_passes.bucketing import bucket_all_gather_by_mb, bucket_reduce_scatter_by_mb
-
+    """The block buckets of each rank's program (``backend/buckets.py``: tags from names, grouped in
+    program order): the same collectives in the same buckets on every rank (a rank that bucketed
+    otherwise would hang the job), though rank 3's shards are smaller."""
     def shapes(gm: torch.fx.GraphModule) -> list:
         return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
 
-    def buckets(gm: torch.fx.GraphModule, cap: int) -> list[list[str]]:
-        found = bucket_all_gather_by_mb(gm, lambda _: cap / 2**20) + bucket_reduce_scatter_by_mb(gm, lambda _: cap / 2**20)
-        return [[node.name for node in bucket] for bucket in found]
+    def buckets(gm: torch.fx.GraphModule, grads: tuple) -> list[list[str]]:
+        tag_blocks(gm, grads)
+        tagged = [n for n in gm.graph.nodes if (n.meta.get("custom") or {}).get(BLOCK_KEY)]
+        return [[n.name for n in bucket] for bucket in block_buckets(tagged, lambda n: (n.target, n.meta["custom"][BLOCK_KEY]))]
 
-    programs = uneven_programs
-    caps = {c: block_bytes(forward) for c, (forward, _) in programs.items()}
-    per_rank = {c: [buckets(g, caps[c]) for g in pair] for c, pair in programs.items()}
+    programs, grads = uneven_programs
+    per_rank = {c: [buckets(forward, ()), buckets(backward, grads)] for c, (forward, backward) in programs.items()}
     assert shapes(programs[(0,)][0]) != shapes(programs[(3,)][0])
-    assert len(set(caps.values())) == 1
     assert all(b == per_rank[(0,)] for b in per_rank.values()), per_rank
-    assert [len(b) for b in per_rank[(0,)]] == [2, 3]  # forward: a gather per block; backward: one, and a
-    # reduce-scatter per block
+    # forward: a gather per block; backward: a regather and a reduce_scatter per block (one regathered
+    # weight per block: no bucket of one)
+    assert [[len(bucket) for bucket in b] for b in per_rank[(0,)]] == [[2, 2], [2, 2]]
+
+
+def test_a_collective_that_depends_on_its_bucket_starts_the_next():
+    """Block buckets are cut before a collective whose input comes from an earlier one of its bucket."""
+    graph = torch.fx.Graph()
+    gather, wait = torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default
+    w0, w2 = graph.placeholder("layers_0_a_weight"), graph.placeholder("layers_0_b_weight")
+    g0 = graph.call_function(gather, (w0, 4, "0"))
+    g1 = graph.call_function(gather, (graph.call_function(wait, (g0,)), 4, "0"))  # gathers g0's result again
+    g2 = graph.call_function(gather, (w2, 4, "0"))
+    graph.output([graph.call_function(wait, (g,)) for g in (g1, g2)])
+    assert block_buckets([g0, g1, g2], lambda n: "layers_0") == [[g1, g2]]
 
 
 @pytest.mark.parametrize("ranks, same_key", [
@@ -184,11 +198,11 @@ def test_ranks_share_an_inductor_cache_entry_only_for_the_same_program(uneven_pr
     from torch._inductor import config, config_comms
     from torch._inductor.codecache import compiled_fx_graph_hash
 
-    programs = uneven_programs
-    patches, comms = inductor_patches(block_bytes(programs[(0,)][0]))
+    programs, _ = uneven_programs
     keys = []
     for c in ranks:
         forward = programs[c][0]
+        patches, comms = inductor_patches(BucketPolicy(block_bytes(forward)), tag_blocks(forward))
         with config.patch(patches), config_comms.patch(comms):
             inputs = [n.meta["val"] for n in forward.graph.nodes if n.op == "placeholder"]
             keys.append(compiled_fx_graph_hash(forward, inputs, {}, [])[0])

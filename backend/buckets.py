@@ -1,0 +1,189 @@
+"""Block-aligned buckets: a block's parameter all_gathers, and its gradients' reduce_scatters, as one each.
+
+``tag_blocks`` names, on fxshard's lowered program, the block of each all_gather that moves one
+parameter (its only graph input) and of each reduce_scatter that makes one gradient (the one output
+it flows to): the first indexed module in the parameter's name (``layers_0``), else ``"root"``.
+``BlockBuckets``, an Inductor post-grad pass, merges each (kind, process group, dtype, block)'s
+collectives into one with Inductor's own merge functions (``torch/_inductor/fx_passes/bucketing.py``),
+split where one depends on another, and buckets the untagged ones greedily under a byte cap.
+
+Rank independence: a bucket's members come from names and program structure (the tags travel with
+the nodes through AOTAutograd as ``node.meta["custom"]``); its place from program order. Local sizes
+decide nothing, so ranks whose local shapes differ (uneven shards) issue the same buckets.
+"""
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import re
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+__all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "tag_blocks"]
+
+BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
+ROOT = "root"  # the block of every parameter outside an indexed module
+# the first indexed module in a parameter's name: "layers_0_attention_wq_weight" -> "layers_0"
+_BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
+_c10d = torch.ops._c10d_functional
+_TAGGED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
+
+
+def block_of(name: str) -> str:
+    """The block of a graph input named after a parameter (or saved from one: ``saved_``), by name alone."""
+    match = _BLOCK.match(name.removeprefix("saved_"))
+    return match.group(1) if match else ROOT
+
+
+def tag_blocks(gm: fx.GraphModule, output_names: Sequence[str | None] = ()) -> tuple[str | None, ...]:
+    """Tag each all_gather / reduce_scatter of ``gm`` with its block; returns the tags in program order.
+
+    An all_gather whose value comes from one graph input takes that input's block; a reduce_scatter
+    whose result reaches one output through single-input ops takes the block of ``output_names`` at
+    that output (the backward: the parameter whose gradient it is). Others get None: no block.
+    """
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    tags = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _TAGGED:
+            continue
+        block = _input_block(node) if node.target is _TAGGED[0] else _output_block(node, output, output_names)
+        custom = dict(node.meta.get("custom") or {})
+        custom[BLOCK_KEY] = block
+        node.meta["custom"] = custom
+        tags.append(block)
+    return tuple(tags)
+
+
+def _input_block(node: fx.Node) -> str | None:
+    """The block of the one graph input a collective's value is computed from; None for several."""
+    sources = _placeholders_of(node, stop_after=2)
+    return block_of(sources[0].name) if len(sources) == 1 else None
+
+
+def _output_block(node: fx.Node, output: fx.Node, names: Sequence[str | None]) -> str | None:
+    """The block named at the one output a collective's result flows to through single-input ops."""
+    value = node
+    while len(value.users) == 1:
+        user = next(iter(value.users))
+        if user is output:
+            positions = [k for k, a in enumerate(output.args[0]) if a is value]
+            if len(positions) == 1 and positions[0] < len(names) and names[positions[0]] is not None:
+                return block_of(names[positions[0]])
+            return None
+        if len(user.all_input_nodes) != 1:
+            return None
+        value = user
+    return None
+
+
+def _placeholders_of(node: fx.Node, stop_after: int) -> list[fx.Node]:
+    """The graph inputs a node's value is computed from, up to ``stop_after`` of them."""
+    seen: set[fx.Node] = set()
+    stack, found = list(node.all_input_nodes), []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+            if len(found) == stop_after:
+                break
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+class BlockBuckets(CustomGraphPass):
+    """Inductor's ``post_grad_custom_post_pass``: one all_gather and one reduce_scatter per block and
+    process group, the untagged ones bucketed greedily under ``cap`` bytes (Inductor's own pass).
+
+    A block's merged all_gather is placed right before the first use of any of its results (the
+    scheduler then raises it over earlier compute, as far as peak memory allows: a block's weights
+    are prefetched while the previous block computes, not all gathered up front); a merged
+    reduce_scatter where Inductor places it, behind the last gradient of its block.
+    """
+
+    def __init__(self, cap: int, tags: Sequence[str | None]):
+        self.cap, self.tags = cap, tuple(tags)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from torch._inductor.fx_passes import bucketing as b
+
+        gm = graph.owning_module
+        tagged = [n for n in graph.nodes if _tag(n) is not None]
+        for kind, is_kind, key, merge in (
+                ("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, b.merge_all_gather_bucket),
+                ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, b.merge_reduce_scatter_bucket)):
+            ours = [n for n in tagged if is_kind(n) and _single_wait(n)]
+            rest = set(n for n in graph.nodes if is_kind(n)) - set(ours)
+            capped = b.greedy_bucket_collective_by_mb(gm, lambda _: self.cap / 2**20, lambda n: n in rest, key) \
+                if rest else []
+            for bucket in block_buckets(ours, lambda n: (key(n), _tag(n))):
+                merge(graph, bucket, insert_before=_first_use(graph, bucket) if kind == "all_gather" else None)
+            for bucket in capped:
+                merge(graph, bucket)
+
+    def uuid(self) -> str:
+        """The FX graph cache's key of this pass: its code, the cap and the blocks of the collectives."""
+        text = pathlib.Path(__file__).read_bytes() + repr((self.cap, self.tags)).encode()
+        return hashlib.sha256(text).hexdigest()
+
+
+def _tag(node: fx.Node) -> str | None:
+    return (node.meta.get("custom") or {}).get(BLOCK_KEY) if node.op == "call_function" else None
+
+
+def _single_wait(node: fx.Node) -> bool:
+    """Inductor merges a collective whose one user is its wait."""
+    return len(node.users) == 1 and next(iter(node.users)).target is _c10d.wait_tensor.default
+
+
+def block_buckets(collectives: Iterable[fx.Node], key: Any) -> list[list[fx.Node]]:
+    """The collectives grouped by ``key`` in program order, a group cut before a member that depends
+    on an earlier one of its bucket (it could not start with them); buckets of one are left out."""
+    groups: dict[Any, list[fx.Node]] = defaultdict(list)
+    for node in collectives:
+        groups[key(node)].append(node)
+    buckets = []
+    for members in groups.values():
+        bucket: list[fx.Node] = []
+        below: set[fx.Node] = set()  # everything computed from the bucket's members
+        for node in members:
+            if node in below:
+                buckets.append(bucket)
+                bucket, below = [], set()
+            bucket.append(node)
+            below |= _descendants(node)
+        buckets.append(bucket)
+    return [bucket for bucket in buckets if len(bucket) > 1]
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _first_use(graph: fx.Graph, bucket: Sequence[fx.Node]) -> fx.Node | None:
+    """Where a merged all_gather goes: before the first user of any member's result, or, when an
+    input of the bucket comes later, right after the last input (None: Inductor's default place)."""
+    from torch._inductor.fx_passes.bucketing import has_mergeable_all_gather_convert_dtype
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users = [u for n in bucket for u in next(iter(n.users)).users]
+    if not users:
+        return None
+    first = min(users, key=order.__getitem__)
+    inputs = [n.args[0].args[0] if has_mergeable_all_gather_convert_dtype(n) else n.args[0] for n in bucket]
+    last_input = max(inputs, key=order.__getitem__)
+    return first if order[last_input] < order[first] else last_input.next
