@@ -38,18 +38,18 @@ def plan() -> dict:
     return {f"w.{i}": (Shard(i % 2),) for i in range(N_TENSORS)}
 
 
-def _status_mib(field: str) -> float:
+def status_mib(field: str) -> float:
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024  # kB
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak() -> float:
+def reset_peak_rss() -> float:
     """Reset the peak-RSS mark (Linux: 5 > /proc/self/clear_refs); returns the RSS now (MiB)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status_mib("VmRSS")
+    return status_mib("VmRSS")
 
 
 def run(rank: int, world_size: int, device: str = "cpu", method: str = "fxshard", folder: str = "",
@@ -62,7 +62,7 @@ def run(rank: int, world_size: int, device: str = "cpu", method: str = "fxshard"
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     dist.barrier()
-    before, start = _reset_peak(), time.perf_counter()
+    before, start = reset_peak_rss(), time.perf_counter()
     if method == "fxshard":
         with torch.device("meta"):
             model = Weights(rows, cols)
@@ -78,7 +78,7 @@ def run(rank: int, world_size: int, device: str = "cpu", method: str = "fxshard"
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2**20
     dist.barrier()
-    return {"seconds": seconds, "peak_increase_mib": _status_mib("VmHWM") - before, "local_mib": local}
+    return {"seconds": seconds, "peak_increase_mib": status_mib("VmHWM") - before, "local_mib": local}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ Sizes come from layouts (the busiest rank's block), so a symbolic mesh gives exp
 The peak walks the graph in program order: a value is allocated when computed, freed after
 its last use; a view of a value shares its storage; outputs live to the end. It estimates
 what the local program holds, before Inductor fuses anything away (fusion only lowers it).
+``step_memory`` combines a training program's forward and backward into one step's peak.
 """
 from __future__ import annotations
 
@@ -35,6 +36,34 @@ class MemoryReport:
     def __str__(self) -> str:
         return (f"memory per rank: inputs {self.input_bytes} B ({len(self.inputs)} tensors), "
                 f"peak activations {self.peak_activations} B")
+
+
+@dataclass
+class StepMemory:
+    """One training step's memory beyond what it starts with (parameters, optimizer state), per rank:
+    the forward's peak, and the backward's on top of what the forward computed and kept for it."""
+
+    forward_peak: Size  # the forward's values alive at once (its outputs and saved values included)
+    kept: Size  # the values the forward computes and returns: outputs and values saved for the backward
+    backward_peak: Size  # the backward's values alive at once (its gradients included)
+
+    @property
+    def peak(self) -> Size:
+        return _max(self.forward_peak, as_size(self.kept + self.backward_peak))
+
+
+def step_memory(forward: fx.GraphModule, backward: fx.GraphModule) -> StepMemory:
+    """The step memory of a planned (or lowered) forward and backward pair: ``TrainingPlan.forward/.backward``."""
+    return StepMemory(memory_report(forward).peak_activations, kept_bytes(forward),
+                      memory_report(backward).peak_activations)
+
+
+def kept_bytes(gm: fx.GraphModule) -> Size:
+    """Bytes of the values ``gm`` computes and returns, each storage once; inputs it passes through are
+    not its own (a parameter saved for the backward is the caller's)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    roots = {_storage(a) for a in output.all_input_nodes}
+    return as_size(sum((local_bytes(r) for r in roots if r.op == "call_function"), 0))
 
 
 def local_bytes(node: fx.Node) -> Size:
