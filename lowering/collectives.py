@@ -156,6 +156,23 @@ def _exchange(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group: s
     return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
 
 
+def _local_gather(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate) -> fx.Node:
+    """A local_shard into or out of unequal blocks: every rank holds its target block already (an
+    exchange that receives nothing), picked from its own block by an index table."""
+    tables = exchange_tables(step.before, step.after, step.axes, coordinate)
+    if sum(tables.recv_splits):
+        raise LoweringError(f"{step}: a rank lacks elements of {step.after}; that is an exchange, not a local_shard")
+    flat = e(aten.reshape.default, x, [-1])
+    out = e(aten.index_select.default, flat, 0, e.constant(tables.unpack_index, "local_gather"))
+    return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
+
+
+def _changes_unequal_blocks(step: Step) -> bool:
+    """Whether a dim the step changes is one of unequal blocks (before or after)."""
+    return any(any(p.uneven_blocks for p in step.before.dims[d] + step.after.dims[d])
+               for d in range(step.before.ndim) if step.before.dims[d] != step.after.dims[d])
+
+
 class _Varying(int):
     """A digit size that differs between ranks: never dropped from a view, even when 1."""
 
@@ -188,6 +205,9 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
 
     if kind == "exchange":
         return _exchange(e, x, step, coordinate, group)
+
+    if kind == "local_shard" and _changes_unequal_blocks(step):
+        return _local_gather(e, x, step, coordinate)
 
     if _is_uneven(step):
         return _uneven(e, x, step, coord, group)
