@@ -21,7 +21,7 @@ from .costs import DEFAULT_COST_MODEL, CostModel, collective_bytes, dtype_size, 
 from .exchange import received_elements
 from .hints import current as current_hints
 from .layout import Layout, LayoutError, Piece
-from .plans import Plan, Step
+from .plans import MIXED_SUM_AVG, Plan, Step
 from .search import Search, shortest_path, to_plan
 
 
@@ -166,11 +166,13 @@ def _exchange_only(src: Layout, dst: Layout, dtype: torch.dtype, model: CostMode
     steps: list[Step] = []
     cur = src
     removed = [(a, op) for a, op in src.partial if (a, op) not in dst.partial]
-    for op in sorted({op for _, op in removed}):  # one all_reduce per op (sum and avg may be mixed)
-        axes = tuple(a for a, o in removed if o == op)
+    if removed:  # one all_reduce (sum and avg mixed: one sum, divided by the avg axes' size)
+        ops = {op for _, op in removed}
+        axes = tuple(a for a, _ in removed)
         after = cur.with_partial(tuple(p for p in cur.partial if p[0] not in axes))
         n = numel([a.size for a in axes])
         nbytes = collective_bytes("all_reduce", n, numel(cur.max_local_shape()) * dtype_size(dtype))
+        op = ops.pop() if len(ops) == 1 else MIXED_SUM_AVG
         steps.append(Step("all_reduce", axes, cur, after, reduce_op=op, bytes_per_rank=nbytes))
         cur = after
     added = [(a, op) for a, op in dst.partial if (a, op) not in cur.partial]

@@ -41,7 +41,7 @@ from .costs import CostModel, collective_bytes, dtype_size
 from .exchange import cuts_nest, received_elements, received_even, spans
 from .layout import LINEAR_REDUCE_OPS, Layout
 from .mesh import MeshAxis, Size, as_size
-from .plans import Plan, Step
+from .plans import MIXED_SUM_AVG, Plan, Step
 
 MAX_STATES = 4000  # a search that pops more states than this falls back to its best plan so far
 EXCHANGE_TRIES = 3  # exchanges are priced from the first states popped with no reduction pending
@@ -94,7 +94,7 @@ class Search:
             here_kind, there_kind = type(here), type(there)  # InDim, Pending, or NoneType (a free atom)
             if here == there and (here_kind is not InDim or self._in_place(state, strides[here.dim], a, here.dim)):
                 continue
-            key = (here_kind, there_kind, here.op if here_kind is Pending else None)
+            key = (here_kind, there_kind, _op_class(here.op) if here_kind is Pending else None)
             classes.setdefault(key, []).append(a)
         for (src_kind, dst_kind, _), members in classes.items():
             for ids in _groups(members, self.atoms.axes):
@@ -109,7 +109,8 @@ class Search:
     def _moves_for(self, state: State, where: dict, src_kind: type, dst_kind: type, ids: frozenset) -> Iterator[Move]:
         dims, partial = state
         if src_kind is Pending:
-            op = where[next(iter(ids))].op
+            ops = {where[a].op for a in ids}
+            op = ops.pop() if len(ops) == 1 else MIXED_SUM_AVG  # one sum over both, divided by the avg atoms
             rest = tuple(p for p in partial if p.atom not in ids)
             yield Move("all_reduce", ids, make_state((dims, rest)), op)
             if dst_kind is InDim:
@@ -299,6 +300,11 @@ def _chunks_local_block(pieces: tuple, i: int) -> bool:
     """Whether the chunked piece ``pieces[i]`` splits a dim's whole local block: it is the last piece
     and every piece before it is sharded (the block a rank holds, cut with torch.chunk)."""
     return i == len(pieces) - 1 and all(p.atom is not LOCAL for p in pieces[:i])
+
+
+def _op_class(op: str) -> str:
+    """Pending ops reduced together: sum and avg (sum, then a division), or one other op alone."""
+    return MIXED_SUM_AVG if op in LINEAR_REDUCE_OPS else op
 
 
 def _where(state: State) -> dict[int, InDim | Pending]:

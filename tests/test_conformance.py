@@ -561,6 +561,24 @@ def test_mixed_sum_and_avg_partials_are_dtensors(world, case):
     assert check_case(world, case, 0) is None
 
 
+MIXED_REDUCED = [  # sum and avg partials reduced together: one all_reduce(sum) over both axes, then / the avg axes
+    pytest.param(P2((2, 2), (8, 12), (Partial("sum"), Partial("avg")), (Replicate(), Replicate())), id="2x2"),
+    pytest.param(P2((2, 3), (5, 6), (Partial("sum"), Partial("avg")), (Replicate(), Replicate())), id="2x3"),
+    pytest.param(P2((2, 3), (5, 6), (Partial("avg"), Partial("sum")), (Replicate(), Replicate())), id="2x3 avg first"),
+    pytest.param(P2((3, 2, 2), (6, 4), (Partial("avg"), Shard(1), Partial("sum")), (Replicate(), Shard(1), Replicate())),
+                 id="3x2x2 around a shard"),
+]
+
+
+@pytest.mark.parametrize("pair", MIXED_REDUCED)
+def test_mixed_sum_and_avg_partials_are_reduced_by_one_collective(world, pair):
+    """From DTensor's own partial blocks, one collective ends on DTensor's replicated blocks."""
+    t = global_tensor(pair.src.shape, 0)
+    src_blocks, want, _ = dtensor_redistribute(world, t, pair)
+    plan = plan_redistribute(pair.src.layout(), pair.dst.layout())
+    assert (len(plan.collectives), _differ(simulate_plan(plan, t, src_blocks).outputs, want)) == (1, [])
+
+
 NOT_COMMUTING = [  # DTensor refuses these mixes (from_local, distribute_tensor): fxshard refuses them too
     pytest.param(Case((2, 2), (4,), (Partial("sum"), Partial("max"))), id="P(sum),P(max)"),
     pytest.param(Case((2, 2), (4,), (Partial("min"), Partial("avg"))), id="P(min),P(avg)"),
