@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, exact_div
 from .mesh import MeshAxis, Size, as_size
 
+MIXED_SUM_AVG = "sum+avg"  # one reduction of sum axes and avg axes together: a sum, divided by the avg axes' size
 STEP_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange", "local_shard", "local_partial")
 
 
@@ -49,6 +50,18 @@ class Step:
         return as_size(n)
 
     @property
+    def collective_op(self) -> str | None:
+        """The op the collective reduces with: sum for avg and for sum and avg mixed (then ``divisor``)."""
+        return "sum" if self.reduce_op in ("avg", MIXED_SUM_AVG) else self.reduce_op
+
+    @property
+    def divisor(self) -> Size:
+        """What the reduced sum is divided by: the size of the avg axes this step reduces (1 for none)."""
+        if self.reduce_op not in ("avg", MIXED_SUM_AVG):
+            return 1
+        return exact_div(_avg_size(self.before), _avg_size(self.after))
+
+    @property
     def is_local(self) -> bool:
         return self.kind.startswith("local")
 
@@ -58,6 +71,13 @@ class Step:
             where = f" dim {self.dim if self.dim is not None else '*'}->{self.to_dim}"
         op = f" {self.reduce_op}" if self.reduce_op else ""
         return f"{self.kind}({','.join(str(a) for a in self.axes)}{where}{op})"
+
+
+def _avg_size(layout: Layout) -> Size:
+    n: Size = 1
+    for a, op in layout.partial:
+        n = n * a.size if op == "avg" else n
+    return n
 
 
 @dataclass(frozen=True)

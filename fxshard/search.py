@@ -41,7 +41,7 @@ from .costs import CostModel, collective_bytes, dtype_size
 from .exchange import cuts_nest, received_elements, received_even, spans
 from .layout import LINEAR_REDUCE_OPS, Layout
 from .mesh import MeshAxis, Size, as_size
-from .plans import Plan, Step
+from .plans import MIXED_SUM_AVG, Plan, Step
 
 MAX_STATES = 4000  # a search that pops more states than this falls back to its best plan so far
 EXCHANGE_TRIES = 3  # exchanges are priced from the first states popped with no reduction pending
@@ -64,13 +64,24 @@ class Search:
     def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel):
         self.src, self.dst, self.model = src, dst, model
         self.itemsize = dtype_size(dtype)
-        self.atoms = Atoms.of([src, dst])
+        self.frozen = frozen_dims(src, dst)
+        self.shape = _search_shape(src, self.frozen)
+        plain_src, plain_dst = (_without_dims(x, self.frozen, self.shape) for x in (src, dst))
+        self.atoms = Atoms.of([plain_src, plain_dst])
         self.sizes = [a.size for a in self.atoms.axes]
-        self.start, self.goal = self.atoms.state(src), self.atoms.state(dst)
+        self.start, self.goal = self.atoms.state(plain_src), self.atoms.state(plain_dst)
         self.goal_where = _where(self.goal)
         self.goal_strides = [stride_of(p) for p in self.goal.dims]
         self._local_bytes: dict = {}
         self._groups: dict = {}
+
+    def layout(self, state: State) -> Layout:
+        """The layout of ``state``, its frozen dims (unequal blocks the search holds still) restored."""
+        plain = self.atoms.layout(state, self.shape)
+        if not self.frozen:
+            return plain
+        return Layout(self.src.mesh, self.src.shape,
+                      [self.src.dims[d] if d in self.frozen else plain.dims[d] for d in range(plain.ndim)], plain.partial)
 
     # -- moves --------------------------------------------------------------------------------
     def moves(self, state: State) -> Iterator[Move]:
@@ -83,7 +94,7 @@ class Search:
             here_kind, there_kind = type(here), type(there)  # InDim, Pending, or NoneType (a free atom)
             if here == there and (here_kind is not InDim or self._in_place(state, strides[here.dim], a, here.dim)):
                 continue
-            key = (here_kind, there_kind, here.op if here_kind is Pending else None)
+            key = (here_kind, there_kind, _op_class(here.op) if here_kind is Pending else None)
             classes.setdefault(key, []).append(a)
         for (src_kind, dst_kind, _), members in classes.items():
             for ids in _groups(members, self.atoms.axes):
@@ -98,7 +109,8 @@ class Search:
     def _moves_for(self, state: State, where: dict, src_kind: type, dst_kind: type, ids: frozenset) -> Iterator[Move]:
         dims, partial = state
         if src_kind is Pending:
-            op = where[next(iter(ids))].op
+            ops = {where[a].op for a in ids}
+            op = ops.pop() if len(ops) == 1 else MIXED_SUM_AVG  # one sum over both, divided by the avg atoms
             rest = tuple(p for p in partial if p.atom not in ids)
             yield Move("all_reduce", ids, make_state((dims, rest)), op)
             if dst_kind is InDim:
@@ -156,7 +168,10 @@ class Search:
         return tuple(out)
 
     def _park(self, dims: tuple, ids: frozenset, e: int) -> tuple | None:
-        """``dims`` with ``ids`` sharding the front of dim ``e``'s last local piece, where it divides."""
+        """``dims`` with ``ids`` sharding the front of dim ``e``'s last local piece, where it divides (a
+        frozen dim stands for unequal blocks: nothing parks there)."""
+        if e in self.frozen:
+            return None
         pieces = dims[e]
         last = max((i for i, p in enumerate(pieces) if p.atom is LOCAL), default=None)
         if last is None or (last + 1 < len(pieces) and pieces[last + 1].chunked):
@@ -207,7 +222,7 @@ class Search:
     def local_bytes(self, state: State) -> Size:
         got = self._local_bytes.get(state)
         if got is None:
-            got = self._local_bytes[state] = local_numel(state, self.src.shape, self.sizes) * self.itemsize
+            got = self._local_bytes[state] = local_numel(state, self.shape, self.sizes) * self.itemsize
         return got
 
     def group(self, ids: frozenset) -> tuple[tuple[MeshAxis, ...], Size]:
@@ -252,7 +267,7 @@ class Search:
         group = self.atoms.group(moving)
         received = received_even(state, target)
         if received is None:  # uneven or non-nesting: count on the layouts
-            before, after = self.atoms.layout(state, self.src.shape), self.atoms.layout(target, self.src.shape)
+            before, after = self.layout(state), self.layout(target)
             received = received_elements(before, after)
         nbytes = received * self.itemsize
         pack = 2 * (self.local_bytes(state) + self.local_bytes(target))  # index gathers on both ends
@@ -260,10 +275,36 @@ class Search:
         return group, nbytes, cost
 
 
+def frozen_dims(src: Layout, dst: Layout) -> frozenset[int]:
+    """Dims of unequal blocks (an uneven _StridedShard) that two layouts share: the search holds them
+    still, as one local piece of the most elements a rank has there (no atom state holds such a dim)."""
+    return frozenset(d for d, pieces in enumerate(src.dims)
+                     if pieces == dst.dims[d] and any(p.uneven_blocks for p in pieces))
+
+
+def _search_shape(layout: Layout, frozen: frozenset[int]) -> tuple:
+    """``layout``'s shape with each frozen dim the most elements one rank holds of it."""
+    coords = list(layout.mesh.coordinates()) if frozen else []
+    return tuple(max(len(layout.local_index_list(d, c)) for c in coords) if d in frozen else size
+                 for d, size in enumerate(layout.shape))
+
+
+def _without_dims(layout: Layout, frozen: frozenset[int], shape: tuple) -> Layout:
+    """``layout`` in the search's shape, its frozen dims local."""
+    if not frozen:
+        return layout
+    return Layout(layout.mesh, shape, [() if d in frozen else p for d, p in enumerate(layout.dims)], layout.partial)
+
+
 def _chunks_local_block(pieces: tuple, i: int) -> bool:
     """Whether the chunked piece ``pieces[i]`` splits a dim's whole local block: it is the last piece
     and every piece before it is sharded (the block a rank holds, cut with torch.chunk)."""
     return i == len(pieces) - 1 and all(p.atom is not LOCAL for p in pieces[:i])
+
+
+def _op_class(op: str) -> str:
+    """Pending ops reduced together: sum and avg (sum, then a division), or one other op alone."""
+    return MIXED_SUM_AVG if op in LINEAR_REDUCE_OPS else op
 
 
 def _where(state: State) -> dict[int, InDim | Pending]:
@@ -366,10 +407,10 @@ def shortest_path(search: Search) -> tuple[list, float] | None:
 
 
 def to_plan(search: Search, path: list, cost: float, dtype: torch.dtype) -> Plan:
-    atoms, shape = search.atoms, search.src.shape
+    atoms = search.atoms
     steps = []
     for before, move, nbytes in path:
-        b, a = atoms.layout(before, shape), atoms.layout(move.state, shape)
+        b, a = search.layout(before), search.layout(move.state)
         dims_from = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(before.dims[d]) & move.ids})
         dims_to = sorted({d for d in range(b.ndim) if b.dims[d] != a.dims[d] and atoms_in(move.state.dims[d]) & move.ids})
         dim, to_dim = _step_dims(move.kind, dims_from, dims_to)

@@ -134,10 +134,8 @@ def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: 
     rest_numel = math.prod(sizes[k] for k in rest)
     y = _rearrange(e, x, before_keys, front + rest, sizes, [n, rest_numel], before_shape)
     if kind == "reduce_scatter":
-        op = "sum" if step.reduce_op == "avg" else step.reduce_op
-        y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, y, op, n, group))
-        y = e(aten.view.default, y, after_shape)
-        return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
+        y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, y, step.collective_op, n, group))
+        return _divided(e, e(aten.view.default, y, after_shape), step)
     if kind == "all_to_all":
         y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, y, [1] * n, [1] * n, group))
         return _rearrange(e, y, [("lead", lab) for lab in lead] + rest, after_keys, sizes, after_shape)
@@ -154,6 +152,23 @@ def _exchange(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group: s
     both = e(aten.cat.default, [flat, recv])
     out = e(aten.index_select.default, both, 0, e.constant(tables.unpack_index, "exchange_unpack"))
     return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
+
+
+def _local_gather(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate) -> fx.Node:
+    """A local_shard into or out of unequal blocks: every rank holds its target block already (an
+    exchange that receives nothing), picked from its own block by an index table."""
+    tables = exchange_tables(step.before, step.after, step.axes, coordinate)
+    if sum(tables.recv_splits):
+        raise LoweringError(f"{step}: a rank lacks elements of {step.after}; that is an exchange, not a local_shard")
+    flat = e(aten.reshape.default, x, [-1])
+    out = e(aten.index_select.default, flat, 0, e.constant(tables.unpack_index, "local_gather"))
+    return e(aten.view.default, out, [int(s) for s in step.after.local_shape(coordinate)])
+
+
+def _changes_unequal_blocks(step: Step) -> bool:
+    """Whether a dim the step changes is one of unequal blocks (before or after)."""
+    return any(any(p.uneven_blocks for p in step.before.dims[d] + step.after.dims[d])
+               for d in range(step.before.ndim) if step.before.dims[d] != step.after.dims[d])
 
 
 class _Varying(int):
@@ -178,9 +193,8 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
     group = group_name(step.axes) if not step.is_local else ""
 
     if kind == "all_reduce":
-        op = "sum" if step.reduce_op == "avg" else step.reduce_op
-        y = e(c10d.wait_tensor.default, e(c10d.all_reduce.default, x, op, group))
-        return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
+        y = e(c10d.wait_tensor.default, e(c10d.all_reduce.default, x, step.collective_op, group))
+        return _divided(e, y, step)
 
     if kind == "local_partial":
         holds = step.reduce_op not in IDENTITY or all(a.coordinate(coord[a.name]) == 0 for a in step.axes)
@@ -188,6 +202,9 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
 
     if kind == "exchange":
         return _exchange(e, x, step, coordinate, group)
+
+    if kind == "local_shard" and _changes_unequal_blocks(step):
+        return _local_gather(e, x, step, coordinate)
 
     if _is_uneven(step):
         return _uneven(e, x, step, coord, group)
@@ -248,13 +265,17 @@ def _reduce_scatter_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int],
     padded = e(aten.constant_pad_nd.default, x, pad, 0.0)
     if d:
         padded = _contiguous(e, e(aten.movedim.int, padded, d, 0))
-    op = "sum" if step.reduce_op == "avg" else step.reduce_op
-    y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, padded, op, n, group))
+    y = e(c10d.wait_tensor.default, e(c10d.reduce_scatter_tensor.default, padded, step.collective_op, n, group))
     if d:
         y = _contiguous(e, e(aten.movedim.int, y, 0, d))
     start = min(c * chunk, total)
-    y = _sliced(e, y, d, 0, max(0, min(chunk, total - start)))
-    return e(aten.div.Tensor, y, n) if step.reduce_op == "avg" else y
+    return _divided(e, _sliced(e, y, d, 0, max(0, min(chunk, total - start))), step)
+
+
+def _divided(e: _Emit, y: fx.Node, step: Step) -> fx.Node:
+    """A reduced sum divided by the size of the avg axes the step reduced (sum and avg may be mixed)."""
+    n = int(step.divisor)
+    return e(aten.div.Tensor, y, n) if n != 1 else y
 
 
 def _sliced(e: _Emit, x: fx.Node, d: int, start: int, end: int) -> fx.Node:
