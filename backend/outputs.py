@@ -69,9 +69,10 @@ def _plain(local: torch.Tensor) -> torch.Tensor:
 class AsDTensor:
     """Wraps a local block of ``layout`` as a DTensor, as ``layout_as_dtensor`` does, without redoing
     per call what depends only on the layout: the first output of each dtype goes through
-    ``DTensor.from_local`` (all its checks); later ones share its spec (DTensor's own constructor,
-    as from_local's ``run_check=False`` path builds it). A block that requires grad always goes
-    through ``from_local``: its autograd node carries the gradient back into the program."""
+    ``DTensor.from_local`` (all its checks); later ones share its spec, built as from_local's
+    ``run_check=False`` path builds one (``DTensor.__new__``, whose ``__init__`` does nothing but costs
+    a Dynamo-disabled call). A block that requires grad always goes through ``from_local``: its
+    autograd node carries the gradient back into the program."""
 
     def __init__(self, layout: Layout, device_mesh: Any):
         self.layout = layout
@@ -82,7 +83,7 @@ class AsDTensor:
     def __call__(self, local: torch.Tensor) -> Any:
         spec = None if local.requires_grad else self.specs.get(local.dtype)
         if spec is not None:
-            return DTensor(local.view_as(local), spec, requires_grad=False)
+            return DTensor.__new__(DTensor, local.view_as(local), spec, requires_grad=False)
         if self.written is None:
             self.written = written_placements(self.layout)
         out = as_dtensor(local, self.device_mesh, self.written[0], self.layout.shape, self.written[1])
