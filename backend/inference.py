@@ -19,8 +19,8 @@ from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
 from .inductor_config import BucketPolicy, block_bytes, compile_local
-from .inputs import local_shards
-from .outputs import returned
+from .inputs import InputReader
+from .outputs import OutputWriter
 from .report import StageReporter
 
 
@@ -42,6 +42,8 @@ class InferenceProgram:
         self.output_layouts = output_layouts(planned)
         # per output: None (a DTensor) or the layout whose plain block the user's program holds (outputs.py)
         self.eager = list(eager_layouts) or [None] * len(self.output_layouts)
+        self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)
+        self.write_outputs = OutputWriter(self.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
         # a bucket per block's parameter gathers, others capped at a block's bytes (inductor_config.py)
         self.buckets = BucketPolicy(block_bytes(self.local_graph)) if bucketing else None
@@ -55,15 +57,14 @@ class InferenceProgram:
             self._warned_grad = True
             warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
                           "required grad, or under torch.no_grad()): its outputs carry no gradient", stacklevel=2)
-        local = local_shards(args, self.positions, self.input_layouts, self.coordinate, differentiable=False)
+        local = self.read_inputs(args, differentiable=False)
         if self._run is None:
             self._run = self._compile(local)
         with torch.no_grad():
             outs = self._run(*local)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
-        return tuple(returned(o, layout, self.device_mesh, eager)
-                     for o, layout, eager in zip(outs, self.output_layouts, self.eager))
+        return self.write_outputs(outs)
 
     def _compile(self, local_inputs: list[torch.Tensor]) -> Callable:
         if not self.inductor:

@@ -148,16 +148,27 @@ def input_layouts(objects: Sequence[Any], mesh: MeshSpec, keys: Sequence[Any] | 
     return layouts
 
 
-def local_shards(args: Sequence[Any], positions: Sequence[int], layouts: Sequence[Layout],
-                 coordinate: Coordinate, differentiable: bool) -> list[torch.Tensor]:
-    """This rank's block of each tensor input: a DTensor's local tensor (through ``to_local()``, so
-    its gradient comes back with its placements, when ``differentiable``), a plain tensor's block."""
-    out = []
-    for pos, layout in zip(positions, layouts):
-        x = args[pos]
-        if isinstance(x, DTensor):
-            out.append(x.to_local() if differentiable else x._local_tensor.detach())
-        else:
-            local = x if layout.is_replicated else layout.shard(x, coordinate)
-            out.append(local if differentiable else local.detach())
-    return out
+class InputReader:
+    """This rank's block of each tensor input, per call; which plain inputs need slicing is worked
+    out once per program, and a block is detached only where it requires grad (the compiled
+    inference program never records autograd)."""
+
+    def __init__(self, positions: Sequence[int], layouts: Sequence[Layout], coordinate: Coordinate):
+        self.positions = list(positions)
+        self.layouts = list(layouts)
+        self.coordinate = coordinate
+        # per input: None where a plain tensor is whole on every rank, else its layout (sliced per call)
+        self.sliced = [None if layout.is_replicated else layout for layout in self.layouts]
+
+    def __call__(self, args: Sequence[Any], differentiable: bool) -> list[torch.Tensor]:
+        """The blocks of ``args``' tensor inputs: a DTensor's local tensor (through ``to_local()``, so its
+        gradient comes back with its placements, when ``differentiable``), a plain tensor's block."""
+        out = []
+        for pos, layout in zip(self.positions, self.sliced):
+            x = args[pos]
+            if isinstance(x, DTensor):
+                local = x.to_local() if differentiable else x._local_tensor
+            else:
+                local = x if layout is None else layout.shard(x, self.coordinate)
+            out.append(local.detach() if not differentiable and local.requires_grad else local)
+        return out

@@ -19,8 +19,8 @@ from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
 from .inductor_config import BucketPolicy, block_bytes, compile_local
-from .inputs import local_shards
-from .outputs import returned
+from .inputs import InputReader
+from .outputs import OutputWriter
 from .joint import TrainingPlan
 from .report import StageReporter
 
@@ -44,6 +44,8 @@ class TrainingProgram:
         self.positions = list(program.tensor_positions)
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
         self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
+        self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)
+        self.write_outputs = OutputWriter(plan.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
         # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
@@ -55,10 +57,8 @@ class TrainingProgram:
         self._backward: Callable | None = None
 
     def __call__(self, *args: Any) -> tuple:
-        local = local_shards(args, self.positions, self.input_layouts, self.coordinate, differentiable=True)
-        outs = _TrainingStep.apply(self, *local)
-        return tuple(returned(o, layout, self.device_mesh, eager)
-                     for o, layout, eager in zip(outs, self.plan.output_layouts, self.eager))
+        outs = _TrainingStep.apply(self, *self.read_inputs(args, differentiable=True))
+        return self.write_outputs(outs)
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._run("forward", inputs)

@@ -459,7 +459,13 @@ def as_dtensor(local: Any, device_mesh: Any, placements: Sequence[Placement], sh
 
 def layout_as_dtensor(local: Any, device_mesh: Any, layout: Layout) -> Any:
     """``as_dtensor`` with ``layout``'s placements and shard order (``dtensor_spec_of``)."""
+    placements, order = written_placements(layout)
+    return as_dtensor(local, device_mesh, placements, layout.shape, order)
+
+
+def written_placements(layout: Layout) -> tuple[tuple[Placement, ...], tuple | None]:
+    """``dtensor_spec_of(layout)``, an error where DTensor cannot express the layout."""
     written = dtensor_spec_of(layout)
     if written is None:
         raise LayoutError(f"layout {layout} has no DTensor placements (sub-axes, or chunks DTensor cannot order)")
-    return as_dtensor(local, device_mesh, written[0], layout.shape, written[1])
+    return written

@@ -244,3 +244,24 @@ def test_outputs_have_the_type_and_block_eager_gives(fake_mesh_4, style, local_s
     assert tuple(out.shape) == tuple(eager.shape) == local_shape
     if local_shape == (4, 4):
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("style, exact", [
+    (lambda: ColwiseParallel(use_local_output=False), True),  # Shard(1): each rank's block, no collective
+    (lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=False), False),  # all_gather
+    (lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False), False),
+], ids=["shard", "replicate", "reduce-scatter"])
+def test_output_dtensors_of_later_calls_reuse_the_first_calls_spec(fake_mesh_4, style, exact):
+    """A DTensor output is built by DTensor.from_local on the first call and on that call's DTensorSpec
+    afterwards (backend/outputs.py: nothing that depends only on the program is worked out per call):
+    eager's spec, around the later call's block (exact where no collective runs on the fake group)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 16)
+    parallelize_module(layer, fake_mesh_4, style())
+    compiled = torch.compile(layer, backend="fxshard", options={"inductor": False})
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        first, second, eager = compiled(x), compiled(y), layer(y)
+    assert second._spec is first._spec and second._spec == eager._spec
+    if exact:
+        torch.testing.assert_close(second.to_local(), eager.to_local(), rtol=0, atol=0)

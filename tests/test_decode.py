@@ -151,3 +151,34 @@ def test_fewer_kv_heads_than_ranks_keep_one_kv_head_per_group(case, depth):
     lengths = [MAX_LEN] * (1 + decode_steps) if cache == "static" else range(PROMPT, PROMPT + 1 + decode_steps)
     layout, reduces = KV_LAYOUTS[kv_heads][mesh], arch.per_layer * layers + arch.extra
     assert steps == [(["all_reduce"] * reduces, [layout.format(n)] * 2 * layers) for n in lengths]
+
+
+@pytest.mark.slow  # ~15 s; by default tests/test_e2e_gloo.py's static generate() checks 2 programs for 3 tokens
+def test_generate_with_a_static_cache_compiles_no_program_per_token(fake_mesh_4):
+    """Hugging Face ``generate()`` through the backend (examples/generate.py's plan and static cache, sharded
+    on kv heads): the prefill and one decode step are compiled, and every later token reuses the decode
+    step (cache positions are tensors, the cache is written in place): 10 new tokens, 2 programs."""
+    import pathlib
+    import sys
+
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**generate.CONFIG, "num_hidden_layers": 1}))
+    parallelize_module(model.eval(), fake_mesh_4, generate.tensor_parallel_plan(model))
+    lowered: list[str] = []
+    model.forward = torch.compile(model.forward, backend="fxshard", options={
+        "inductor": False, "on_graph": lambda stage, gm: lowered.append(stage) if stage == "lower" else None})
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, PROMPT))
+    with torch.no_grad(), implicit_replication(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+        model.generate(ids, past_key_values=generate.sharded_cache(model, fake_mesh_4, "static", BATCH, MAX_LEN),
+                       attention_mask=torch.ones_like(ids), pad_token_id=model.config.eos_token_id,
+                       max_new_tokens=MAX_LEN - PROMPT, min_new_tokens=MAX_LEN - PROMPT, do_sample=False)
+    assert len(lowered) == 2
