@@ -125,6 +125,7 @@ OPS: dict[Any, Op] = {
     aten.mul.Tensor: signature_op(rules.mul_like),
     aten.div.Tensor: signature_op(rules.div_like),
     aten.neg.default: signature_op(rules.pointwise(lambda n: [(0,)])),
+    aten.where.self: signature_op(rules.select),  # x and y Partial together: the loss's masked picks
     aten.floor_divide.default: signature_op(rules.pointwise()),  # pointwise, untagged
     aten._to_copy.default: signature_op(rules.to_copy, recomputed_with_input=True),
     aten.view_as_complex.default: signature_op(rules.view_as_complex),

@@ -123,6 +123,13 @@ def div_like(node: Any) -> Signature:
                      [(0,)] if _tensor_positions(node)[:1] == [0] else [])
 
 
+def select(node: Any) -> Signature:
+    """where(cond, x, y): each element is x's or y's, chosen by a cond every rank holds whole, so
+    x and y Partial together (over any reduce op) give a Partial output; a replicated one is made
+    Partial on the spot (local_partial: the identity on all ranks but the first)."""
+    return broadcast([_shape(a) for a in node.args], _out_shape(node), [(1, 2)], ALL_OPS)
+
+
 SHIFT_OPS = ("avg", "max", "min")  # partial reduce ops that commute with adding the same constant on every rank
 
 

@@ -119,6 +119,10 @@ def test_fsdp_x_tensor_parallel(shape):
     fwd, bwd, _ = plan_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
     n_params = len(list(model.parameters()))
     assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
+    layers = CFG.n_layers
+    # Megatron's (2 per layer, the embedding's; the output projection's input gradient) and the loss's:
+    # the vocab-parallel max and sum on tp, the target count on dp, the loss itself on (dp, tp) at once
+    assert (fwd["all_reduce"], bwd["all_reduce"]) == (2 * layers + 1 + 4, 2 * layers + 1)
 
 
 @pytest.mark.parametrize("tp", [4, pytest.param(8, marks=pytest.mark.slow)])
