@@ -260,20 +260,25 @@ class RegionalProgram:
         self.result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
 
     def __call__(self, *args: Any) -> Any:
+        attrs = [getattr(self.gm, target) for _, target in self.attrs]
+        return self.walk(args, attrs, lambda k, inputs: (self.compiled[k] or self.compiled_region(k, inputs))(*inputs))
+
+    def walk(self, args: Sequence[Any], attrs: Sequence[Any], call: Callable[[int, list[Any]], Sequence[Any]]) -> Any:
+        """Runs the regions in order, ``call(k, inputs)`` giving region k's outputs, each value dropped after
+        its last reader; returns the program's outputs. (``simulate`` steps every rank's program at once.)"""
         env: list[Any] = [None] * self.num_slots
         env[:self.num_inputs] = args
-        for s, target in self.attrs:
-            env[s] = getattr(self.gm, target)
+        for (s, _), value in zip(self.attrs, attrs):
+            env[s] = value
         for k, (reads, writes, frees) in enumerate(self.steps):
-            inputs = [env[s] for s in reads]
-            run = self.compiled[k] or self._compile(k, inputs)
-            for s, value in zip(writes, run(*inputs)):
+            for s, value in zip(writes, call(k, [env[s] for s in reads])):
                 env[s] = value
             for s in frees:
                 env[s] = None
         return _mapped(self.result, env)
 
-    def _compile(self, k: int, inputs: list[Any]) -> Callable:
+    def compiled_region(self, k: int, inputs: list[Any]) -> Callable:
+        """Region k's compiled program, compiled on its first inputs unless a region with its key was."""
         key = region_key(self.regions[k], inputs)
         if key not in self.cache:
             self.cache[key] = self.compile_region(self.regions[k].graph, inputs)
