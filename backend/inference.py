@@ -21,7 +21,7 @@ from fxshard.timing import stage
 from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
-from .regions import RegionalProgram, program_regions
+from .regions import Region, RegionalProgram, program_regions
 from .report import StageReporter
 
 
@@ -68,6 +68,10 @@ class InferenceProgram:
         return tuple(returned(o, layout, self.device_mesh, eager)
                      for o, layout, eager in zip(outs, self.output_layouts, self.eager))
 
+    def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
+        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
+        return compile_local(region.graph, inputs, self.bucket_cap) if region.layer else region.graph
+
     def _compile_and_run(self, local_inputs: list[torch.Tensor]) -> Any:
         """The first call: Inductor compiles the program (regionally: each region as the call reaches it)."""
         if not self.inductor:
@@ -77,8 +81,7 @@ class InferenceProgram:
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
             regions = program_regions(self.local_graph) if self.regional else []
             if regions:
-                self._run = RegionalProgram(self.local_graph, regions,
-                                            lambda gm, inputs: compile_local(gm, inputs, self.bucket_cap))
+                self._run = RegionalProgram(self.local_graph, regions, self._compile_region)
             else:
                 self._run = compile_local(self.local_graph, local_inputs, self.bucket_cap)
             return self._run(*local_inputs)

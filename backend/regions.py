@@ -5,17 +5,21 @@ weights. So the local forward (backward) is cut into contiguous regions, prologu
 (``layers.N``), epilogue; a region is keyed by its code (nodes renamed by position) and its inputs'
 shapes, strides and dtypes; one region per key goes to ``compile_local`` and every region with that
 key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
+The prologue and the epilogue (embedding, final norm, output projection, loss) run as their graphs,
+without Inductor, as torchtitan compiles only the blocks: each is one region whose compile nothing
+amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md).
 
 Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
 (the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other
 input is prologue (-1) or, when it first meets the rest of the program after the last layer's
 parameters do (final norm, output projection, targets), epilogue; every node joins the latest
-region among its inputs'. Backward: a saved value places a node in the region of the forward nodes that read
-it (where the backward of those nodes is), a tangent in the epilogue, and every node joins the
-earliest among its inputs' regions (gradients flow from the last layer to the first). A node computed from no input joins the one region that reads it, or the
-program's first. Nodes keep their order within a region and the regions run in order (forward
-ascending, backward descending): a valid order, since each node's region follows its inputs'.
-Collectives move with their region, in the same order on every rank.
+region among its inputs', and what runs between two layers (the next norm's statistics) the later
+one. Backward: a saved value places a node in the region of the forward nodes that read it (where
+their backward is), a tangent in the epilogue, and every node joins the earliest region among its
+inputs' (gradients flow from the last layer to the first). A node computed from no input joins the
+one region that reads it, or the program's first. Nodes keep their order within a region and the
+regions run in order (forward ascending, backward descending): a valid order, since each node's
+region follows its inputs'. Collectives move with their region, in the same order on every rank.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class Region:
     graph: fx.GraphModule  # placeholders in_0..., nodes v0..., returns a tuple
     inputs: list[fx.Node]  # the outer program's values it reads, in its placeholders' order
     outputs: list[fx.Node]  # its values read after it, in its output tuple's order
+    layer: bool = True  # False for the prologue and the epilogue
 
 
 def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -67,7 +72,8 @@ def forward_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
     for p in gm.graph.find_nodes(op="placeholder"):
         late = last_meets is not None and meets.get(p, -1) > last_meets
         index[p] = layers.get(p, last + 1 if late else -1)
-    return _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
+    region = _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
+    return _sink(gm, region, runs_before=lambda a, b: a < b)
 
 
 def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: int) -> dict[fx.Node, int]:
@@ -76,7 +82,7 @@ def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: 
     epilogue's."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = {p: saved[k] if k < len(saved) else epilogue for k, p in enumerate(placeholders)}
-    return _assign(gm, sources, min, first=epilogue, final=-1)
+    return _sink(gm, _assign(gm, sources, min, first=epilogue, final=-1), runs_before=lambda a, b: a > b)
 
 
 def saved_regions(forward: fx.GraphModule, region: Mapping[fx.Node, int], num_outputs: int) -> list[int | None]:
@@ -160,6 +166,19 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
     return moved
 
 
+def _sink(gm: fx.GraphModule, region: dict[fx.Node, int], runs_before: Callable[[int, int], bool]) -> dict[fx.Node, int]:
+    """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
+    moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
+    viewed for the next layer's matmul, the embedding gradient's zeros)."""
+    for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
+        readers = {region[u] for u in node.users if u.op != "output"}
+        if len(node.all_input_nodes) <= 1 and len(readers) == 1:
+            (reader,) = readers
+            if runs_before(region[node], reader):
+                region[node] = reader
+    return region
+
+
 def _assign(gm: fx.GraphModule, sources: Mapping[fx.Node, int], combine: Callable[..., int], first: int,
             final: int) -> dict[fx.Node, int]:
     """Each computing node's region: ``combine`` of its inputs'; a node reading no input: the one region
@@ -221,14 +240,14 @@ def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
 
 
 class RegionalProgram:
-    """Runs a program region by region; ``compile_region(graph, inputs)`` is called once per key.
+    """Runs a program region by region; ``compile_region(region, inputs)`` is called once per key.
 
     ``cache`` (key -> compiled region) may be shared by programs (a training step's forward and
     backward). The first call compiles each region as it reaches it, with its real inputs.
     """
 
     def __init__(self, gm: fx.GraphModule, regions: Sequence[Region],
-                 compile_region: Callable[[fx.GraphModule, list[Any]], Callable], cache: dict | None = None):
+                 compile_region: Callable[[Region, list[Any]], Callable], cache: dict | None = None):
         self.gm = gm
         self.regions = list(regions)
         self.compile_region = compile_region
@@ -281,7 +300,7 @@ class RegionalProgram:
         """Region k's compiled program, compiled on its first inputs unless a region with its key was."""
         key = region_key(self.regions[k], inputs)
         if key not in self.cache:
-            self.cache[key] = self.compile_region(self.regions[k].graph, inputs)
+            self.cache[key] = self.compile_region(self.regions[k], inputs)
         self.compiled[k] = self.cache[key]
         return self.compiled[k]
 
@@ -301,7 +320,7 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
 def program_regions(gm: fx.GraphModule) -> list[Region]:
     """A forward (inference) program's regions; empty where regions gain nothing (one region, or an
     op other than a function call, which a region cannot hold)."""
-    return _worth_it(gm, forward_regions(gm))
+    return _worth_it(gm, forward_regions(gm), _last_layer(gm))
 
 
 def training_regions(forward: fx.GraphModule, backward: fx.GraphModule,
@@ -312,12 +331,19 @@ def training_regions(forward: fx.GraphModule, backward: fx.GraphModule,
         return [], []
     epilogue = max(region.values()) + 1 if region else 0
     saved = saved_regions(forward, region, num_outputs)
-    return (_worth_it(forward, region),
-            _worth_it(backward, backward_regions(backward, saved, epilogue), descending=True))
+    last = _last_layer(forward)
+    return (_worth_it(forward, region, last),
+            _worth_it(backward, backward_regions(backward, saved, epilogue), last, descending=True))
 
 
-def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending: bool = False) -> list[Region]:
+def _last_layer(gm: fx.GraphModule) -> int:
+    return max(layer_of_inputs(gm).values(), default=-1)
+
+
+def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False) -> list[Region]:
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     regions = split_regions(gm, region, descending)
+    for r in regions:
+        r.layer = 0 <= r.index <= last
     return regions if len(regions) > 1 else []

@@ -133,7 +133,7 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
     a region whose key an earlier one had runs that earlier region's graph. Returns each rank's
     outputs and how many region graphs rank 0 ran (what it would compile)."""
     ranks = len(graphs)
-    programs = [RegionalProgram(g, rs, lambda gm, _: gm) for g, rs in zip(graphs, regions)]
+    programs = [RegionalProgram(g, rs, lambda region, _: region.graph) for g, rs in zip(graphs, regions)]
     if any(p.steps != programs[0].steps for p in programs):
         raise RuntimeError("the ranks' local programs have different regions; they are not SPMD")
     args = [tuple(inputs[r][i] for r in range(ranks)) for i in range(len(inputs[0]))]

@@ -22,7 +22,7 @@ from .inductor_config import block_bytes, compile_local
 from .inputs import local_shards
 from .outputs import returned
 from .joint import TrainingPlan
-from .regions import RegionalProgram, training_regions
+from .regions import Region, RegionalProgram, training_regions
 from .report import StageReporter
 
 
@@ -92,8 +92,9 @@ class TrainingProgram:
             return compile_local(gm, inputs, self.bucket_cap)
         return RegionalProgram(gm, regions, self._compile_region, self.region_cache)
 
-    def _compile_region(self, gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
-        return compile_local(gm, inputs, self.bucket_cap)
+    def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
+        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
+        return compile_local(region.graph, inputs, self.bucket_cap) if region.layer else region.graph
 
     def _regions(self) -> tuple[list, list]:
         if self._region_split is None:
