@@ -166,7 +166,8 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
     return moved
 
 
-def _sink(gm: fx.GraphModule, region: dict[fx.Node, int], runs_before: Callable[[int, int], bool]) -> dict[fx.Node, int]:
+def _sink(gm: fx.GraphModule, region: dict[fx.Node, int],
+          runs_before: Callable[[int, int], bool]) -> dict[fx.Node, int]:
     """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
     moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
     viewed for the next layer's matmul, the embedding gradient's zeros)."""
