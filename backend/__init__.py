@@ -4,7 +4,8 @@
 entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
 without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
 ``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
-``backend/inductor_config.py``),
+``backend/inductor_config.py``), ``regional`` (True compiles each distinct layer once instead of giving Inductor the whole local
+program: less compile time, collectives bucketed and overlapped within a layer only: ``backend/regions.py``),
 ``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
 as text: ``<graph>_<n>_<stage>.txt``).
@@ -39,7 +40,7 @@ from .dtensor_rules import lend_rules_to_dtensor  # noqa: E402
 
 lend_rules_to_dtensor()
 
-_OPTIONS = {"strict", "inductor", "bucketing", "cost_model", "on_graph", "debug_dir"}
+_OPTIONS = {"strict", "inductor", "bucketing", "regional", "cost_model", "on_graph", "debug_dir"}
 
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
@@ -67,7 +68,8 @@ def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter:
 
     return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
                            cost_model=options.get("cost_model"), inductor=options.get("inductor", True),
-                           bucketing=options.get("bucketing", True), reporter=reporter)
+                           bucketing=options.get("bucketing", True), regional=options.get("regional", False),
+                           reporter=reporter)
 
 
 def _trains(inputs: Sequence[Any]) -> bool:

@@ -36,7 +36,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
                  strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-                 bucketing: bool = True):
+                 bucketing: bool = True, regional: bool = False):
         self.fn = fn
         self.module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         if self.module is not None and not isinstance(self.module, torch.nn.Module):
@@ -44,6 +44,7 @@ class CompiledFunction:
         self.device_mesh = device_mesh
         self.placements = dict(placements or {})
         self.strict, self.cost_model, self.inductor, self.bucketing = strict, cost_model, inductor, bucketing
+        self.regional = regional
         self._programs: dict[tuple, tuple[Any, list[tuple[str, Any]]]] = {}
         self.last: Any = None  # the program of the latest call (TrainingProgram or InferenceProgram)
 
@@ -103,16 +104,16 @@ class CompiledFunction:
         runner = compile_program(captured.gm, captured.example_inputs, training=training, device_mesh=device_mesh,
                                  mesh=spec, layouts=layouts, names=names, strict=self.strict,
                                  cost_model=self.cost_model, inductor=self.inductor, bucketing=self.bucketing,
-                                 reporter=reporter)
+                                 regional=self.regional, reporter=reporter)
         return runner, sources
 
 
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-            bucketing: bool = True) -> CompiledFunction:
+            bucketing: bool = True, regional: bool = False) -> CompiledFunction:
     """Compile ``fn`` (a module, or a method of one, or a function) for the mesh of its DTensor
     parameters and arguments; plain tensor arguments are replicated unless ``placements`` (by
-    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``:
-    as the backend option (``backend/inductor_config.py``)."""
-    return CompiledFunction(fn, device_mesh, placements, strict, cost_model, inductor, bucketing)
+    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``
+    and ``regional``: as the backend options (``backend/inductor_config.py``, ``backend/regions.py``)."""
+    return CompiledFunction(fn, device_mesh, placements, strict, cost_model, inductor, bucketing, regional)
 

@@ -107,8 +107,8 @@ def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | 
 
 
 def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
-                    inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
-                    **plan_options: Any) -> InferenceProgram | TrainingProgram:
+                    inductor: bool = True, bucketing: bool = True, regional: bool = False,
+                    reporter: StageReporter | None = None, **plan_options: Any) -> InferenceProgram | TrainingProgram:
     """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
     ``device_mesh`` defaults to the one of the DTensor inputs."""
     reporter = reporter or StageReporter()
@@ -118,7 +118,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     if planned.training is not None:
         with reporter.timing():
             runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing,
-                                          reporter=reporter, eager_layouts=eager)
+                                          reporter=reporter, eager_layouts=eager, regional=regional)
         reporter.stage_summary()
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
@@ -128,7 +128,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     with reporter.timing():
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
-                                  bucketing=bucketing, reporter=reporter, eager_layouts=eager)
+                                  bucketing=bucketing, reporter=reporter, eager_layouts=eager, regional=regional)
     reporter.stage_summary()
     reporter("lower", runner.local_graph)
     reporter.summarize(planned.graph)

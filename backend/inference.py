@@ -21,6 +21,7 @@ from fxshard.timing import stage
 from .inductor_config import BucketPolicy, block_bytes, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
+from .regions import Region, RegionalProgram, program_regions
 from .report import StageReporter
 
 
@@ -29,7 +30,7 @@ class InferenceProgram:
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
                  input_layouts: Sequence[Layout], inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
-                 eager_layouts: Sequence[Any] = ()):
+                 eager_layouts: Sequence[Any] = (), regional: bool = False):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
@@ -47,6 +48,7 @@ class InferenceProgram:
         self.inductor = inductor
         # a bucket per block's parameter gathers, others capped at a block's bytes (inductor_config.py)
         self.buckets = BucketPolicy(block_bytes(self.local_graph)) if bucketing else None
+        self.regional = regional  # compile each distinct layer once (backend/regions.py)
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
@@ -59,15 +61,28 @@ class InferenceProgram:
                           "required grad, or under torch.no_grad()): its outputs carry no gradient", stacklevel=2)
         local = self.read_inputs(args, differentiable=False)
         if self._run is None:
-            self._run = self._compile(local)
-        with torch.no_grad():
-            outs = self._run(*local)
+            outs = self._compile_and_run(local)
+        else:
+            with torch.no_grad():
+                outs = self._run(*local)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         return self.write_outputs(outs)
 
-    def _compile(self, local_inputs: list[torch.Tensor]) -> Callable:
+    def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
+        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
+        return compile_local(region.graph, inputs, self.buckets) if region.layer else region.graph
+
+    def _compile_and_run(self, local_inputs: list[torch.Tensor]) -> Any:
+        """The first call: Inductor compiles the program (regionally: each region as the call reaches it)."""
         if not self.inductor:
-            return self.local_graph
+            self._run = self.local_graph
+            with torch.no_grad():
+                return self._run(*local_inputs)
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            return compile_local(self.local_graph, local_inputs, self.buckets)
+            regions = program_regions(self.local_graph) if self.regional else []
+            if regions:
+                self._run = RegionalProgram(self.local_graph, regions, self._compile_region)
+            else:
+                self._run = compile_local(self.local_graph, local_inputs, self.buckets)
+            return self._run(*local_inputs)

@@ -35,6 +35,7 @@ from .capture import Captured, capture_graphs
 from .driver import PlannedProgram, plan_function
 from .graph_runs import RunPlanner
 from .inputs import named_inputs
+from .regions import Region, RegionalProgram, program_regions, training_regions
 
 
 @contextlib.contextmanager
@@ -126,6 +127,35 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
     return outputs
 
 
+def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]],
+                         inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
+    """``run_lockstep`` region by region, as regional compilation runs each rank's program (regions.py):
+    a region whose key an earlier one had runs that earlier region's graph. Returns each rank's
+    outputs and how many region graphs rank 0 ran (what it would compile)."""
+    ranks = len(graphs)
+    programs = [RegionalProgram(g, rs, lambda region, _: region.graph) for g, rs in zip(graphs, regions)]
+    if any(p.steps != programs[0].steps for p in programs):
+        raise RuntimeError("the ranks' local programs have different regions; they are not SPMD")
+    args = [tuple(inputs[r][i] for r in range(ranks)) for i in range(len(inputs[0]))]
+    attrs = [tuple(getattr(p.gm, p.attrs[j][1]) for p in programs) for j in range(len(programs[0].attrs))]
+
+    def call(k: int, values: list[Any]) -> list[tuple]:
+        per_rank = [[v[r] for v in values] for r in range(ranks)]
+        outs = run_lockstep([p.compiled_region(k, per_rank[r]) for r, p in enumerate(programs)], per_rank)
+        return [tuple(o[j] for o in outs) for j in range(len(outs[0]))]
+
+    result = programs[0].walk(args, attrs, call)
+    return [[v[r] for v in result] for r in range(ranks)], len(programs[0].cache)
+
+
+def _run_ranks(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]] | None,
+               inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
+    """Every rank's program in lockstep, whole or (``regions``) region by region."""
+    if regions is None or not regions[0]:
+        return run_lockstep(graphs, inputs), 0
+    return run_regions_lockstep(graphs, regions, inputs)
+
+
 def _rank_ints(per_rank: Sequence[Sequence[int]]) -> list:
     """Per-rank int lists -> one list of SymInts that hold each rank's value."""
     return [torch.SymInt(LocalIntNode({r: int(v[k]) for r, v in enumerate(per_rank)}))
@@ -147,6 +177,7 @@ class SimulatedRun:
     grad_layouts: tuple = ()
     grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
     graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one), for its plans
+    region_graphs: int = 0  # regional: the distinct region graphs rank 0 ran, forward and backward (else 0)
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""
@@ -167,13 +198,15 @@ def _unshard(coords: Sequence[tuple[int, ...]], per_rank: Sequence[Sequence[torc
 def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                    strict: bool = False, cost_model: CostModel | None = None,
                    local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None, grad: bool = False,
-                   grad_outputs: Sequence[torch.Tensor] | None = None) -> SimulatedRun:
+                   grad_outputs: Sequence[torch.Tensor] | None = None, regional: bool = False) -> SimulatedRun:
     """Like ``simulate`` but keeps each rank's local outputs.
 
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
     (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
     With ``grad`` the joint forward+backward program runs (backend/joint.py): gradients of
     the inputs that require grad, seeded with ``grad_outputs`` (default ones), come back too.
+    ``regional``: each rank's programs run region by region, as regional compilation cuts and
+    reuses them (backend/regions.py); each region runs as a graph, without Inductor.
     """
     captured, planned = plan_function(fn, args, mesh=mesh, placements=placements, training=grad, strict=strict,
                                       cost_model=cost_model)
@@ -189,18 +222,27 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     with fake_world(spec, device) as device_mesh:
         groups = MeshGroups(device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
-        per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords])
+        backward = [lower(localize(training.backward, c), c, groups) for c in coords] if grad else []
+        if not regional:
+            regions = None, None
+        elif grad:
+            split = [training_regions(f, b, training.num_outputs) for f, b in zip(graphs, backward)]
+            regions = [f for f, _ in split], [b for _, b in split]
+        else:
+            regions = [program_regions(g) for g in graphs], None
+        per_rank, compiled = _run_ranks(graphs, regions[0], [[b[c] for b in blocks] for c in coords])
         if not grad:
-            return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph)
+            return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph, region_graphs=compiled)
         n = training.num_outputs
         run = SimulatedRun(coords, [outs[:n] for outs in per_rank], training.output_layouts)
         seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
         tangents = [{c: layout.shard(t, c) for c in coords} for t, layout in zip(seeds, training.output_layouts)]
-        backward = [lower(localize(training.backward, c), c, groups) for c in coords]
-        grads = run_lockstep(backward, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
+        grads, compiled_backward = _run_ranks(
+            backward, regions[1], [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
     names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
-    return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph)
+    return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph,
+                        compiled + compiled_backward)
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,

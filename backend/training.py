@@ -22,6 +22,7 @@ from .inductor_config import BucketPolicy, block_bytes, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
+from .regions import Region, RegionalProgram, training_regions
 from .report import StageReporter
 
 
@@ -29,7 +30,7 @@ class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
     def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True, bucketing: bool = True,
-                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = ()):
+                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (), regional: bool = False):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         groups = MeshGroups(device_mesh)
         self.plan = plan
@@ -52,6 +53,10 @@ class TrainingProgram:
         cap = block_bytes(self.forward_graph)
         grads = tuple(program.input_names[k] for k in plan.grad_inputs)
         self.buckets = {"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, grads)} if bucketing else None
+        # compile each distinct layer once (backend/regions.py); the cache is shared by forward and backward
+        self.regional = regional
+        self.region_cache: dict = {}
+        self._region_split: tuple[list, list] | None = None
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
@@ -67,17 +72,39 @@ class TrainingProgram:
         return self._run("backward", inputs)
 
     def _run(self, which: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Run the forward or backward program; Inductor compiles it on its first call, with these inputs."""
+        """Run the forward or backward program; Inductor compiles it on its first call, with these inputs
+        (regionally: each region as the first call reaches it, so that call is timed with the compile)."""
         inputs = [x.detach().contiguous() for x in inputs]
-        if getattr(self, f"_{which}") is None:
-            setattr(self, f"_{which}", self._compiled(getattr(self, f"{which}_graph"), inputs, which))
-        return list(_as_tuple(getattr(self, f"_{which}")(*inputs)))
+        run = getattr(self, f"_{which}")
+        if run is not None:
+            return list(_as_tuple(run(*inputs)))
+        if not self.inductor:
+            run = getattr(self, f"{which}_graph")
+            setattr(self, f"_{which}", run)
+            return list(_as_tuple(run(*inputs)))
+        with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
+            run = self._compiled(getattr(self, f"{which}_graph"), inputs, which)
+            setattr(self, f"_{which}", run)
+            return list(_as_tuple(run(*inputs)))
 
     def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
-        if not self.inductor:
-            return gm
-        with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
+        """The whole program compiled, or (``regional``, a model with layers) a program that compiles its
+        regions on its first call."""
+        regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
+        if not regions:
             return compile_local(gm, inputs, self.buckets and self.buckets[which])
+        return RegionalProgram(gm, regions, self._compile_region, self.region_cache)
+
+    def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
+        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
+        # a layer's outputs are not the program's: its collectives are bucketed by size alone (one block)
+        policy = self.buckets and BucketPolicy(self.buckets["forward"].cap)
+        return compile_local(region.graph, inputs, policy) if region.layer else region.graph
+
+    def _regions(self) -> tuple[list, list]:
+        if self._region_split is None:
+            self._region_split = training_regions(self.forward_graph, self.backward_graph, self.plan.num_outputs)
+        return self._region_split
 
 
 class _TrainingStep(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """Compile time against the number of layers: fxshard's own stages, Inductor, and DTensor's FSDP2.
 
-    python bench/compile.py                 # layers 1, 2, 4, 8; prints markdown tables
+    python bench/compile.py                 # layers 1, 2, 4, 8, fxshard with regional=True; markdown tables
     python bench/compile.py --layers 1 2 --json
+    python bench/compile.py --no-regional   # fxshard gives Inductor whole programs (its default, regional=False)
 
 bench/train.py's Llama (vocab 2048, dim 256, 8 heads (4 kv), ffn 768) with ``n_layers`` layers,
 FSDP on dp=4, AdamW-free (compile only), batch 8 x 128 tokens. One process, rank 0 of a fake
@@ -61,7 +62,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g))
 
 
-def fxshard_compile(layers: int, mesh: Any) -> dict:
+def fxshard_compile(layers: int, mesh: Any, regional: bool = True) -> dict:
     """The first step of ``fxshard.compile(model.loss)``: its wall time and the time of each stage."""
     import fxshard
     from fxshard.timing import STAGES
@@ -71,7 +72,7 @@ def fxshard_compile(layers: int, mesh: Any) -> dict:
 
     model = _model(layers, mesh)
     distribute_parameters(model, mesh, fsdp_placements(model))
-    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
+    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0), regional=regional)
     tokens, targets = (distribute_tensor(t, mesh, (Shard(0),)) for t in _data())
     start, cpu = time.perf_counter(), cpu_seconds()
     compiled(tokens, targets).backward()
@@ -116,13 +117,13 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def measure(layers: int) -> dict:
+def measure(layers: int, regional: bool = True) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-    row: dict[str, Any] = {"layers": layers, "load_before": os.getloadavg()[0]}
+    row: dict[str, Any] = {"layers": layers, "regional": regional, "load_before": os.getloadavg()[0]}
     torch._dynamo.reset()
-    row["fxshard"] = fxshard_compile(layers, mesh)
+    row["fxshard"] = fxshard_compile(layers, mesh, regional)
     torch._dynamo.reset()
     row["fsdp2"] = fsdp2_compile(layers, mesh)
     torch._dynamo.reset()
@@ -146,7 +147,7 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def one_row(layers: int) -> dict:
+def one_row(layers: int, regional: bool = True) -> dict:
     """One row, in this process: a fake process group, the warm-up, both systems."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -157,7 +158,7 @@ def one_row(layers: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         warm_up()
-        return measure(layers)
+        return measure(layers, regional)
     finally:
         dist.destroy_process_group()
 
@@ -166,15 +167,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-regional", action="store_true", help="fxshard compiles whole programs")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row in this process (the parent's child)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(one_row(args.one)))
+        print(json.dumps(one_row(args.one, not args.no_regional)))
         return
     rows = []
     for n in args.layers:  # each row in a fresh process: Inductor's in-memory kernels and fxshard's planner
         # cache would otherwise carry over from the smaller model and flatter the larger one
-        run = subprocess.run([sys.executable, __file__, "--one", str(n)], check=True, capture_output=True, text=True)
+        flags = ["--no-regional"] if args.no_regional else []
+        run = subprocess.run([sys.executable, __file__, "--one", str(n)] + flags, check=True, capture_output=True,
+                             text=True)
         rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
     print(json.dumps(rows, indent=1) if args.json else tables(rows))

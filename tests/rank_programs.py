@@ -206,10 +206,11 @@ def shard_parameters(model: torch.nn.Module, mesh) -> None:
 
 
 def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, hidden: int = 31,
-                tokens: int = 128, steps: int = 2) -> dict:
+                tokens: int = 128, steps: int = 2, regional: bool = False) -> dict:
     """SGD steps of ``Blocks`` with every parameter Shard(0) (uneven rows for odd sizes) through
     torch.compile(backend="fxshard") with bucketing on; the same steps on one device. Returns the worst
-    loss and parameter errors and the collectives of the compiled forward and backward (Inductor's code)."""
+    loss and parameter errors and the collectives of the compiled forward and backward (Inductor's code:
+    whole programs, or with ``regional`` each distinct region's)."""
     import fxshard
     from torch._inductor.utils import run_and_get_code
 
@@ -218,7 +219,8 @@ def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, 
     reference = Blocks(dim, hidden)
     model = copy.deepcopy(reference)
     shard_parameters(model, mesh)
-    compiled = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel(default_latency=0.0)})
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel(default_latency=0.0),
+                                                                "regional": regional})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     loss_error, codes = 0.0, []

@@ -185,6 +185,16 @@ def test_generate_on_two_gloo_ranks(generate, cache, programs):
 
 
 @pytest.mark.slow
+def test_regional_fsdp_with_uneven_shards_on_two_gloo_ranks():
+    """The same uneven FSDP blocks compiled regionally (backend/regions.py): each rank compiles its block
+    once and runs it for both; the ranks' collectives agree (a mismatch would hang) and two SGD steps
+    match one device."""
+    results = run_program("fsdp_blocks", 2, timeout=900.0, regional=True)
+    for rank, r in sorted(results.items()):
+        assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
+
+
+@pytest.mark.slow
 def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     """FSDP blocks whose rows do not divide by 2 (15 and 31: shards of 8 and 7, 16 and 15), bucketed by
     block (backend/buckets.py): both ranks issue the same buckets (a mismatch would hang), and

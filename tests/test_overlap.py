@@ -3,7 +3,9 @@
 FSDP in miniature (``rank_programs.Blocks``: two residual MLP blocks, every weight Shard(0) on 4
 ranks): fxshard lowers one all_gather per weight and one reduce_scatter per gradient, each wait
 right behind its collective; Inductor merges each block's into one and moves waits below compute.
-Counts are read from the code Inductor generates, on a fake process group (rank 0).
+Counts are read from the code Inductor generates, on a fake process group (rank 0), for whole
+programs (``regional: False``: regional compilation, backend/regions.py, compiles each block apart,
+and Inductor buckets and overlaps inside each).
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def training_step(fake_mesh_4):
     model = Blocks(DIM, HIDDEN)
     shard_parameters(model, fake_mesh_4)
     lowered: dict = {}  # read when reported: Inductor may rewrite the graph it compiles
-    options = {"cost_model": COST, "on_graph": lambda stage, gm: lowered.setdefault(stage, lowered_collectives(gm))
+    options = {"cost_model": COST, "regional": False,
+               "on_graph": lambda stage, gm: lowered.setdefault(stage, lowered_collectives(gm))
                if stage.startswith("lower") else None}
     compiled = torch.compile(model, backend="fxshard", options=options)
     x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
@@ -133,7 +136,8 @@ def test_bucketing_false_leaves_each_collective_and_its_wait(fake_mesh_4):
     torch.manual_seed(0)
     model = Blocks(DIM, HIDDEN)
     shard_parameters(model, fake_mesh_4)
-    compiled = torch.compile(model, backend="fxshard", options={"cost_model": COST, "bucketing": False})
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": COST, "bucketing": False,
+                                                                "regional": False})
     x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
     with torch.no_grad():
         _, (code,) = run_and_get_code(compiled, x)

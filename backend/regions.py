@@ -1,0 +1,350 @@
+"""Regional compilation: a lowered local program cut at its layers, each distinct layer compiled once.
+
+Inductor's time grows with the graph it is given; a model's layers are the same program on other
+weights. So the local forward (backward) is cut into contiguous regions, prologue, one per layer
+(``layers.N``), epilogue; a region is keyed by its code (nodes renamed by position) and its inputs'
+shapes, strides and dtypes; one region per key goes to ``compile_local`` and every region with that
+key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
+The prologue and the epilogue (embedding, final norm, output projection, loss) run as their graphs,
+without Inductor, as torchtitan compiles only the blocks: each is one region whose compile nothing
+amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md).
+
+Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
+(the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other
+input is prologue (-1) or, when it first meets the rest of the program after the last layer's
+parameters do (final norm, output projection, targets), epilogue; every node joins the latest
+region among its inputs', and what runs between two layers (the next norm's statistics) the later
+one. Backward: a saved value places a node in the region of the forward nodes that read it (where
+their backward is), a tangent in the epilogue, and every node joins the earliest region among its
+inputs' (gradients flow from the last layer to the first). A node computed from no input joins the
+one region that reads it, or the program's first. Nodes keep their order within a region and the
+regions run in order (forward ascending, backward descending): a valid order, since each node's
+region follows its inputs'. Collectives move with their region, in the same order on every rank.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Region", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
+           "training_regions", "RegionalProgram", "region_key"]
+
+# a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
+_INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
+_NO_META = ("stack_trace",)  # node meta not copied into a region: it would make equal layers' code differ
+
+
+@dataclass
+class Region:
+    """One contiguous piece of a program, as a program of its own: ``inputs`` -> ``outputs``."""
+
+    index: int  # the layer it holds (-1: prologue, number of layers: epilogue)
+    graph: fx.GraphModule  # placeholders in_0..., nodes v0..., returns a tuple
+    inputs: list[fx.Node]  # the outer program's values it reads, in its placeholders' order
+    outputs: list[fx.Node]  # its values read after it, in its output tuple's order
+    layer: bool = True  # False for the prologue and the epilogue
+
+
+def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Placeholder -> layer index, for the indexed prefix most placeholders share (``layers``)."""
+    found = {p: _INDEXED.match(p.name) for p in gm.graph.find_nodes(op="placeholder")}
+    prefixes = Counter(m.group(1) for m in found.values() if m)
+    if not prefixes:
+        return {}
+    prefix = prefixes.most_common(1)[0][0]
+    return {p: int(m.group(2)) for p, m in found.items() if m and m.group(1) == prefix}
+
+
+def forward_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Node -> region of a forward program (placeholders included); empty when it has no layers."""
+    layers = layer_of_inputs(gm)
+    if not layers:
+        return {}
+    last = max(layers.values())
+    source, meets = _single_sources(gm)
+    last_meets = min((meets[p] for p, k in layers.items() if k == last and p in meets), default=None)
+    index: dict[fx.Node, int] = {}
+    for p in gm.graph.find_nodes(op="placeholder"):
+        late = last_meets is not None and meets.get(p, -1) > last_meets
+        index[p] = layers.get(p, last + 1 if late else -1)
+    region = _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
+    return _sink(gm, region, runs_before=lambda a, b: a < b)
+
+
+def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: int) -> dict[fx.Node, int]:
+    """Node -> region of a backward program whose first placeholders are the forward's saved values,
+    ``saved[k]`` the region of saved value k's readers (``saved_regions``); the rest (tangents) are the
+    epilogue's."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = {p: saved[k] if k < len(saved) else epilogue for k, p in enumerate(placeholders)}
+    return _sink(gm, _assign(gm, sources, min, first=epilogue, final=-1), runs_before=lambda a, b: a > b)
+
+
+def saved_regions(forward: fx.GraphModule, region: Mapping[fx.Node, int], num_outputs: int) -> list[int | None]:
+    """Per saved value of a forward program (its outputs after the first ``num_outputs``): the region
+    of the forward nodes that read it, where the backward needs it; None when several regions do (the
+    rotary tables every layer reads) or none: such a value places nothing."""
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    found: list[int | None] = []
+    for value in output.args[0][num_outputs:]:
+        readers = {region[u] for u in value.users if u.op != "output"} if isinstance(value, fx.Node) else set()
+        found.append(readers.pop() if len(readers) == 1 else None)
+    return found
+
+
+_MANY = object()  # a value computed from several inputs
+
+
+def _single_sources(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], dict[fx.Node, int]]:
+    """Per node the one placeholder it is computed from (``_MANY``, None: several, none); per placeholder
+    the position of the first node that computes from it and from another input (where it "meets")."""
+    source: dict[fx.Node, Any] = {}
+    meets: dict[fx.Node, int] = {}
+    for position, node in enumerate(gm.graph.nodes):
+        if node.op == "placeholder":
+            source[node] = node
+            continue
+        found = {source[a] for a in node.all_input_nodes if source.get(a) is not None}
+        source[node] = next(iter(found)) if len(found) == 1 else (_MANY if found else None)
+        if source[node] is _MANY:
+            for s in found - {_MANY}:
+                meets.setdefault(s, position)
+    return source, meets
+
+
+def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index: Mapping[fx.Node, int],
+                          source: Mapping[fx.Node, Any]) -> dict[fx.Node, int]:
+    """Moves what runs between two layers into the later one, as a block owns its input norm.
+
+    A node computed after the last use of its region's inputs and first needed where a later region's
+    inputs meet the program (the norm statistics of the next layer's input, the final norm's) joins
+    that region, unless it reads a node its own region needs (the residual add that ends a layer), is
+    read by several regions or computed from no input (those stay where ``_assign`` put them).
+    """
+    def meeting(u: fx.Node) -> int | None:
+        if source.get(u) is not _MANY:
+            return None
+        found = [index[source[a]] for a in u.all_input_nodes if source.get(a) in index]
+        return min(found) if found else None
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    needed: dict[fx.Node, int | None] = {}
+    for node in reversed(nodes):
+        found = [k for u in node.users if u.op != "output" for k in (meeting(u), needed.get(u)) if k is not None]
+        needed[node] = min(found) if found else None
+
+    moved = dict(region)
+    stayed: set[fx.Node] = set()
+
+    def anchored(x: fx.Node, k: int) -> bool:
+        """``x`` ends region ``k``'s work: a node the region needs (its parameters meet there), or the
+        only reader of one that stayed (a redistribution's chain after the layer's last matmul)."""
+        if x.op == "placeholder":
+            return index.get(x) == k
+        if moved.get(x) != k:
+            return False
+        if x in stayed:
+            return sum(u.op != "output" for u in x.users) == 1
+        return meeting(x) == k or needed.get(x) is None or needed[x] <= k
+
+    def shared(node: fx.Node) -> bool:  # read by several regions (the rotary tables), or by the program's end
+        return len({region[u] if u.op != "output" else None for u in node.users}) > 1
+
+    for node in nodes:
+        k, later = region[node], needed[node]
+        if later is not None and later > k:
+            if source.get(node) is None or shared(node) or any(anchored(x, k) for x in node.all_input_nodes):
+                stayed.add(node)
+            else:
+                k = later
+        moved[node] = max([k] + [moved[x] for x in node.all_input_nodes if x.op == "call_function"])
+    return moved
+
+
+def _sink(gm: fx.GraphModule, region: dict[fx.Node, int],
+          runs_before: Callable[[int, int], bool]) -> dict[fx.Node, int]:
+    """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
+    moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
+    viewed for the next layer's matmul, the embedding gradient's zeros)."""
+    for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
+        readers = {region[u] for u in node.users if u.op != "output"}
+        if len(node.all_input_nodes) <= 1 and len(readers) == 1:
+            (reader,) = readers
+            if runs_before(region[node], reader):
+                region[node] = reader
+    return region
+
+
+def _assign(gm: fx.GraphModule, sources: Mapping[fx.Node, int], combine: Callable[..., int], first: int,
+            final: int) -> dict[fx.Node, int]:
+    """Each computing node's region: ``combine`` of its inputs'; a node reading no input: the one region
+    that reads it, else ``first`` (the output node counts as ``final``)."""
+    region: dict[fx.Node, int | None] = dict(sources)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for node in nodes:
+        known = [region[a] for a in node.all_input_nodes if region.get(a) is not None]
+        region[node] = combine(known) if known else None
+    for node in reversed(nodes):
+        if region[node] is None:
+            readers = {final if u.op == "output" else region[u] for u in node.users}
+            region[node] = readers.pop() if len(readers) == 1 else first
+    return region  # type: ignore[return-value]
+
+
+def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending: bool = False) -> list[Region]:
+    """The program's computing nodes as regions, in the order they run (ascending region, or descending)."""
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    nodes = sorted((n for n in gm.graph.nodes if n.op == "call_function"),
+                   key=lambda n: (-region[n] if descending else region[n], position[n]))
+    groups: list[list[fx.Node]] = []
+    for node in nodes:
+        if groups and region[groups[-1][-1]] == region[node]:
+            groups[-1].append(node)
+        else:
+            groups.append([node])
+    return [_region(region[g[0]], g) for g in groups]
+
+
+def _region(index: int, nodes: list[fx.Node]) -> Region:
+    """``nodes`` as a program of their own: outer values they read become placeholders."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for node in nodes:
+        inputs += [a for a in node.all_input_nodes if a not in inside and a not in inputs]
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for k, x in enumerate(inputs):
+        env[x] = graph.placeholder(f"in_{k}")
+        env[x].meta = {key: v for key, v in x.meta.items() if key not in _NO_META}
+    for k, node in enumerate(nodes):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        env[node] = graph.create_node("call_function", node.target, args, kwargs, name=f"v{k}")
+        env[node].meta = {key: v for key, v in node.meta.items() if key not in _NO_META}
+    graph.output(tuple(env[o] for o in outputs))
+    return Region(index, fx.GraphModule(torch.nn.Module(), graph), inputs, outputs)
+
+
+def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
+    """What makes two regions one compiled program: their code and their inputs' shapes, strides, dtypes."""
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        return ("value", repr(x))
+
+    return (region.graph.code, tuple(meta(x) for x in inputs))
+
+
+class RegionalProgram:
+    """Runs a program region by region; ``compile_region(region, inputs)`` is called once per key.
+
+    ``cache`` (key -> compiled region) may be shared by programs (a training step's forward and
+    backward). The first call compiles each region as it reaches it, with its real inputs.
+    """
+
+    def __init__(self, gm: fx.GraphModule, regions: Sequence[Region],
+                 compile_region: Callable[[Region, list[Any]], Callable], cache: dict | None = None):
+        self.gm = gm
+        self.regions = list(regions)
+        self.compile_region = compile_region
+        self.cache = cache if cache is not None else {}
+        self.compiled: list[Callable | None] = [None] * len(self.regions)
+        self._plan_slots()
+
+    def _plan_slots(self) -> None:
+        """Every outer value's slot, which slots each region reads and writes, and when each is freed."""
+        slot: dict[fx.Node, int] = {}
+        for node in self.gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                slot[node] = len(slot)
+        self.attrs = [(slot[n], n.target) for n in self.gm.graph.find_nodes(op="get_attr")]
+        self.num_inputs = len(self.gm.graph.find_nodes(op="placeholder"))
+        for r in self.regions:
+            for o in r.outputs:
+                slot[o] = len(slot)
+        self.num_slots = len(slot)
+        output = next(iter(self.gm.graph.find_nodes(op="output")))
+        last_read: dict[int, int] = {}
+        for k, r in enumerate(self.regions):
+            for x in r.inputs:
+                last_read[slot[x]] = k
+        kept = {slot[n] for n in output.all_input_nodes}
+        self.steps = [([slot[x] for x in r.inputs], [slot[o] for o in r.outputs],
+                       [s for s, k2 in last_read.items() if k2 == k and s not in kept])
+                      for k, r in enumerate(self.regions)]
+        self.result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
+
+    def __call__(self, *args: Any) -> Any:
+        attrs = [getattr(self.gm, target) for _, target in self.attrs]
+        return self.walk(args, attrs, lambda k, inputs: (self.compiled[k] or self.compiled_region(k, inputs))(*inputs))
+
+    def walk(self, args: Sequence[Any], attrs: Sequence[Any], call: Callable[[int, list[Any]], Sequence[Any]]) -> Any:
+        """Runs the regions in order, ``call(k, inputs)`` giving region k's outputs, each value dropped after
+        its last reader; returns the program's outputs. (``simulate`` steps every rank's program at once.)"""
+        env: list[Any] = [None] * self.num_slots
+        env[:self.num_inputs] = args
+        for (s, _), value in zip(self.attrs, attrs):
+            env[s] = value
+        for k, (reads, writes, frees) in enumerate(self.steps):
+            for s, value in zip(writes, call(k, [env[s] for s in reads])):
+                env[s] = value
+            for s in frees:
+                env[s] = None
+        return _mapped(self.result, env)
+
+    def compiled_region(self, k: int, inputs: list[Any]) -> Callable:
+        """Region k's compiled program, compiled on its first inputs unless a region with its key was."""
+        key = region_key(self.regions[k], inputs)
+        if key not in self.cache:
+            self.cache[key] = self.compile_region(self.regions[k], inputs)
+        self.compiled[k] = self.cache[key]
+        return self.compiled[k]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _mapped(structure: Any, env: list[Any]) -> Any:
+    """The program's output structure with each slot's value."""
+    if isinstance(structure, (tuple, list)):
+        return tuple(_mapped(s, env) for s in structure)
+    return env[structure.index] if isinstance(structure, _Slot) else structure
+
+
+def program_regions(gm: fx.GraphModule) -> list[Region]:
+    """A forward (inference) program's regions; empty where regions gain nothing (one region, or an
+    op other than a function call, which a region cannot hold)."""
+    return _worth_it(gm, forward_regions(gm), _last_layer(gm))
+
+
+def training_regions(forward: fx.GraphModule, backward: fx.GraphModule,
+                     num_outputs: int) -> tuple[list[Region], list[Region]]:
+    """The regions of a training program's forward and backward (each empty where regions gain nothing)."""
+    region = forward_regions(forward)
+    if not region:
+        return [], []
+    epilogue = max(region.values()) + 1 if region else 0
+    saved = saved_regions(forward, region, num_outputs)
+    last = _last_layer(forward)
+    return (_worth_it(forward, region, last),
+            _worth_it(backward, backward_regions(backward, saved, epilogue), last, descending=True))
+
+
+def _last_layer(gm: fx.GraphModule) -> int:
+    return max(layer_of_inputs(gm).values(), default=-1)
+
+
+def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False) -> list[Region]:
+    if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
+        return []
+    regions = split_regions(gm, region, descending)
+    for r in regions:
+        r.layer = 0 <= r.index <= last
+    return regions if len(regions) > 1 else []
