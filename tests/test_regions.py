@@ -63,7 +63,7 @@ def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
 
     compiled: list[torch.fx.GraphModule] = []
 
-    def record(gm: torch.fx.GraphModule, inputs, bucket_cap):  # the graph runs as it is: no Inductor here
+    def record(gm: torch.fx.GraphModule, inputs, policy):  # the graph runs as it is: no Inductor here
         compiled.append(gm)
         return gm
 
@@ -71,7 +71,7 @@ def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, n_layers=layers))
     distribute_parameters(model, mesh, fsdp_placements(model))
-    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND)
+    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=True)
     x = distribute_tensor(torch.randint(0, CFG.vocab_size, (4, 16)), mesh, (Shard(0),))
     step(x, x).backward()
     runner = step.last
