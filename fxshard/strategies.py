@@ -192,12 +192,13 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
 
 
 def _debt(out: Layout, contracted: tuple, price: Price, wanted: Sequence[Layout]) -> float:
-    """What the output still owes: the move into the layout the program's output wants it in, if it
-    wants one (a gradient sliced or reduce-scattered into its parameter's shard), else the least
-    reduction of the Partial this op makes (one it inherited was owed already)."""
+    """What the output still owes (of the Partial this op makes: one it inherited was owed already):
+    the move into the layout the program's output wants it in, if it wants one (a gradient sliced or
+    reduce-scattered into its parameter's shard), else the least reduction of that Partial."""
+    made = out.with_partial(contracted)
     if wanted:
-        return min(0.0 if out == want else price(out, want) for want in wanted)
-    return partial_debt(out.with_partial(contracted), price) if contracted else 0.0
+        return min(0.0 if made == want else price(made, want) for want in wanted)
+    return partial_debt(made, price) if contracted else 0.0
 
 
 
