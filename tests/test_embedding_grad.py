@@ -9,7 +9,7 @@ a full-size partial gradient. Each case is checked against one device on fresh r
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -27,7 +27,13 @@ F32 = 4
 
 
 def embed_loss(ids: torch.Tensor, table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Its backward: ``_unsafe_masked_index_put_accumulate`` into ``new_zeros`` (embedding_dense_backward)."""
     return (F.embedding(ids, table).tanh() * weights).sum()
+
+
+def index_loss(ids: torch.Tensor, table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Its backward: ``index_put(accumulate=True)`` into ``new_zeros`` (no mask of its own)."""
+    return (table[ids].tanh() * weights).sum()
 
 
 class Case(NamedTuple):
@@ -37,6 +43,7 @@ class Case(NamedTuple):
     vocab: int
     backward: dict[str, int]  # the collectives of the planned backward, by kind
     cost_model: fxshard.CostModel = fxshard.CostModel(default_latency=0.0)  # bytes decide, not latency
+    fn: Callable = embed_loss
 
 
 BATCH = (Shard(0),)
@@ -44,6 +51,9 @@ FSDP = {0: BATCH, 1: BATCH, 2: BATCH}
 CASES = {
     # vocab-parallel (Megatron): ids and token gradients on every rank, each rank its rows (8, 8, 8, 6)
     "tp vocab 30 on 4": Case(fxshard.MeshSpec(tp=4), {1: (Shard(0),)}, (4, 6), 30, {}),
+    "tp vocab 4094 on 4": Case(fxshard.MeshSpec(tp=4), {1: (Shard(0),)}, (4, 6), 4094, {}),
+    "tp vocab 3 on 4: a rank without rows": Case(fxshard.MeshSpec(tp=4), {1: (Shard(0),)}, (4, 6), 3, {}),
+    "tp table[ids], vocab 30 on 4": Case(fxshard.MeshSpec(tp=4), {1: (Shard(0),)}, (4, 6), 30, {}, fn=index_loss),
     # FSDP, few tokens and a large table: gathering 24 tokens' ids and masks (the forward gathered their
     # gradients' inputs already; ~200 B) beats reduce-scattering a partial [4094, 8] gradient (96 KiB)
     "fsdp vocab 4094, 24 tokens": Case(fxshard.MeshSpec(dp=4), FSDP, (4, 6), 4094, {"all_gather": 2}),
@@ -68,7 +78,7 @@ def _args(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _training_plan(case: Case):
-    _, planned = plan_function(embed_loss, _args(case, 0), mesh=case.mesh, placements=case.placements, training=True,
+    _, planned = plan_function(case.fn, _args(case, 0), mesh=case.mesh, placements=case.placements, training=True,
                                cost_model=case.cost_model)
     return planned.training
 
@@ -77,10 +87,10 @@ def _training_plan(case: Case):
 def test_gradient_matches_one_device(name):
     case = CASES[name]
     ids, table, weights = _args(case, seed=len(name))
-    loss, grads = fxshard.simulate(embed_loss, ids, table, weights, mesh=case.mesh, placements=case.placements,
+    loss, grads = fxshard.simulate(case.fn, ids, table, weights, mesh=case.mesh, placements=case.placements,
                                    grad=True, cost_model=case.cost_model)
-    embed_loss(ids, table, weights).backward()
-    torch.testing.assert_close((loss, grads[1]), (embed_loss(ids, table, weights).detach(), table.grad))
+    case.fn(ids, table, weights).backward()
+    torch.testing.assert_close((loss, grads[1]), (case.fn(ids, table, weights).detach(), table.grad))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -94,7 +104,7 @@ def test_backward_collectives(name):
     assert counts == case.backward
 
 
-@pytest.mark.parametrize("name", ["tp vocab 30 on 4", "fsdp vocab 4094, 24 tokens"])
+@pytest.mark.parametrize("name", ["tp vocab 4094 on 4", "fsdp vocab 4094, 24 tokens"])
 def test_backward_peak_holds_the_gradient_at_shard_size(name):
     """The backward's largest values are the rank's rows of the gradient: the zeros it starts from and
     the accumulated rows (one buffer once Inductor accumulates in place), [ceil(vocab/4), DIM] each; the
