@@ -1,7 +1,7 @@
 """Factories made at their local size where every consumer wants them sharded.
 
 Propagation gives a factory (``zeros``, ``ones``, ``full``, ``empty``, ``arange``: no tensor
-inputs) the replicated layout, and a consumer that needs it sharded slices its block out: no
+inputs; ``new_zeros`` and its kin, whose input gives only dtype and device) the replicated layout, and a consumer that needs it sharded slices its block out: no
 communication, but every rank builds the whole tensor first. When all consumers want the same
 layout, the factory takes that layout instead and stage 4 builds just the block: a constant's
 block is the constant at the local shape, an ``arange``'s block is an ``arange`` over the rank's
@@ -14,7 +14,7 @@ import torch.fx as fx
 from .graph import ARG_LAYOUTS, LAYOUT, LOCAL_REGION, requirements
 from .layout import Layout
 from .localization import LocalArange, LocalShape
-from .op_kinds import FACTORY
+from .op_kinds import FACTORY, NEW
 from .registry import entry_of
 
 
@@ -44,7 +44,7 @@ def shard_factories(gm: fx.GraphModule) -> int:
     changed = 0
     for node in gm.graph.nodes:
         entry = entry_of(node.target) if node.op == "call_function" else None
-        if entry is None or entry.kind is not FACTORY or not isinstance(entry.localize, (LocalShape, LocalArange)):
+        if entry is None or entry.kind not in (FACTORY, NEW) or not isinstance(entry.localize, (LocalShape, LocalArange)):
             continue
         have = node.meta.get(LAYOUT)
         if LOCAL_REGION in node.meta or not isinstance(have, Layout) or not have.is_replicated or not node.users:

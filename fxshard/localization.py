@@ -68,4 +68,21 @@ class MaskedLookup:
     mask_unsqueeze: int | None = None
 
 
-Recipe = LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup
+@dataclass(frozen=True)
+class MaskedAccumulate:
+    """Rows accumulated by index into a target sharded along dim 0 (``index_put(accumulate=True)``, the
+    embedding's backward): the rank accumulates the indices it holds, shifted into its block, and drops
+    the others; the lookup of ``MaskedLookup`` run backwards.
+
+    ``target``/``indices``/``values``: argument positions (``indices`` a one-element list); ``mask``:
+    the position of a boolean mask the op already applies to the values (it gains the rank's), or None.
+    Sharded, the op becomes ``_unsafe_masked_index_put_accumulate`` (``index_put`` has no mask).
+    """
+
+    target: int
+    indices: int
+    values: int
+    mask: int | None = None
+
+
+Recipe = LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate

@@ -46,6 +46,7 @@ class Context:
     move_cost: Callable[[int, Layout], float]  # what moving input i into a layout costs here
     price: Price  # what a redistribution of one of the node's values costs
     requested: Sequence[Sequence[Layout]] = ()  # per input, layouts other consumers already move it into
+    wanted: Sequence[Layout] = ()  # layouts the program's output requires of this node's value (a gradient's)
 
 
 class Kind:
@@ -70,7 +71,7 @@ class Declared(Kind):
         if sig is None:
             return None
         strategy = choose(sig, ctx.offered, output_shapes(node.meta["val"]), ctx.mesh, ctx.move_cost, ctx.price,
-                          ctx.requested)
+                          ctx.requested, ctx.wanted)
         return None if strategy is None else (strategy.inputs, strategy.output)
 
 

@@ -132,6 +132,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     """
     input_layouts = dict(input_layouts or {})
     requested = _Requested()
+    wanted = wanted_at_output(gm, output_layouts or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = value(node)
@@ -147,7 +148,8 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
                 node.meta[LAYOUT] = Layout.replicated(mesh, val.shape)
         elif node.op == "call_function":
             ins = memo.inputs(node) if memo is not None else tensor_inputs(node)
-            _propagate_call(node, ins, mesh, strict, cost_model, requested, pinned, fallbacks, memo)
+            _propagate_call(node, ins, mesh, strict, cost_model, requested, pinned, fallbacks, memo,
+                            wanted.get(node, ()))
             requested.add(ins, required_layouts(node) or ())
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and LAYOUT in a.meta]
@@ -156,6 +158,19 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
                 want if want is not None else dtensor_expressible(a.meta[LAYOUT], dtype_of(a), cost_model)
                 for a, want in zip(outs, wanted))
     return gm
+
+
+def wanted_at_output(gm: fx.GraphModule, output_layouts: Sequence[Layout | None]) -> dict[fx.Node, tuple[Layout, ...]]:
+    """The layouts the program's output requires of the values it returns (a joint graph's gradients:
+    their parameters' layouts), so the op making one may make it in that layout directly."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = [a for a in torch.utils._pytree.tree_leaves(out.args)
+                if isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor)]
+    wanted: dict[fx.Node, tuple[Layout, ...]] = {}
+    for a, want in zip(returned, output_layouts):
+        if want is not None and tuple(want.shape) == tuple(value(a).shape) and want not in wanted.get(a, ()):
+            wanted[a] = wanted.get(a, ()) + (want,)
+    return wanted
 
 
 def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
@@ -186,7 +201,7 @@ def dtensor_expressible(layout: Layout, dtype: torch.dtype = torch.float32,
 
 def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: bool, cost_model: CostModel | None,
                     requested: _Requested, pinned: frozenset[str], fallbacks: dict[str, str] | None,
-                    memo: Decisions | None) -> None:
+                    memo: Decisions | None, wanted: tuple[Layout, ...] = ()) -> None:
     in_layouts = [a.meta[LAYOUT] for a in ins]
     val = value(node)
     if node.target is operator.getitem:
@@ -196,7 +211,7 @@ def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: b
         return
     if not isinstance(val, (torch.Tensor, tuple, list)):
         return  # symbolic sizes and other non-tensor values carry no layout
-    key = memo.key(node, ins, in_layouts, requested, pinned) if memo is not None else None
+    key = (memo.key(node, ins, in_layouts, requested, pinned), wanted) if memo is not None else None
     if key is not None and key in memo.made:
         set_strategy(node, *memo.made[key])
         return
@@ -211,7 +226,7 @@ def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: b
         offered = reduce_shared(ins, in_layouts) if Pin.REDUCE_SHARED in pinned else in_layouts
         ctx = Context(mesh, in_layouts, offered, move_cost,
                       lambda src, dst: redistribute_cost(src, dst, dtype_of(node), cost_model),
-                      [requested.of(a) for a in ins])
+                      [requested.of(a) for a in ins], wanted)
         decision = entry.kind(node, ctx)
         if decision is not None:
             set_strategy(node, *decision)

@@ -24,7 +24,7 @@ from .graph import LAYOUT, PROPAGATED, requirements
 from .layout import Layout
 from .planner import redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
-from .registry import RELABELS
+from .registry import FACTORIES, RELABELS
 from .timing import stage
 
 
@@ -126,8 +126,9 @@ def _has_shared_partial(gm: fx.GraphModule) -> bool:
 
 def is_pinned(node: fx.Node, pinned: frozenset[str]) -> bool:
     """Whether moving ``node`` costs the pin penalty: a view of a pinned input, or an activation
-    (a value that is no view of an input) when ``Pin.ACTIVATIONS`` is pinned."""
-    if not pinned:
+    (a value that is no view of an input) when ``Pin.ACTIVATIONS`` is pinned; never a factory (moving
+    one moves no data: it is built, or sliced, where it is wanted)."""
+    if not pinned or (node.op == "call_function" and node.target in FACTORIES):
         return False
     root = input_root(node)
     return root.name in pinned if root is not None else Pin.ACTIVATIONS in pinned

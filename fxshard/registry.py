@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 
 from . import rules
-from .localization import LocalArange, LocalShape, MaskedLookup, Recipe, SelectIndex, SliceRange, SplitSizes
+from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
+                           SplitSizes)
 from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, WRITE_INTO, Declared, Kind, Ranges
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .rules import LINEAR_OPS, einsum
@@ -168,11 +169,14 @@ OPS: dict[Any, Op] = {
     aten.scatter.src: signature_op(rules.scatter),
     aten.slice_scatter.default: signature_op(rules.slice_scatter),
     aten.select_scatter.default: signature_op(rules.slice_scatter),
-    aten.index_put.default: signature_op(rules.index_put_accumulate),
+    # accumulations by index (embedding's backward): into a target sharded on its rows, each rank
+    # accumulates the indices it holds (the lookup above, run backwards); no full-size gradient
+    aten.index_put.default: signature_op(rules.index_put_accumulate, MaskedAccumulate(target=0, indices=1, values=2)),
     aten.index_copy.default: signature_op(rules.index_copy),
     aten.index_add.default: signature_op(rules.index_add),
     aten.scatter_add.default: signature_op(rules.scatter_add),
-    aten._unsafe_masked_index_put_accumulate.default: signature_op(rules.index_put_accumulate),
+    aten._unsafe_masked_index_put_accumulate.default: signature_op(
+        rules.index_put_accumulate, MaskedAccumulate(target=0, indices=2, values=3, mask=1)),
     aten._grouped_mm.default: signature_op(rules.grouped_mm),
     # attention kernels: batch and heads independent
     **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
@@ -182,10 +186,10 @@ OPS: dict[Any, Op] = {
     aten.zeros_like.default: Op(LIKE),
     aten.empty_like.default: Op(LIKE),
     aten.full_like.default: Op(LIKE),
-    aten.new_ones.default: Op(NEW),
-    aten.new_zeros.default: Op(NEW),
-    aten.new_empty.default: Op(NEW),
-    aten.new_full.default: Op(NEW),
+    aten.new_ones.default: Op(NEW, LocalShape(1)),
+    aten.new_zeros.default: Op(NEW, LocalShape(1)),
+    aten.new_empty.default: Op(NEW, LocalShape(1)),
+    aten.new_full.default: Op(NEW, LocalShape(1)),
     aten.new_empty_strided.default: Op(NEW),
     aten.zeros.default: _constant,
     aten.ones.default: _constant,
@@ -295,3 +299,6 @@ def _ops_where(trait: str) -> frozenset:
 RELABELS = _ops_where("relabels")  # the output relabels one input's elements (same storage)
 SHARES_STORAGE = _ops_where("shares_storage")  # the output is a view of one input's storage
 CHEAP_FOLLOWERS = _ops_where("cheap_follower")  # recomputed in the backward with their input
+# replicated factories (zeros, new_zeros, ...): a consumer that wants one sharded gets its block built
+# (fxshard/factories.py) or sliced locally, so moving one never moves data
+FACTORIES = frozenset(op for op, entry in OPS.items() if entry.kind in (FACTORY, NEW))

@@ -479,8 +479,12 @@ def slice_scatter(node: Any) -> Signature | None:
 
 def index_put_accumulate(node: Any) -> Signature | None:
     """x.index_put_((i,), v, accumulate=True) on dim 0 (embedding's backward): every indexed row sums
-    into x, so the index dims contract (sharded: Partial(sum), with x as an addend); x's row dim stays
-    whole, its other dims and v's trailing dims are independent."""
+    into x, so the index dims contract (sharded: Partial(sum), with x as an addend); x's other dims and
+    v's trailing dims are independent.
+
+    x's rows may be sharded too (a vocab-parallel embedding's gradient): each rank accumulates only the
+    indices that fall in its rows, shifted into its block (``localization.MaskedAccumulate``), so the
+    indices and values come whole on that axis and the full-size gradient is never built."""
     masked = node.target is aten._unsafe_masked_index_put_accumulate.default
     x = _shape(node.args[0])
     indices = node.args[2] if masked else node.args[1]
@@ -504,7 +508,7 @@ def index_put_accumulate(node: Any) -> Signature | None:
                              for k, (r, s) in enumerate(zip(rest, mask_shape[len(idx):])))]
     ins = [x_names] + mask + [rows, rows + rest]
     value_pos = len(ins) - 1
-    return Signature(tuple(ins), x_names, "sum", ((0, value_pos),), addends=(0,), whole=frozenset({"rows"}))
+    return Signature(tuple(ins), x_names, "sum", ((0, value_pos),), addends=(0,))
 
 
 def index_put_write(node: Any) -> Signature | None:

@@ -43,13 +43,15 @@ def numeric_size(shape: Sequence[Any]) -> float:
     return n
 
 
-def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout],
-                       requested: Sequence[Sequence[Layout]] = ()) -> dict[str, list[tuple[Piece, ...]]]:
+def _factor_candidates(sig: Signature, in_layouts: Sequence[Layout], requested: Sequence[Sequence[Layout]] = (),
+                       wanted: Sequence[Layout] = ()) -> dict[str, list[tuple[Piece, ...]]]:
     """Each factor's options: the pieces an input has it in, or is already being moved into for
-    another consumer (free to share: one reduce_scatter of a gradient serves both of its uses), or local."""
+    another consumer (free to share: one reduce_scatter of a gradient serves both of its uses), or
+    the program's output wants the output in (a gradient in its parameter's layout), or local."""
     cands: dict[str, list[tuple[Piece, ...]]] = {}
     pairs = list(zip(sig.inputs, in_layouts))
     pairs += [(dims, layout) for dims, layouts in zip(sig.inputs, requested) for layout in layouts]
+    pairs += [(sig.output, layout) for layout in wanted]
     for dims, layout in pairs:
         for d, f in enumerate(dims):
             if f is None:
@@ -128,18 +130,19 @@ def output_shapes(val: Any) -> tuple:
 
 def choose(sig: Signature, in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
            cost_of: Callable[[int, Layout], float], price: "Price",
-           requested: Sequence[Sequence[Layout]] = ()) -> Strategy | None:
+           requested: Sequence[Sequence[Layout]] = (), wanted: Sequence[Layout] = ()) -> Strategy | None:
     """The cheapest strategy of ``sig`` (see Strategy.key); ``cost_of(i, layout)`` prices input i,
-    ``price(src, dst)`` a redistribution of the output; ``requested[i]``: layouts input i is moved into already."""
+    ``price(src, dst)`` a redistribution of the output; ``requested[i]``: layouts input i is moved into
+    already; ``wanted``: layouts the program's output requires of the (first) output."""
     if len(sig.inputs) != len(in_layouts):
         return None
-    cands = _factor_candidates(sig, in_layouts, requested)
+    cands = _factor_candidates(sig, in_layouts, requested, wanted)
     factors = sorted(cands)
     best: Strategy | None = None
     for choice in itertools.product(*(cands[f] for f in factors)):
         assign = dict(zip(factors, choice))
         for group, partial in _partial_candidates(sig, in_layouts):
-            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of, price)
+            s = _strategy(sig, assign, group, partial, in_layouts, out_shapes, mesh, cost_of, price, wanted)
             if s is not None and (best is None or s.key < best.key):
                 best = s
     return best
@@ -156,7 +159,7 @@ def _may_leave_a_rank_empty(pieces: Sequence[Piece]) -> bool:
 
 def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tuple[int, ...], partial: tuple,
               in_layouts: Sequence[Layout], out_shapes: tuple, mesh: MeshSpec,
-              cost_of: Callable[[int, Layout], float], price: "Price") -> Strategy | None:
+              cost_of: Callable[[int, Layout], float], price: "Price", wanted: Sequence[Layout] = ()) -> Strategy | None:
     try:
         contracted = tuple((p.axis, sig.reduce) for f in sorted(sig.contracted) for p in assign[f] if p.axis is not None)
         if sig.reduce == "avg" and any(p.chunked for f in sig.contracted for p in assign[f]):
@@ -185,8 +188,17 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
         return None
     cost = sum(cost_of(i, dst) for i, dst in enumerate(required))
     first = output[0] if isinstance(output, tuple) else output
-    debt = partial_debt(first.with_partial(contracted), price) if contracted else 0.0  # inherited: owed already
-    return Strategy(required, output, cost + debt)
+    return Strategy(required, output, cost + _debt(first, contracted, price, wanted))
+
+
+def _debt(out: Layout, contracted: tuple, price: Price, wanted: Sequence[Layout]) -> float:
+    """What the output still owes (of the Partial this op makes: one it inherited was owed already):
+    the move into the layout the program's output wants it in, if it wants one (a gradient sliced or
+    reduce-scattered into its parameter's shard), else the least reduction of that Partial."""
+    made = out.with_partial(contracted)
+    if wanted:
+        return min(0.0 if made == want else price(made, want) for want in wanted)
+    return partial_debt(made, price) if contracted else 0.0
 
 
 

@@ -4,7 +4,7 @@ Each node whose op has non-tensor arguments that depend on the rank carries a re
 (``graph.LOCALIZE``, set in stage 3 from the op registry; fxshard/localization.py): shapes
 baked into arguments (view sizes, expand sizes, a redistribution's output, a factory's size)
 become this rank's local sizes; ranges and indices move into the rank's block; a lookup into a
-sharded table is masked. This module carries out recipes and never asks which op a node calls.
+sharded table is masked, and so is an accumulation into one. This module carries out recipes and never asks which op a node calls.
 A fake-tensor pass then checks every node's local shape against its layout, so an op whose
 arguments fxshard does not know how to localize fails loudly here instead of computing the
 wrong thing.
@@ -18,7 +18,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxshard.graph import LAYOUT, LOCALIZE, copy_graph_module
 from fxshard.layout import Layout
-from fxshard.localization import LocalArange, LocalShape, MaskedLookup, SelectIndex, SliceRange, SplitSizes
+from fxshard.localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex, SliceRange,
+                                  SplitSizes)
 from fxshard.mesh import Coordinate
 
 aten = torch.ops.aten  # the ops stage 4 writes into a local program (slices, pads, masks)
@@ -170,12 +171,38 @@ def _localize_lookup(node: fx.Node, recipe: MaskedLookup, coordinate: Coordinate
     _zero_where_not(node, mask)
 
 
+def _localize_accumulate(node: fx.Node, recipe: MaskedAccumulate, coordinate: Coordinate) -> None:
+    """A target sharded along its rows: accumulate the indices this rank holds, shifted into its block,
+    the others masked out (the op becomes ``_unsafe_masked_index_put_accumulate``, whose mask also lets a
+    rank that holds no rows run the same program: nothing lands in its empty block)."""
+    layout = node.args[recipe.target].meta[LAYOUT]
+    if not layout.dim_is_sharded(0):
+        return  # every rank holds every row: a plain accumulation
+    held = layout.local_indices(0, coordinate)
+    lo, hi = _held_run(layout, 0, coordinate, node.format_node()) if held.numel() else (0, 0)
+    (index,) = node.args[recipe.indices]
+    values = node.args[recipe.values]
+    graph = node.graph
+    with graph.inserting_before(node):
+        safe, valid = _masked_indices(graph, index, lo, hi)
+        for _ in range(values.meta["val"].ndim - index.meta["val"].ndim):  # broadcast over each row's dims
+            valid = graph.call_function(aten.unsqueeze.default, (valid, -1))
+        if recipe.mask is not None:
+            valid = graph.call_function(aten.logical_and.default, (node.args[recipe.mask], valid))
+    node.target = aten._unsafe_masked_index_put_accumulate.default
+    node.args, node.kwargs = (node.args[recipe.target], valid, [safe], values), {}
+
+
+def _zero_of(node: fx.Node) -> float | int:
+    """The zero of ``node``'s dtype as a scalar ``where`` keeps it in (an integer stays integer)."""
+    val = node.meta.get("val")
+    return 0.0 if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex else 0
+
+
 def _zero_where_not(node: fx.Node, mask: fx.Node) -> None:
     graph = node.graph
-    val = node.meta.get("val")
-    zero = 0.0 if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex else 0
     with graph.inserting_after(node):
-        zeroed = graph.call_function(aten.where.ScalarOther, (mask, node, zero))  # keeps an integer lookup integer
+        zeroed = graph.call_function(aten.where.ScalarOther, (mask, node, _zero_of(node)))  # keeps an integer lookup integer
     node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
     zeroed.meta.update(node.meta)
 
@@ -215,6 +242,7 @@ _RECIPES = {
     SelectIndex: _localize_select,
     SplitSizes: _localize_split,
     MaskedLookup: _localize_lookup,
+    MaskedAccumulate: _localize_accumulate,
 }
 
 
