@@ -4,7 +4,7 @@
     python bench/memory.py --case fsdp --json
 
 Model: ``LLAMA`` below (examples/models/llama.py; its exact fp32 size is printed), batch
-``BATCH`` x ``SEQ`` tokens. Each system is set up as bench/train.py sets it up (TP: torchtitan's plan
+``BATCH`` x ``SEQ`` tokens. Each system is set up as bench/train.py sets it up, by bench/systems.py (TP: torchtitan's plan
 through ``parallelize_module``, the model compiled by ``backend="fxshard"`` or ``"inductor"``, the loss
 outside under ``loss_parallel``; FSDP and FSDP x TP: FSDP2, ``fully_shard`` per block and the root,
 each block compiled by Inductor, against ``fxshard.compile(model.loss)`` on DTensor parameters with
@@ -44,9 +44,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -84,64 +82,27 @@ def _data(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, Callable, dict]:
-    """(model, step (tokens, targets) -> loss, planned graphs {"forward", "backward"} once compiled (fxshard))."""
+    """(model, step (tokens, targets) -> loss, planned graphs {"forward", "backward"} once compiled (fxshard)),
+    the model built on meta and its shards allocated where they lie (bench/systems.py)."""
     import fxshard
-    from models.llama import Llama, fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
-    from train_llama import distribute_parameters
+    from models.llama import Llama
+    from systems import build
 
     with torch.device("meta"):
         model = Llama(config)
     planned: dict = {}
-    if case == "tp":
-        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
-        _materialize(model)
-        options = {"cost_model": fxshard.CostModel(default_latency=0.0),
-                   "on_graph": lambda stage, gm: planned.__setitem__(stage.removeprefix("plan_"), gm)
-                   if stage in ("plan_forward", "plan_backward") else None}
-        compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor",
-                                 options=options if system == "fxshard" else None)
-
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            logits = compiled(tokens)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-            return loss
+    on_graph = {"on_graph": lambda stage, gm: planned.__setitem__(stage.removeprefix("plan_"), gm)
+                if stage in ("plan_forward", "plan_backward") else None}
+    model, step, compiled = build(case, system, mesh, model, {"cost_model": fxshard.CostModel(default_latency=0.0)},
+                                  tp_options=on_graph, materialize=_materialize)
+    if compiled is None:
         return model, step, planned
-    dp_mesh = mesh if case == "fsdp" else mesh["dp"]
-    batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
-    if system == "fxshard":
-        distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
-        _materialize(model)
-        compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0))
 
-        def fx_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = compiled(distribute_tensor(tokens, mesh, batch), distribute_tensor(targets, mesh, batch))
-            loss.backward()
-            planned.update(forward=compiled.last.plan.forward, backward=compiled.last.plan.backward)
-            return loss
-        return model, fx_step, planned
-    from torch.distributed.fsdp import fully_shard
-
-    if case == "fsdp_tp":
-        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
-                                                                  loss_parallel=False))
-    for layer in model.layers:
-        layer.compile()
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    _materialize(model)
-    rank, per_rank = dp_mesh.get_local_rank(), BATCH // dp_mesh.size()
-
-    def fsdp_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        logits = model(tokens[mine])
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[mine].flatten())
-        loss.backward()
+    def fx_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = step(tokens, targets)
+        planned.update(forward=compiled.last.plan.forward, backward=compiled.last.plan.backward)
         return loss
-    return model, fsdp_step, planned
+    return model, fx_step, planned
 
 
 def tensor_peak(step: Callable[[], Any]) -> int:
@@ -174,11 +135,10 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, llama: 
     import fxshard  # noqa: F401 (registers fxshard's ops on this rank)
     from fxshard.memory import step_memory
     from models.llama import LlamaConfig
+    from systems import case_mesh
 
     config = LlamaConfig(**llama)
-    shape, names = ((world_size,), ("tp",)) if case == "tp" else \
-        ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    mesh = case_mesh(case, world_size, device)
     model, step, planned = _build(case, system, mesh, config)
     for k in range(2):  # the first step compiles, the second runs warm
         step(*_data(config, k))
@@ -199,12 +159,9 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, llama: 
 
 
 def run_rank(rank: int, world_size: int, device: str, case: str, system: str, llama: dict) -> dict:
-    try:
-        return run(rank, world_size, device, case, system, llama)
-    except Exception as e:  # a system that cannot run a case reports why instead of failing the table
-        if rank == 0:
-            print(f"{system} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    from systems import reported
+
+    return reported(run, rank, case, system, world_size, device, case, system, llama)
 
 
 def measure(case: str, llama: dict) -> dict:

@@ -4,7 +4,7 @@
     python bench/train.py --json
     python bench/train.py --no-bucketing   # fxshard's collectives as lowered (backend option bucketing=False)
 
-Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens):
+Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by bench/systems.py):
 
 - TP (tp=4): torchtitan's Megatron plan through ``parallelize_module``, vocab-parallel logits; both
   systems compile the model's forward (fxshard: ``backend="fxshard"``, which compiles the joint
@@ -39,9 +39,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -91,65 +88,21 @@ def _data(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> tuple[nn.Module, Any, Any]:
-    """(model, step function (tokens, targets) -> loss, batch placements or None)."""
+    """(model, step function (tokens, targets) -> loss, what fxshard compiled: the collectives of its
+    lowered programs by stage (tp) or its compiled function; None for DTensor) (bench/systems.py)."""
     import fxshard
-    from models.llama import Llama, fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
-    from train_llama import distribute_parameters
+    from fxshard.backend.traffic import collective_calls
+    from models.llama import Llama
+    from systems import build
 
     torch.manual_seed(0)
-    model = Llama(config)
-    if case == "tp":
-        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
-        from fxshard.backend.traffic import collective_calls
-
-        graphs: dict = {}  # the collectives of fxshard's lowered programs, by stage, read as they are reported
-        options = {"cost_model": fxshard.CostModel(default_latency=0.0), "bucketing": bucketing,
-                   "on_graph": lambda stage, gm: graphs.__setitem__(stage, collective_calls(gm))
-                   if stage.startswith("lower") else None}
-        compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor",
-                                 options=options if system == "fxshard" else None)
-
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            logits = compiled(tokens)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-            return loss
-        return model, step, graphs
-    dp_mesh = mesh if case == "fsdp" else mesh["dp"]
-    batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
-    rank = dp_mesh.get_local_rank()
-    per_rank = BATCH // dp_mesh.size()
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's rows, as a data loader gives them
-    if system == "fxshard":
-        distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
-        compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0), bucketing=bucketing)
-
-        def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # the global batch made of each rank's rows, nothing sent (as FSDP2's step below)
-            loss = compiled(DTensor.from_local(tokens[mine], mesh, batch), DTensor.from_local(targets[mine], mesh, batch))
-            loss.backward()
-            return loss
-        return model, step, compiled
-    from torch.distributed.fsdp import fully_shard
-
-    if case == "fsdp_tp":
-        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
-                                                                  loss_parallel=False))
-    for layer in model.layers:
-        layer.compile()
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-
-    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = model(tokens[mine])
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        # FSDP's loss is the mean over this rank's sequences; the mean of those is the global one
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[mine].flatten())
-        loss.backward()
-        return loss
-    return model, step, None
+    graphs: dict = {}  # tp: the collectives of fxshard's lowered programs, by stage, read as they are reported
+    on_graph = {"on_graph": lambda stage, gm: graphs.__setitem__(stage, collective_calls(gm))
+                if stage.startswith("lower") else None}
+    model, step, compiled = build(case, system, mesh, Llama(config),
+                                  {"cost_model": fxshard.CostModel(default_latency=0.0), "bucketing": bucketing},
+                                  tp_options=on_graph)
+    return model, step, graphs if case == "tp" else compiled
 
 
 def run(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
@@ -157,11 +110,10 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, bucketi
     from comm import CommBytesMode
     from fxshard.backend.traffic import collective_calls
     from models.llama import LlamaConfig
+    from systems import case_mesh
 
     config = LlamaConfig(**LLAMA)
-    shape, names = ((world_size,), ("tp",)) if case == "tp" else \
-        ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    mesh = case_mesh(case, world_size, device)
     model, step, compiled = _build(case, system, mesh, config, bucketing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
@@ -197,12 +149,9 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, bucketi
 
 
 def run_rank(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
-    try:
-        return run(rank, world_size, device, case, system, bucketing)
-    except Exception as e:  # a system that cannot run a case reports why instead of failing the table
-        if rank == 0:
-            print(f"{system} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    from systems import reported
+
+    return reported(run, rank, case, system, world_size, device, case, system, bucketing)
 
 
 def measure(case: str, bucketing: bool = True) -> dict:

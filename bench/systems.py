@@ -1,0 +1,117 @@
+"""The training setups the benches compare, written once: fxshard and DTensor (+ FSDP2) on one Llama.
+
+Each system is set up the way its best users run it:
+
+- ``tp`` (1-D mesh ``tp``): torchtitan's Megatron plan through ``parallelize_module``, vocab-parallel
+  logits; both systems compile the model's forward (fxshard: ``backend="fxshard"``, which compiles the
+  joint program; DTensor: ``backend="inductor"``) and take the loss outside it under ``loss_parallel()``.
+- ``fsdp`` (``dp``) and ``fsdp_tp`` (``dp`` x ``tp``): DTensor's way is FSDP2 (``fully_shard`` per block
+  and the root, on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the
+  unchanged model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
+  Both read each rank's rows of the global batch locally, as a data loader feeds them (fxshard: the
+  global batch as ``DTensor.from_local`` of the rows, nothing sent).
+
+``materialize`` runs once the parameters are sharded: a model built on the meta device gets its
+shards there (bench/memory.py), so no rank ever holds the whole model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss
+
+
+def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: dict[str, Any],
+          tp_options: dict[str, Any] | None = None,
+          materialize: Callable[[nn.Module], None] = lambda model: None) -> tuple[nn.Module, Step, Any]:
+    """(model, step, fxshard's compiled function or None) of ``case`` on ``system`` ("fxshard" or
+    "dtensor"). ``fxshard_options``: ``fxshard.compile``'s keywords (cost_model, bucketing, ...), also
+    given to the backend for ``tp`` with ``tp_options`` (backend-only options such as ``on_graph``)."""
+    from models.llama import fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
+    from train_llama import distribute_parameters
+
+    if case == "tp":
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
+        materialize(model)
+        options = {**fxshard_options, **(tp_options or {})} if system == "fxshard" else None
+        compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor", options=options)
+
+        def tp_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = compiled(tokens)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
+            return loss
+        return model, tp_step, None
+    dp_mesh = mesh if case == "fsdp" else mesh["dp"]
+    mine = _rows(dp_mesh)
+    if system == "fxshard":
+        import fxshard
+
+        distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
+        materialize(model)
+        loss_fn = fxshard.compile(model.loss, **fxshard_options)
+        batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
+
+        def fx_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(DTensor.from_local(mine(tokens), mesh, batch), DTensor.from_local(mine(targets), mesh, batch))
+            loss.backward()
+            return loss
+        return model, fx_step, loss_fn
+    from torch.distributed.fsdp import fully_shard
+
+    if case == "fsdp_tp":
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
+                                                                  loss_parallel=False))
+    for layer in model.layers:
+        layer.compile()
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    materialize(model)
+
+    def fsdp2_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model(mine(tokens))
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        # FSDP's loss is the mean over this rank's sequences; the mean of those is the global one
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine(targets).flatten())
+        loss.backward()
+        return loss
+    return model, fsdp2_step, None
+
+
+def _rows(dp_mesh: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's equal share of a global batch's rows (the batch divides over dp)."""
+    rank, size = dp_mesh.get_local_rank(), dp_mesh.size()
+
+    def mine(batch: torch.Tensor) -> torch.Tensor:
+        per_rank = batch.shape[0] // size
+        return batch[rank * per_rank:(rank + 1) * per_rank]
+    return mine
+
+
+def case_mesh(case: str, world_size: int, device: str) -> Any:
+    """The mesh of a case: ``tp`` or ``dp`` over every rank, ``fsdp_tp`` 2 x (world_size / 2) ``(dp, tp)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = ((world_size,), ("tp",)) if case == "tp" else \
+        ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
+    return init_device_mesh(device, shape, mesh_dim_names=names)
+
+
+def reported(run: Callable[..., dict], rank: int, case: str, system: str, *args: Any) -> dict:
+    """``run(rank, *args)``'s result, or ``{"error": ...}`` where a system cannot run a case (rank 0
+    says why on stderr), so that one failing row does not fail the table."""
+    import sys
+
+    try:
+        return run(rank, *args)
+    except Exception as e:
+        if rank == 0:
+            print(f"{system} {case}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
