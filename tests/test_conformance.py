@@ -546,6 +546,28 @@ def test_partials_into_unequal_blocks_cost_no_more_than_dtensor(world, pair, our
     assert (_differ(run.outputs, want), run.bytes_per_rank, dtensor_bytes) == ([], ours, theirs)
 
 
+def _plan_run(world: FakeWorld, pair: Pair, seed: int = 0) -> tuple[dict, dict]:
+    """fxshard's plan (bytes alone) run from DTensor's source blocks, and DTensor's redistributed blocks."""
+    t = global_tensor(pair.src.shape, seed)
+    src_blocks, want, _ = dtensor_redistribute(world, t, pair)
+    run = simulate_plan(plan_redistribute(pair.src.layout(), pair.dst.layout(), cost_model=BYTES_ONLY), t, src_blocks)
+    return run.outputs, want
+
+
+PLANS_THAT_DID_NOT_RUN = [  # (c) pairs of a 3000-pair run (issue 19) whose plan failed to lower or run
+    pytest.param(P2((3, 5, 3), (5, 7), (Shard(0), Partial("avg"), Replicate()), (Shard(0), Shard(0), Shard(0))),
+                 id="#1821 no local_shard of b before c's chunk (ranks lacked rows: empty blocks)"),
+    pytest.param(P2((5, 3, 5), (30,), (Shard(0), Replicate(), SS(0, 3)), (Shard(0), Shard(0), Shard(0))),
+                 id="#1811 local_shard of an even piece before a chunked one (was a LoweringError)"),
+]
+
+
+@pytest.mark.parametrize("pair", PLANS_THAT_DID_NOT_RUN)
+def test_plans_into_chunked_dims_run_and_end_on_dtensors_blocks(world, pair):
+    ours, theirs = _plan_run(world, pair)
+    assert _differ(ours, theirs) == []
+
+
 MIXED_PARTIALS = [  # sum and avg on different axes: DTensor accepts the pair (they commute); so does a Layout
     pytest.param(Case((2, 2), (8, 12), (Partial("sum"), Partial("avg"))), id="P(sum),P(avg) 2x2"),
     pytest.param(Case((2, 3), (5,), (Partial("avg"), Partial("sum"))), id="P(avg),P(sum) 2x3"),
