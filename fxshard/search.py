@@ -164,6 +164,9 @@ class Search:
                     return None
                 if any(p.atom is LOCAL for p in candidate[:chunked[0]]):
                     return None  # an uneven shard of a strided block: no local lowering
+                if chunked[0] != len(candidate) - 1:
+                    return None  # a chunk inserted before a later chunk re-cuts the block that chunk split:
+                    # ranks lack elements of it (issue 19: [~5@a ~1@c] -> [~5@a ~2@b ~1@c]); the inner one comes after
             out[e] = candidate
         return tuple(out)
 

@@ -223,13 +223,23 @@ def _uneven(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str)
     i = next(k for k, p in enumerate(pieces) if p.axis == axis)
     if step.kind == "reduce_scatter" and i == len(pieces) - 1 and all(p.axis is not None for p in pieces[:i]):
         return _reduce_scatter_chunked(e, x, step, before, d, n, c, group)  # the local block, chunked
-    if step.kind == "local_shard" and pieces[i].chunked and all(p.axis is not None for p in pieces[:i]):
+    if step.kind == "local_shard" and _chunks_whole_block(step, d, i):
         total = before[d]
         chunk = -(-total // n)
         start = min(c * chunk, total)
         length = max(0, min(chunk, total - start))
         return _sliced(e, x, d, start, start + length)
+    if step.kind == "local_shard":  # e.g. an even piece before a chunked one ([5@a 3 ~2@c] -> [5@a 3@b ~2@c])
+        return _local_gather(e, x, step, coord)
     raise LoweringError(f"{step}: uneven {step.kind} from {step.before} to {step.after} is not supported")
+
+
+def _chunks_whole_block(step: Step, d: int, i: int) -> bool:
+    """Whether piece ``i`` of dim ``d`` after the step cuts every rank's whole block of the dim with
+    torch.chunk: it is appended after the dim's pieces, all sharded (a slice of the local block)."""
+    pieces = step.after.dims[d]
+    return (pieces[i].chunked and i == len(pieces) - 1 and step.before.dims[d] == pieces[:i]
+            and all(p.axis is not None for p in pieces[:i]))
 
 
 def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: list[int], d: int, n: int,
