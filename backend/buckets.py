@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .bucket_copies import merge_all_gathers, merge_reduce_scatters
+
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "tag_blocks"]
 
 BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
@@ -117,8 +119,8 @@ class BlockBuckets(CustomGraphPass):
         gm = graph.owning_module
         tagged = [n for n in graph.nodes if _tag(n) is not None]
         for kind, is_kind, key, merge in (
-                ("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, b.merge_all_gather_bucket),
-                ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, b.merge_reduce_scatter_bucket)):
+                ("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, merge_all_gathers),
+                ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, merge_reduce_scatters)):
             ours = [n for n in tagged if is_kind(n) and _single_wait(n)]
             rest = set(n for n in graph.nodes if is_kind(n)) - set(ours)
             capped = b.greedy_bucket_collective_by_mb(gm, lambda _: self.cap / 2**20, lambda n: n in rest, key) \
@@ -129,8 +131,9 @@ class BlockBuckets(CustomGraphPass):
                 merge(graph, bucket)
 
     def uuid(self) -> str:
-        """The FX graph cache's key of this pass: its code, the cap and the blocks of the collectives."""
-        text = pathlib.Path(__file__).read_bytes() + repr((self.cap, self.tags)).encode()
+        """The FX graph cache's key of this pass: its code (and its merges'), the cap and the blocks."""
+        here = pathlib.Path(__file__)
+        text = here.read_bytes() + (here.parent / "bucket_copies.py").read_bytes() + repr((self.cap, self.tags)).encode()
         return hashlib.sha256(text).hexdigest()
 
 

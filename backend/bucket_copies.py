@@ -1,0 +1,82 @@
+"""A bucket's copies in and out as one library call each, not one generated kernel per member.
+
+Inductor's default merge of an all_gather bucket packs the members with a ``cat`` and unpacks each
+gathered member with a ``reshape`` of a strided slice (every rank's piece of it): Inductor generates
+one copy kernel per member, each a program of its own since its offsets differ (a 4-layer Llama's
+FSDP program: 17 of its 51 C++ kernels, a third of its compile time on CPU, bench/results/compile.md).
+FSDP2 does the same copies eagerly, in one ``split_with_sizes_copy``. Here too:
+
+- packing: Inductor's own ``bucketing::_pre_bucket_all_gather`` / ``_pre_bucket_reduce_scatter``
+  (its ``custom_ops`` bucket mode: one ``_foreach_copy_`` / ``cat``, a fallback call);
+- unpacking a gather: ``fxshard::unpack_gathered``, every member copied out of the gathered buffer by
+  one ``split_with_sizes_copy``; a reduce_scatter's members are contiguous slices of its output
+  (views, no copy).
+
+What moves, and where, is unchanged: the same collectives, buckets and bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["merge_all_gathers", "merge_reduce_scatters", "unpack_gathered"]
+
+_c10d = torch.ops._c10d_functional
+
+
+@torch.library.custom_op("fxshard::unpack_gathered", mutates_args=())
+def unpack_gathered(gathered: torch.Tensor, group_size: int, numels: Sequence[int]) -> list[torch.Tensor]:
+    """The members of a gathered bucket, each ``(group_size, numels[k])``: rank r's piece of member k is
+    ``numels[k]`` elements at its offset in rank r's chunk of ``gathered``."""
+    outs = [gathered.new_empty((group_size, n)) for n in numels]
+    torch.split_with_sizes_copy(gathered.view(group_size, -1), list(numels), dim=1, out=outs)
+    return outs
+
+
+@unpack_gathered.register_fake
+def _(gathered: torch.Tensor, group_size: int, numels: Sequence[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty((group_size, n)) for n in numels]
+
+
+def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dtype: torch.dtype,
+                   out_dtypes: list[torch.dtype], rank: int) -> list[torch.Tensor]:
+    """What one bucketed all_gather runs (traced into the graph in place of its members)."""
+    from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
+
+    numels = [x.numel() for x in ins]
+    total = sum(numels)
+    out = torch.ops.bucketing._pre_bucket_all_gather(ins, group_size, dtype, [_ALL_DTYPES.index(d) for d in out_dtypes],
+                                                     rank, None)
+    gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
+        out.narrow(0, total * rank, total), group_size, group_name, out=out))
+    members = torch.ops.fxshard.unpack_gathered(gathered, group_size, numels)
+    return [m.view(x.shape[0] * group_size, *x.shape[1:]) for m, x in zip(members, ins)]
+
+
+def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
+    """One all_gather for ``bucket`` (members of one process group and dtype, each read by its wait alone),
+    placed before ``insert_before`` (None: after the last member). A bucket whose members convert their
+    dtype on the way in is merged by Inductor's default merge (its copies convert)."""
+    from torch._inductor.fx_passes import bucketing as b
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if any(b.has_mergeable_all_gather_convert_dtype(n) for n in bucket):
+        b.merge_all_gather_bucket(graph, bucket, insert_before=insert_before)
+        return
+    _, group_size, group_name = bucket[0].args
+    dtype = bucket[0].meta["val"].dtype
+    rank = torch.distributed.get_rank(_resolve_process_group(b._resolve_group_name(group_name)))
+
+    def trace_args(ins: list[fx.Node]) -> tuple:
+        return ([n.meta["val"] for n in ins], group_name, group_size, dtype, [dtype] * len(ins), rank)
+
+    b.process_collective_bucket(graph, bucket, _gather_bucket, trace_args, insert_before=insert_before)
+
+
+def merge_reduce_scatters(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
+    """One reduce_scatter for ``bucket``, its input packed by one library call."""
+    from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
+
+    merge_reduce_scatter_bucket(graph, bucket, mode="custom_ops", insert_before=insert_before)
