@@ -4,8 +4,8 @@
 entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
 without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
 ``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
-``backend/inductor_config.py``), ``regional`` (True compiles each distinct layer once instead of giving Inductor the whole local
-program: less compile time, collectives bucketed and overlapped within a layer only: ``backend/regions.py``),
+``backend/inductor_config.py``), ``regional`` (default True: each distinct layer compiled once, not the whole local program:
+less compile time, the same buckets, collectives overlapped within a layer only: ``backend/regions.py``),
 ``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
 as text: ``<graph>_<n>_<stage>.txt``).
@@ -68,7 +68,7 @@ def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter:
 
     return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
                            cost_model=options.get("cost_model"), inductor=options.get("inductor", True),
-                           bucketing=options.get("bucketing", True), regional=options.get("regional", False),
+                           bucketing=options.get("bucketing", True), regional=options.get("regional", True),
                            reporter=reporter)
 
 

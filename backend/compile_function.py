@@ -36,7 +36,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
                  strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-                 bucketing: bool = True, regional: bool = False):
+                 bucketing: bool = True, regional: bool = True):
         self.fn = fn
         self.module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         if self.module is not None and not isinstance(self.module, torch.nn.Module):
@@ -110,7 +110,7 @@ class CompiledFunction:
 
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-            bucketing: bool = True, regional: bool = False) -> CompiledFunction:
+            bucketing: bool = True, regional: bool = True) -> CompiledFunction:
     """Compile ``fn`` (a module, or a method of one, or a function) for the mesh of its DTensor
     parameters and arguments; plain tensor arguments are replicated unless ``placements`` (by
     argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``

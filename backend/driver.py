@@ -107,7 +107,7 @@ def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | 
 
 
 def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
-                    inductor: bool = True, bucketing: bool = True, regional: bool = False,
+                    inductor: bool = True, bucketing: bool = True, regional: bool = True,
                     reporter: StageReporter | None = None, **plan_options: Any) -> InferenceProgram | TrainingProgram:
     """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
     ``device_mesh`` defaults to the one of the DTensor inputs."""

@@ -44,9 +44,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .buckets import ROOT, BlockBuckets, _placeholders_of, block_of, tag_blocks
+from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 
-__all__ = ["BucketPolicy", "compile_local", "block_bytes", "inductor_patches"]
+__all__ = ["BucketPolicy", "compile_local", "bucketed_uncompiled", "block_bytes", "inductor_patches"]
 
 _c10d = torch.ops._c10d_functional
 # the collectives compile_local buckets
@@ -60,6 +60,7 @@ class BucketPolicy:
 
     cap: int  # bytes per bucket of the collectives of no block (all_reduces, activations): ``block_bytes``
     output_names: tuple[str | None, ...] = ()  # per output, the input it is the gradient of (a backward)
+    tagged: bool = False  # the collectives carry their blocks already: a region of a program ``tag_blocks`` saw
 
 
 def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: BucketPolicy | None) -> Callable:
@@ -71,10 +72,32 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
 
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
         policy = None  # nothing to bucket or overlap: the passes would only cost compile time
-    tags = tag_blocks(gm, policy.output_names) if policy is not None else ()
-    patches, comms = inductor_patches(policy, tags)
+    patches, comms = inductor_patches(policy, _blocks(gm, policy))
     with config_comms.patch(comms):
         return compile_fx(gm, list(inputs), config_patches=patches)
+
+
+def bucketed_uncompiled(gm: fx.GraphModule, policy: BucketPolicy | None) -> fx.GraphModule:
+    """``gm`` to run as it is, without Inductor, its all_gathers and reduce_scatters bucketed by the pass
+    ``compile_local`` gives Inductor (the same buckets; no overlap: the graph runs in its order). For a
+    region that runs once per step, whose compile nothing would amortize (regional compilation's
+    prologue and epilogue)."""
+    if policy is not None and any(node.target in BUCKETED for node in gm.graph.nodes):
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        BlockBuckets(policy.cap, _blocks(gm, policy))(gm.graph)
+        stable_topological_sort(gm.graph)  # a merged collective's users may precede it (Inductor sorts too)
+        gm.recompile()
+    return gm
+
+
+def _blocks(gm: fx.GraphModule, policy: BucketPolicy | None) -> tuple[str | None, ...]:
+    """The block of each all_gather / reduce_scatter of ``gm``, in program order (``buckets.tag_blocks``)."""
+    if policy is None:
+        return ()
+    if policy.tagged:
+        return tuple(_tag(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TAGGED)
+    return tag_blocks(gm, policy.output_names)
 
 
 def inductor_patches(policy: BucketPolicy | None, tags: Sequence[str | None] = ()) -> tuple[dict[str, Any], dict[str, Any]]:

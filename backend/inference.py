@@ -18,7 +18,8 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .inductor_config import BucketPolicy, block_bytes, compile_local
+from .buckets import tag_blocks
+from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
 from .regions import Region, RegionalProgram, program_regions
@@ -30,7 +31,7 @@ class InferenceProgram:
 
     def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
                  input_layouts: Sequence[Layout], inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
-                 eager_layouts: Sequence[Any] = (), regional: bool = False):
+                 eager_layouts: Sequence[Any] = (), regional: bool = True):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
@@ -71,7 +72,8 @@ class InferenceProgram:
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
         """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
-        return compile_local(region.graph, inputs, self.buckets) if region.layer else region.graph
+        policy = self.buckets and BucketPolicy(self.buckets.cap, tagged=True)  # tagged before the split
+        return compile_local(region.graph, inputs, policy) if region.layer else bucketed_uncompiled(region.graph, policy)
 
     def _compile_and_run(self, local_inputs: list[torch.Tensor]) -> Any:
         """The first call: Inductor compiles the program (regionally: each region as the call reaches it)."""
@@ -80,6 +82,8 @@ class InferenceProgram:
             with torch.no_grad():
                 return self._run(*local_inputs)
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
+            if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
+                tag_blocks(self.local_graph)
             regions = program_regions(self.local_graph) if self.regional else []
             if regions:
                 self._run = RegionalProgram(self.local_graph, regions, self._compile_region)

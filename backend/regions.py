@@ -7,7 +7,8 @@ shapes, strides and dtypes; one region per key goes to ``compile_local`` and eve
 key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
 The prologue and the epilogue (embedding, final norm, output projection, loss) run as their graphs,
 without Inductor, as torchtitan compiles only the blocks: each is one region whose compile nothing
-amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md).
+amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md). Their
+collectives are bucketed all the same (``inductor_config.bucketed_uncompiled``).
 
 Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
 (the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other
@@ -19,7 +20,10 @@ their backward is), a tangent in the epilogue, and every node joins the earliest
 inputs' (gradients flow from the last layer to the first). A node computed from no input joins the
 one region that reads it, or the program's first. Nodes keep their order within a region and the
 regions run in order (forward ascending, backward descending): a valid order, since each node's
-region follows its inputs'. Collectives move with their region, in the same order on every rank.
+region follows its inputs'. Collectives move with their region, in the same order on every rank,
+and stay in the region that makes their input (a layer holds its own, the same in every layer). The
+root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients' reductions to the
+backward's end: one bucket each, as FSDP2 gathers the root before the first layer.
 """
 from __future__ import annotations
 
@@ -31,12 +35,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from .buckets import BLOCK_KEY, ROOT
+
 __all__ = ["Region", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
            "training_regions", "RegionalProgram", "region_key"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
 _NO_META = ("stack_trace",)  # node meta not copied into a region: it would make equal layers' code differ
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass
@@ -73,7 +80,7 @@ def forward_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
         late = last_meets is not None and meets.get(p, -1) > last_meets
         index[p] = layers.get(p, last + 1 if late else -1)
     region = _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
-    return _sink(gm, region, runs_before=lambda a, b: a < b)
+    return _root_gathers_first(gm, _sink(gm, region, runs_before=lambda a, b: a < b, first=-1))
 
 
 def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: int) -> dict[fx.Node, int]:
@@ -82,7 +89,63 @@ def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: 
     epilogue's."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = {p: saved[k] if k < len(saved) else epilogue for k, p in enumerate(placeholders)}
-    return _sink(gm, _assign(gm, sources, min, first=epilogue, final=-1), runs_before=lambda a, b: a > b)
+    region = _sink(gm, _assign(gm, sources, min, first=epilogue, final=-1), runs_before=lambda a, b: a > b,
+                   first=epilogue)
+    return _root_reductions_last(gm, region)
+
+
+def _root_gathers_first(gm: fx.GraphModule, region: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """The gathers of the parameters outside the layers (block ``root``, ``buckets.tag_blocks``) and what
+    they read move into the prologue: one bucket gathers the root's parameters before the first layer,
+    as FSDP2 does, where the epilogue's (final norm, output projection) would be a second call."""
+    for node in gm.graph.nodes:
+        if node.target is _c10d.all_gather_into_tensor.default and _block(node) == ROOT and _single_wait(node):
+            for moved in _ancestors(node) | {node, next(iter(node.users))}:
+                region[moved] = -1
+    return region
+
+
+def _root_reductions_last(gm: fx.GraphModule, region: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """The reduce_scatters of the root's gradients and what follows them to the outputs move into the
+    backward's last region (the prologue's): one bucket after the whole backward, as FSDP2 reduces the
+    root's gradients, where the epilogue's would be a second call."""
+    for node in gm.graph.nodes:
+        if node.target is _c10d.reduce_scatter_tensor.default and _block(node) == ROOT:
+            chain, value = [node], node
+            while len(value.users) == 1 and next(iter(value.users)).op != "output":
+                value = next(iter(value.users))
+                if len(value.all_input_nodes) != 1:
+                    break
+                chain.append(value)
+            else:
+                for moved in chain:
+                    region[moved] = -1
+    return region
+
+
+def _communicates(node: fx.Node) -> bool:
+    """A collective or its wait: it stays where its input is made (it starts as soon as it can, and a
+    layer's region holds its own collectives only, the same in every layer)."""
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def _block(node: fx.Node) -> str | None:
+    return (node.meta.get("custom") or {}).get(BLOCK_KEY)
+
+
+def _single_wait(node: fx.Node) -> bool:
+    return len(node.users) == 1 and next(iter(node.users)).target is _c10d.wait_tensor.default
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    stack = [a for a in node.all_input_nodes if a.op == "call_function"]
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack += [a for a in n.all_input_nodes if a.op == "call_function"]
+    return found
 
 
 def saved_regions(forward: fx.GraphModule, region: Mapping[fx.Node, int], num_outputs: int) -> list[int | None]:
@@ -158,7 +221,8 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
     for node in nodes:
         k, later = region[node], needed[node]
         if later is not None and later > k:
-            if source.get(node) is None or shared(node) or any(anchored(x, k) for x in node.all_input_nodes):
+            if source.get(node) is None or shared(node) or _communicates(node) or \
+                    any(anchored(x, k) for x in node.all_input_nodes):
                 stayed.add(node)
             else:
                 k = later
@@ -166,13 +230,17 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
     return moved
 
 
-def _sink(gm: fx.GraphModule, region: dict[fx.Node, int],
-          runs_before: Callable[[int, int], bool]) -> dict[fx.Node, int]:
+def _sink(gm: fx.GraphModule, region: dict[fx.Node, int], runs_before: Callable[[int, int], bool],
+          first: int) -> dict[fx.Node, int]:
     """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
     moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
-    viewed for the next layer's matmul, the embedding gradient's zeros)."""
+    viewed for the next layer's matmul, the embedding gradient's zeros). A layer's collective that only
+    the next region reads moves too (every layer then starts with it), but not the ``first`` region's:
+    the first layer would hold one the others do not (TP's all_reduce of the embedding)."""
     for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
         readers = {region[u] for u in node.users if u.op != "output"}
+        if _communicates(node) and region[node] == first:
+            continue
         if len(node.all_input_nodes) <= 1 and len(readers) == 1:
             (reader,) = readers
             if runs_before(region[node], reader):

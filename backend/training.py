@@ -18,7 +18,8 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .inductor_config import BucketPolicy, block_bytes, compile_local
+from .buckets import tag_blocks
+from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
@@ -30,7 +31,7 @@ class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does."""
 
     def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True, bucketing: bool = True,
-                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (), regional: bool = False):
+                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (), regional: bool = True):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         groups = MeshGroups(device_mesh)
         self.plan = plan
@@ -96,13 +97,16 @@ class TrainingProgram:
         return RegionalProgram(gm, regions, self._compile_region, self.region_cache)
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
-        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
-        # a layer's outputs are not the program's: its collectives are bucketed by size alone (one block)
-        policy = self.buckets and BucketPolicy(self.buckets["forward"].cap)
-        return compile_local(region.graph, inputs, policy) if region.layer else region.graph
+        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
+        bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
+        policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
+        return compile_local(region.graph, inputs, policy) if region.layer else bucketed_uncompiled(region.graph, policy)
 
     def _regions(self) -> tuple[list, list]:
         if self._region_split is None:
+            if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
+                tag_blocks(self.forward_graph)
+                tag_blocks(self.backward_graph, self.buckets["backward"].output_names)
             self._region_split = training_regions(self.forward_graph, self.backward_graph, self.plan.num_outputs)
         return self._region_split
 

@@ -2,7 +2,7 @@
 
     python bench/compile.py                 # layers 1, 2, 4, 8, fxshard with regional=True; markdown tables
     python bench/compile.py --layers 1 2 --json
-    python bench/compile.py --no-regional   # fxshard gives Inductor whole programs (its default, regional=False)
+    python bench/compile.py --no-regional   # fxshard gives Inductor whole programs (regional=False)
 
 bench/train.py's Llama (vocab 2048, dim 256, 8 heads (4 kv), ffn 768) with ``n_layers`` layers,
 FSDP on dp=4, AdamW-free (compile only), batch 8 x 128 tokens. One process, rank 0 of a fake

@@ -3,6 +3,7 @@
     python bench/train.py           # 4 gloo ranks on CPU; prints a markdown table
     python bench/train.py --json
     python bench/train.py --no-bucketing   # fxshard's collectives as lowered (backend option bucketing=False)
+    python bench/train.py --whole          # fxshard compiles whole programs (backend option regional=False)
 
 Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by bench/systems.py):
 
@@ -87,7 +88,7 @@ def _data(config: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g))
 
 
-def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> tuple[nn.Module, Any, Any]:
+def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tuple[nn.Module, Any, Any]:
     """(model, step function (tokens, targets) -> loss, what fxshard compiled: the collectives of its
     lowered programs by stage (tp) or its compiled function; None for DTensor) (bench/systems.py)."""
     import fxshard
@@ -100,12 +101,12 @@ def _build(case: str, system: str, mesh: Any, config: Any, bucketing: bool) -> t
     on_graph = {"on_graph": lambda stage, gm: graphs.__setitem__(stage, collective_calls(gm))
                 if stage.startswith("lower") else None}
     model, step, compiled = build(case, system, mesh, Llama(config),
-                                  {"cost_model": fxshard.CostModel(default_latency=0.0), "bucketing": bucketing},
+                                  {"cost_model": fxshard.CostModel(default_latency=0.0), **options},
                                   tp_options=on_graph)
     return model, step, graphs if case == "tp" else compiled
 
 
-def run(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
+def run(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
     import fxshard  # noqa: F401 (registers the op library on this rank)
     from comm import CommBytesMode
     from fxshard.backend.traffic import collective_calls
@@ -114,7 +115,7 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, bucketi
 
     config = LlamaConfig(**LLAMA)
     mesh = case_mesh(case, world_size, device)
-    model, step, compiled = _build(case, system, mesh, config, bucketing)
+    model, step, compiled = _build(case, system, mesh, config, options or {})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     for k in range(STEPS):
@@ -148,18 +149,18 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, bucketi
             "bytes": nbytes}
 
 
-def run_rank(rank: int, world_size: int, device: str, case: str, system: str, bucketing: bool = True) -> dict:
+def run_rank(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
     from systems import reported
 
-    return reported(run, rank, case, system, world_size, device, case, system, bucketing)
+    return reported(run, rank, case, system, world_size, device, case, system, options)
 
 
-def measure(case: str, bucketing: bool = True) -> dict:
+def measure(case: str, options: dict | None = None) -> dict:
     from ranks import spawn
 
     out = {"case": case}
     for system in ("fxshard", "dtensor"):
-        results = spawn(run_rank, 4, 900.0, "cpu", case=case, system=system, bucketing=bucketing)
+        results = spawn(run_rank, 4, 900.0, "cpu", case=case, system=system, options=options)
         out[system] = results[0]
     return out
 
@@ -195,8 +196,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--case", choices=CASES, action="append")
     parser.add_argument("--no-bucketing", action="store_true", help="fxshard's backend option bucketing=False")
+    parser.add_argument("--whole", action="store_true", help="fxshard's backend option regional=False")
     args = parser.parse_args()
-    rows = [measure(case, not args.no_bucketing) for case in (args.case or CASES)]
+    options = {"bucketing": not args.no_bucketing, "regional": not args.whole}  # fxshard's backend options
+    rows = [measure(case, options) for case in (args.case or CASES)]
     print(json.dumps(rows, indent=1) if args.json else table(rows))
 
 

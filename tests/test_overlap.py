@@ -72,7 +72,7 @@ def lowered_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def training_step(fake_mesh_4):
-    """{program: (fxshard's lowered collectives, Inductor's)} of one compiled training step."""
+    """{program: (fxshard's lowered collectives, Inductor's, Inductor's statements)} of one compiled training step."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
@@ -90,8 +90,9 @@ def training_step(fake_mesh_4):
         loss.backward()
         return loss
     _, (forward, backward) = run_and_get_code(step)
-    return {"forward": (lowered["lower"], collectives(statements(forward))),
-            "backward": (lowered["lower_backward"], collectives(statements(backward)))}
+    forward, backward = statements(forward), statements(backward)
+    return {"forward": (lowered["lower"], collectives(forward), forward),
+            "backward": (lowered["lower_backward"], collectives(backward), backward)}
 
 
 def counts(found: list[tuple[str, int]]) -> dict[str, int]:
@@ -109,7 +110,7 @@ def counts(found: list[tuple[str, int]]) -> dict[str, int]:
     ("backward", {"all_gather": 2, "reduce_scatter": 4}, {"all_gather": 2, "reduce_scatter": 2}),
 ])
 def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
-    fxshard_lowered, inductor = training_step[program]
+    fxshard_lowered, inductor, _ = training_step[program]
     assert (counts(fxshard_lowered), counts(inductor)) == (lowered, compiled)
 
 
@@ -123,9 +124,34 @@ def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
 def test_waits_move_below_compute(training_step, program, overlapped):
     """fxshard lowers every wait right behind its collective; Inductor's scheduler moves it below the
     compute that does not need the result (the first gather and the last reductions have none left)."""
-    fxshard_lowered, inductor = training_step[program]
+    fxshard_lowered, inductor, _ = training_step[program]
     assert all(compute == 0 for _, compute in fxshard_lowered), fxshard_lowered
     assert [kind for kind, compute in inductor if compute > 0] == overlapped, inductor
+
+
+@pytest.mark.parametrize("program, unpacked", [
+    ("forward", 2),   # a bucket of two weights per block
+    ("backward", 0),  # one weight regathered per block: nothing merged, nothing to unpack
+])
+def test_a_gathered_bucket_is_unpacked_by_one_call(training_step, program, unpacked):
+    """``backend/bucket_copies.py``: every member of a gathered bucket comes out of it in one
+    ``fxshard::unpack_gathered`` call (Inductor's default merge would generate a copy kernel per member)."""
+    _, inductor, lines = training_step[program]
+    unpacks = [s for s in lines if "fxshard.unpack_gathered" in s]
+    assert counts(inductor)["all_gather"] == 2 and len(unpacks) == unpacked, unpacks
+
+
+def test_unpack_gathered_gives_every_ranks_piece_of_each_member():
+    """What an all_gather of a packed bucket holds, rank after rank (each rank's members back to back),
+    comes out member by member, ``(ranks, numel)`` each; its fake implementation agrees (``opcheck``)."""
+    from fxshard.backend import bucket_copies  # noqa: F401  (registers the op)
+
+    ranks, numels = 3, [5, 1, 7]
+    pieces = [[torch.randn(n) for n in numels] for _ in range(ranks)]  # rank r's shard of member k
+    gathered = torch.cat([torch.cat(p) for p in pieces])
+    members = torch.ops.fxshard.unpack_gathered(gathered, ranks, numels)
+    torch.testing.assert_close(members, [torch.stack([p[k] for p in pieces]) for k in range(len(numels))])
+    torch.library.opcheck(torch.ops.fxshard.unpack_gathered.default, (gathered, ranks, numels))
 
 
 def test_bucketing_false_leaves_each_collective_and_its_wait(fake_mesh_4):

@@ -83,3 +83,45 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
     epilogue run uncompiled): as many region graphs at 5 layers as at 3, fewer than the layers run."""
     (three, ran_three), (five, _) = (_compiled_regions(n, fake_mesh_4, monkeypatch) for n in (3, 5))
     assert five == three < ran_three, (three, five, ran_three)
+
+
+def _bucketed_collectives(regional: bool, mesh, monkeypatch) -> list[dict[str, int]]:
+    """Per program run (forward, backward: region by region, or whole), the collectives it issues once
+    its collectives are bucketed by the pass ``compile_local`` gives Inductor, applied here without Inductor."""
+    from train_llama import distribute_parameters
+
+    from fxshard.backend.inductor_config import bucketed_uncompiled
+
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy: bucketed_uncompiled(gm, policy))
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    distribute_parameters(model, mesh, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=regional)
+    x = distribute_tensor(torch.randint(0, CFG.vocab_size, (8, 64)), mesh, (Shard(0),))
+    step(x, x).backward()
+    runner = step.last
+    found = []
+    for program in (runner._forward, runner._backward):
+        graphs = [program.compiled[k] for k in range(len(program.regions))] if regional else [program]
+        counts: dict[str, int] = {}
+        for gm in graphs:
+            for node in gm.graph.nodes:
+                name = getattr(node.target, "_opname", "")
+                if getattr(node.target, "namespace", None) == "_c10d_functional" and name != "wait_tensor":
+                    kind = name.removesuffix("_into_tensor_out").removesuffix("_into_tensor").removesuffix("_tensor")
+                    counts[kind] = counts.get(kind, 0) + 1
+        found.append(counts)
+    return found
+
+
+def test_regional_fsdp_issues_the_whole_programs_buckets(fake_mesh_4, monkeypatch):
+    """Cut into regions, FSDP still makes one all_gather and one reduce_scatter per block, as the whole
+    program does and FSDP2 does: the root's parameters (embedding, final norm, output projection) are
+    gathered in the prologue, before the first layer, and their gradients reduced after the whole
+    backward; each layer region buckets its own (regions.py, inductor_config.bucketed_uncompiled)."""
+    regional = _bucketed_collectives(True, fake_mesh_4, monkeypatch)
+    whole = _bucketed_collectives(False, fake_mesh_4, monkeypatch)
+    # forward: the root and 3 layers, and the loss's count and sum; backward: each layer regathered (its
+    # norms' weights kept from the forward), one reduce_scatter per block, the root's last
+    assert regional == whole == [{"all_gather": 4, "all_reduce": 2}, {"all_gather": 3, "reduce_scatter": 4}], \
+        (regional, whole)
