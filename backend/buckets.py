@@ -25,14 +25,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .bucket_copies import merge_all_gathers, merge_reduce_scatters
 
-__all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "tag_blocks"]
+__all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
 
 BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
+_MERGED_KEY = "fxshard_merged"  # in node.meta["custom"]: a block's merged collective
 ROOT = "root"  # the block of every parameter outside an indexed module
 # the first indexed module in a parameter's name: "layers_0_attention_wq_weight" -> "layers_0"
 _BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
 _c10d = torch.ops._c10d_functional
 _TAGGED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
+_MERGED = (_c10d.all_gather_into_tensor_out.default, _c10d.all_gather_into_tensor.default,
+           _c10d.reduce_scatter_tensor.default)  # what a bucket's merge makes
 
 
 def block_of(name: str) -> str:
@@ -117,16 +120,13 @@ class BlockBuckets(CustomGraphPass):
         from torch._inductor.fx_passes import bucketing as b
 
         gm = graph.owning_module
-        tagged = [n for n in graph.nodes if _tag(n) is not None]
-        for kind, is_kind, key, merge in (
-                ("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, merge_all_gathers),
-                ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, merge_reduce_scatters)):
-            ours = [n for n in tagged if is_kind(n) and _single_wait(n)]
-            rest = set(n for n in graph.nodes if is_kind(n)) - set(ours)
+        for kind, is_kind, key, merge in _kinds():
+            ours = _ours(graph, is_kind)
+            # the others, capped; a collective merged already (``merge_blocks`` before a regional cut) is neither
+            rest = set(n for n in graph.nodes if is_kind(n) and not _merged(n)) - set(ours)
             capped = b.greedy_bucket_collective_by_mb(gm, lambda _: self.cap / 2**20, lambda n: n in rest, key) \
                 if rest else []
-            for bucket in block_buckets(ours, lambda n: (key(n), _tag(n))):
-                merge(graph, bucket, insert_before=_first_use(graph, bucket) if kind == "all_gather" else None)
+            _merge_blocks(graph, kind, ours)
             for bucket in capped:
                 merge(graph, bucket)
 
@@ -135,6 +135,55 @@ class BlockBuckets(CustomGraphPass):
         here = pathlib.Path(__file__)
         text = here.read_bytes() + (here.parent / "bucket_copies.py").read_bytes() + repr((self.cap, self.tags)).encode()
         return hashlib.sha256(text).hexdigest()
+
+
+def merge_blocks(gm: fx.GraphModule, region: dict[fx.Node, Any]) -> None:
+    """Each block's bucket merged on a whole program before regional compilation cuts it, as
+    ``BlockBuckets`` merges it inside Inductor: only a bucket whose members share a region (``region``:
+    node -> region), and every node its merge makes joins that region. The merged collective keeps
+    the block's tag (``BlockBuckets`` then leaves it as it is)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    for kind, is_kind, _, _ in _kinds():
+        ours = _ours(gm.graph, is_kind)
+        for home in dict.fromkeys(region[n] for n in ours):  # in program order: the same on every rank
+            _merge_blocks(gm.graph, kind, [n for n in ours if region[n] == home], region, home)
+    stable_topological_sort(gm.graph)  # a merged collective's users may precede it (Inductor sorts too)
+    gm.recompile()
+
+
+def _kinds() -> tuple:
+    """(kind, is it one, Inductor's bucket key, merge) for all_gathers and reduce_scatters."""
+    from torch._inductor.fx_passes import bucketing as b
+
+    return (("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, merge_all_gathers),
+            ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, merge_reduce_scatters))
+
+
+def _ours(graph: fx.Graph, is_kind: Any) -> list[fx.Node]:
+    """The tagged collectives of a kind that a block bucket can take (each read by its wait alone)."""
+    return [n for n in graph.nodes if _tag(n) is not None and is_kind(n) and _single_wait(n) and not _merged(n)]
+
+
+def _merge_blocks(graph: fx.Graph, kind: str, ours: list[fx.Node], region: dict[fx.Node, Any] | None = None,
+                  home: Any = None) -> None:
+    """One collective per (process group, dtype, block) bucket of ``ours``, tagged with its block; with
+    ``region``, the nodes a merge makes are put in ``home``."""
+    _, _, key, merge = next(k for k in _kinds() if k[0] == kind)
+    for bucket in block_buckets(ours, lambda n: (key(n), _tag(n))):
+        block = _tag(bucket[0])
+        before = set(graph.nodes)
+        merge(graph, bucket, insert_before=_first_use(graph, bucket) if kind == "all_gather" else None)
+        for node in graph.nodes:
+            if node not in before:
+                if region is not None:
+                    region[node] = home
+                if node.op == "call_function" and node.target in _MERGED:
+                    node.meta["custom"] = dict(node.meta.get("custom") or {}) | {BLOCK_KEY: block, _MERGED_KEY: True}
+
+
+def _merged(node: fx.Node) -> bool:
+    return bool((node.meta.get("custom") or {}).get(_MERGED_KEY))
 
 
 def _tag(node: fx.Node) -> str | None:

@@ -18,11 +18,11 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .buckets import tag_blocks
+from .buckets import merge_blocks, tag_blocks
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
-from .regions import Region, RegionalProgram, program_regions
+from .regions import Region, RegionalProgram, program_copy, program_regions
 from .report import StageReporter
 
 
@@ -84,9 +84,11 @@ class InferenceProgram:
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
             if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
                 tag_blocks(self.local_graph)
-            regions = program_regions(self.local_graph) if self.regional else []
+            cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
+            regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
+                                      overlap=bool(self.buckets)) if self.regional else []
             if regions:
-                self._run = RegionalProgram(self.local_graph, regions, self._compile_region)
+                self._run = RegionalProgram(cut, regions, self._compile_region)
             else:
                 self._run = compile_local(self.local_graph, local_inputs, self.buckets)
             return self._run(*local_inputs)

@@ -23,7 +23,9 @@ regions run in order (forward ascending, backward descending): a valid order, si
 region follows its inputs'. Collectives move with their region, in the same order on every rank,
 and stay in the region that makes their input (a layer holds its own, the same in every layer). The
 root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients' reductions to the
-backward's end: one bucket each, as FSDP2 gathers the root before the first layer.
+backward's end: one bucket each, as FSDP2 gathers the root before the first layer. With bucketing, the
+buckets are merged on a copy of the whole program before the cut, and a layer's gathers start a layer
+early, its reductions waited a layer late, in regions between two layers (``prefetch.py``).
 """
 from __future__ import annotations
 
@@ -36,25 +38,27 @@ import torch
 import torch.fx as fx
 
 from .buckets import BLOCK_KEY, ROOT
+from .prefetch import start_early_wait_late
 
 __all__ = ["Region", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
-           "training_regions", "RegionalProgram", "region_key"]
+           "training_regions", "RegionalProgram", "region_key", "program_copy"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
 _NO_META = ("stack_trace",)  # node meta not copied into a region: it would make equal layers' code differ
 _c10d = torch.ops._c10d_functional
+Merge = Callable[[fx.GraphModule, dict], None]  # buckets a program's collectives, given its region map
 
 
 @dataclass
 class Region:
     """One contiguous piece of a program, as a program of its own: ``inputs`` -> ``outputs``."""
 
-    index: int  # the layer it holds (-1: prologue, number of layers: epilogue)
+    index: float  # the layer it holds (-1: prologue, number of layers: epilogue; k - 1.5: between two, prefetch.py)
     graph: fx.GraphModule  # placeholders in_0..., nodes v0..., returns a tuple
     inputs: list[fx.Node]  # the outer program's values it reads, in its placeholders' order
     outputs: list[fx.Node]  # its values read after it, in its output tuple's order
-    layer: bool = True  # False for the prologue and the epilogue
+    layer: bool = True  # False for the prologue, the epilogue and a region between two layers
 
 
 def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -386,23 +390,45 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
     return env[structure.index] if isinstance(structure, _Slot) else structure
 
 
-def program_regions(gm: fx.GraphModule) -> list[Region]:
+def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
     """A forward (inference) program's regions; empty where regions gain nothing (one region, or an
-    op other than a function call, which a region cannot hold)."""
-    return _worth_it(gm, forward_regions(gm), _last_layer(gm))
+    op other than a function call, which a region cannot hold). ``merge(gm, region)`` buckets the
+    collectives on the whole program first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer
+    early and waits what only leaves the program a layer late (``prefetch.py``)."""
+    region, last = forward_regions(gm), _last_layer(gm)
+    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last)
 
 
-def training_regions(forward: fx.GraphModule, backward: fx.GraphModule,
-                     num_outputs: int) -> tuple[list[Region], list[Region]]:
-    """The regions of a training program's forward and backward (each empty where regions gain nothing)."""
+def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
+                     merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
+    """The regions of a training program's forward and backward (each empty where regions gain nothing);
+    ``merge`` and ``overlap`` as for ``program_regions``."""
     region = forward_regions(forward)
     if not region:
         return [], []
     epilogue = max(region.values()) + 1 if region else 0
     saved = saved_regions(forward, region, num_outputs)
     last = _last_layer(forward)
-    return (_worth_it(forward, region, last),
-            _worth_it(backward, backward_regions(backward, saved, epilogue), last, descending=True))
+    backward_region = backward_regions(backward, saved, epilogue)
+    return (_worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last),
+            _worth_it(backward, _across_cuts(backward, backward_region, last, merge, overlap, descending=True), last,
+                      descending=True))
+
+
+def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a program to cut: bucketing its collectives before the cut (``merge``) rewrites the
+    graph, and the lowered program stays what fxshard lowered (the one users and tests read)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _across_cuts(gm: fx.GraphModule, region: dict[fx.Node, Any], last: int, merge: Merge | None, overlap: bool,
+                 descending: bool = False) -> dict[fx.Node, Any]:
+    """The region map once the collectives are bucketed (``merge``) and moved across the cuts (``overlap``)."""
+    if merge is not None and region:
+        merge(gm, region)
+    return start_early_wait_late(gm, region, last, descending) if overlap and region else region
 
 
 def _last_layer(gm: fx.GraphModule) -> int:
@@ -414,5 +440,5 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
         return []
     regions = split_regions(gm, region, descending)
     for r in regions:
-        r.layer = 0 <= r.index <= last
+        r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
     return regions if len(regions) > 1 else []

@@ -131,7 +131,7 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
                          inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
     """``run_lockstep`` region by region, as regional compilation runs each rank's program (regions.py):
     a region whose key an earlier one had runs that earlier region's graph. Returns each rank's
-    outputs and how many region graphs rank 0 ran (what it would compile)."""
+    outputs and how many layer region graphs rank 0 ran (what Inductor would compile)."""
     ranks = len(graphs)
     programs = [RegionalProgram(g, rs, lambda region, _: region.graph) for g, rs in zip(graphs, regions)]
     if any(p.steps != programs[0].steps for p in programs):
@@ -145,7 +145,9 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
         return [tuple(o[j] for o in outs) for j in range(len(outs[0]))]
 
     result = programs[0].walk(args, attrs, call)
-    return [[v[r] for v in result] for r in range(ranks)], len(programs[0].cache)
+    first = programs[0]
+    layer_graphs = {id(first.compiled[k]) for k, region in enumerate(first.regions) if region.layer}
+    return [[v[r] for v in result] for r in range(ranks)], len(layer_graphs)
 
 
 def _run_ranks(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]] | None,
@@ -177,7 +179,7 @@ class SimulatedRun:
     grad_layouts: tuple = ()
     grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
     graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one), for its plans
-    region_graphs: int = 0  # regional: the distinct region graphs rank 0 ran, forward and backward (else 0)
+    region_graphs: int = 0  # regional: the distinct layer region graphs rank 0 ran, forward and backward (else 0)
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""

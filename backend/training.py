@@ -18,12 +18,12 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .buckets import tag_blocks
+from .buckets import merge_blocks, tag_blocks
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
-from .regions import Region, RegionalProgram, training_regions
+from .regions import Region, RegionalProgram, program_copy, training_regions
 from .report import StageReporter
 
 
@@ -58,6 +58,7 @@ class TrainingProgram:
         self.regional = regional
         self.region_cache: dict = {}
         self._region_split: tuple[list, list] | None = None
+        self._region_graphs: dict[str, fx.GraphModule] = {}  # the programs the regions cut (copies: _regions)
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
@@ -94,7 +95,7 @@ class TrainingProgram:
         regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
         if not regions:
             return compile_local(gm, inputs, self.buckets and self.buckets[which])
-        return RegionalProgram(gm, regions, self._compile_region, self.region_cache)
+        return RegionalProgram(self._region_graphs[which], regions, self._compile_region, self.region_cache)
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
         """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
@@ -107,7 +108,12 @@ class TrainingProgram:
             if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
                 tag_blocks(self.forward_graph)
                 tag_blocks(self.backward_graph, self.buckets["backward"].output_names)
-            self._region_split = training_regions(self.forward_graph, self.backward_graph, self.plan.num_outputs)
+            # bucketed on copies of the whole programs, then each layer's gathers start a layer early (prefetch.py)
+            self._region_graphs = {"forward": program_copy(self.forward_graph),
+                                   "backward": program_copy(self.backward_graph)}
+            self._region_split = training_regions(self._region_graphs["forward"], self._region_graphs["backward"],
+                                                  self.plan.num_outputs, merge=merge_blocks if self.buckets else None,
+                                                  overlap=bool(self.buckets))
         return self._region_split
 
 

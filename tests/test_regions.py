@@ -4,13 +4,16 @@ distinct region compiled once and reused by every layer with its key.
 Numerics: every rank's programs run region by region in lockstep (``simulate_ranks(regional=True)``:
 a layer runs the graph of the first region with its key, as its compiled code would), checked against
 one device on fresh random data. Reuse: the production path (``TrainingProgram``) asks
-``compile_local`` for no more region graphs at 5 layers than at 3.
+``compile_local`` for no more region graphs at 5 layers than at 3. Collectives: the regional FSDP
+step issues the whole program's buckets, its gathers a layer early and its reductions waited a layer
+late (backend/prefetch.py); tests/test_e2e_gloo.py runs that on real ranks.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -51,8 +54,8 @@ def test_regional_program_matches_one_device(mesh, placements, grad):
     batch = {0: (Shard(0),), 1: (Shard(0),)} if "dp" in mesh.names else {}
     run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements(model) | batch, grad=grad,
                          cost_model=BANDWIDTH_BOUND, regional=True)
-    regions = (CFG.n_layers + 2) * (2 if grad else 1)  # prologue, layers, epilogue; forward and backward
-    assert 0 < run.region_graphs < regions  # the programs ran region by region, a layer on another's graph
+    layers = CFG.n_layers * (2 if grad else 1)  # forward and backward
+    assert 0 < run.region_graphs < layers  # the programs ran region by region, a layer on another's graph
     got = (run.full()[0], run.full_grads() if grad else {})
     torch.testing.assert_close(got, (ref_loss, ref_grads), rtol=1e-4, atol=1e-6)
 
@@ -85,9 +88,9 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
     assert five == three < ran_three, (three, five, ran_three)
 
 
-def _bucketed_collectives(regional: bool, mesh, monkeypatch) -> list[dict[str, int]]:
-    """Per program run (forward, backward: region by region, or whole), the collectives it issues once
-    its collectives are bucketed by the pass ``compile_local`` gives Inductor, applied here without Inductor."""
+def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
+    """One FSDP training step's program, its regions (or whole programs) bucketed by the pass
+    ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
     from train_llama import distribute_parameters
 
     from fxshard.backend.inductor_config import bucketed_uncompiled
@@ -99,18 +102,26 @@ def _bucketed_collectives(regional: bool, mesh, monkeypatch) -> list[dict[str, i
     step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=regional)
     x = distribute_tensor(torch.randint(0, CFG.vocab_size, (8, 64)), mesh, (Shard(0),))
     step(x, x).backward()
-    runner = step.last
+    return step.last
+
+
+def _kind(node: torch.fx.Node) -> str:
+    return node.target._opname.removesuffix("_into_tensor_out").removesuffix("_into_tensor").removesuffix("_tensor")
+
+
+def _started(gm: torch.fx.GraphModule) -> list[str]:
+    """The collectives a graph starts, by kind, in order."""
+    return [_kind(n) for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"
+            and n.target is not torch.ops._c10d_functional.wait_tensor.default]
+
+
+def _bucketed_collectives(regional: bool, mesh, monkeypatch) -> list[dict[str, int]]:
+    """Per program run (forward, backward: region by region, or whole), the collectives it starts."""
+    runner = _fsdp_step(regional, mesh, monkeypatch)
     found = []
     for program in (runner._forward, runner._backward):
         graphs = [program.compiled[k] for k in range(len(program.regions))] if regional else [program]
-        counts: dict[str, int] = {}
-        for gm in graphs:
-            for node in gm.graph.nodes:
-                name = getattr(node.target, "_opname", "")
-                if getattr(node.target, "namespace", None) == "_c10d_functional" and name != "wait_tensor":
-                    kind = name.removesuffix("_into_tensor_out").removesuffix("_into_tensor").removesuffix("_tensor")
-                    counts[kind] = counts.get(kind, 0) + 1
-        found.append(counts)
+        found.append(dict(Counter(kind for gm in graphs for kind in _started(gm))))
     return found
 
 
@@ -118,10 +129,38 @@ def test_regional_fsdp_issues_the_whole_programs_buckets(fake_mesh_4, monkeypatc
     """Cut into regions, FSDP still makes one all_gather and one reduce_scatter per block, as the whole
     program does and FSDP2 does: the root's parameters (embedding, final norm, output projection) are
     gathered in the prologue, before the first layer, and their gradients reduced after the whole
-    backward; each layer region buckets its own (regions.py, inductor_config.bucketed_uncompiled)."""
+    backward (regions.py); the buckets merged on the whole programs before the cut (buckets.merge_blocks)."""
     regional = _bucketed_collectives(True, fake_mesh_4, monkeypatch)
     whole = _bucketed_collectives(False, fake_mesh_4, monkeypatch)
     # forward: the root and 3 layers, and the loss's count and sum; backward: each layer regathered (its
     # norms' weights kept from the forward), one reduce_scatter per block, the root's last
     assert regional == whole == [{"all_gather": 4, "all_reduce": 2}, {"all_gather": 3, "reduce_scatter": 4}], \
         (regional, whole)
+
+
+def _waits_elsewhere(gm: torch.fx.GraphModule) -> int:
+    """How many of a graph's waits wait a collective another region started (an input of the region)."""
+    return sum(n.target is torch.ops._c10d_functional.wait_tensor.default and n.args[0].op == "placeholder"
+               for n in gm.graph.nodes)
+
+
+def test_regional_fsdp_gathers_a_layer_early_and_waits_reductions_a_layer_late(fake_mesh_4, monkeypatch):
+    """prefetch.py: no layer region starts its own gathers (a region between the two layers before it
+    does, so the layer between computes while they move) and none waits its own reductions (a region
+    after the next layer does). Per region, in the order they run: (index, layer?, collectives started,
+    waits of ones started elsewhere)."""
+    runner = _fsdp_step(True, fake_mesh_4, monkeypatch)
+    found = [[(r.index, r.layer, _started(program.compiled[k]), _waits_elsewhere(program.compiled[k]))
+              for k, r in enumerate(program.regions)] for program in (runner._forward, runner._backward)]
+    gather, reduce = ["all_gather"], ["reduce_scatter"]
+    assert found == [
+        # forward: layer 0's gathers start before the prologue (which gathers the root's and waits them),
+        # layer 1's before layer 0, layer 2's before layer 1; each layer waits its own; the loss's sums
+        [(-1.5, False, gather, 0), (-1, False, gather, 0), (-0.5, False, gather, 0), (0, True, [], 1),
+         (0.5, False, gather, 0), (1, True, [], 1), (2, True, [], 1), (3, False, ["all_reduce"] * 2, 0)],
+        # backward, last layer first: each layer's regather starts before the region ahead of it runs, its
+        # reduce_scatter is waited after the next layer; the root's gradients reduced (and waited) at the end
+        [(3.5, False, gather, 0), (3, False, [], 0), (2.5, False, gather, 0), (2, True, reduce, 1),
+         (1.5, False, gather, 0), (1, True, reduce, 1), (0.5, False, [], 1), (0, True, reduce, 1),
+         (-0.5, False, [], 1), (-1, False, reduce, 0), (-1.5, False, [], 1)],
+    ], found
