@@ -78,14 +78,16 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
 
 
 def bucketed_uncompiled(gm: fx.GraphModule, policy: BucketPolicy | None) -> fx.GraphModule:
-    """``gm`` to run as it is, without Inductor, its all_gathers and reduce_scatters bucketed by the pass
-    ``compile_local`` gives Inductor (the same buckets; no overlap: the graph runs in its order). For a
+    """``gm`` to run as it is, without Inductor, its collectives bucketed by the passes ``compile_local``
+    gives Inductor (the same buckets; no overlap: the graph runs in its order). For a
     region that runs once per step, whose compile nothing would amortize (regional compilation's
     prologue and epilogue)."""
     if policy is not None and any(node.target in BUCKETED for node in gm.graph.nodes):
+        from torch._inductor.fx_passes.bucketing import bucket_all_reduce
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         BlockBuckets(policy.cap, _blocks(gm, policy))(gm.graph)
+        bucket_all_reduce(gm, functools.partial(_cap_mb, policy.cap))  # as ``bucket_all_reduces_fx`` in Inductor
         stable_topological_sort(gm.graph)  # a merged collective's users may precede it (Inductor sorts too)
         gm.recompile()
     return gm

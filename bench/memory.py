@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 LLAMA = dict(vocab_size=40960, dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=8192)
 SMALL = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)  # --small: a quick check
 BATCH, SEQ = 4, 64  # the batch splits over dp=4: FSDP2 needs a sequence per rank
-CASES = ("fsdp", "tp", "fsdp_tp")
+CASES = ("fsdp", "tp", "tp_sp", "fsdp_tp")
 MIB = 2**20
 
 

@@ -5,6 +5,8 @@ Each system is set up the way its best users run it:
 - ``tp`` (1-D mesh ``tp``): torchtitan's Megatron plan through ``parallelize_module``, vocab-parallel
   logits; both systems compile the model's forward (fxshard: ``backend="fxshard"``, which compiles the
   joint program; DTensor: ``backend="inductor"``) and take the loss outside it under ``loss_parallel()``.
+  ``tp_sp``: the same with torchtitan's sequence parallelism (norms and the residual stream sharded on
+  the sequence between the blocks: Megatron-LM's all_gather / reduce_scatter pairs).
 - ``fsdp`` (``dp``) and ``fsdp_tp`` (``dp`` x ``tp``): DTensor's way is FSDP2 (``fully_shard`` per block
   and the root, on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the
   unchanged model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
@@ -23,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+TP_CASES = ("tp", "tp_sp")  # the cases that run torch.compile(model) on a 1-D tp mesh, loss outside
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss
 
 
@@ -35,8 +38,8 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
     from models.llama import fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
     from train_llama import distribute_parameters
 
-    if case == "tp":
-        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=False))
+    if case in TP_CASES:
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=case == "tp_sp"))
         materialize(model)
         options = {**fxshard_options, **(tp_options or {})} if system == "fxshard" else None
         compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor", options=options)
@@ -96,10 +99,11 @@ def _rows(dp_mesh: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def case_mesh(case: str, world_size: int, device: str) -> Any:
-    """The mesh of a case: ``tp`` or ``dp`` over every rank, ``fsdp_tp`` 2 x (world_size / 2) ``(dp, tp)``."""
+    """The mesh of a case: ``tp`` (``tp``, ``tp_sp``) or ``dp`` (``fsdp``) over every rank, ``fsdp_tp``
+    2 x (world_size / 2) ``(dp, tp)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape, names = ((world_size,), ("tp",)) if case == "tp" else \
+    shape, names = ((world_size,), ("tp",)) if case in TP_CASES else \
         ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
     return init_device_mesh(device, shape, mesh_dim_names=names)
 

@@ -10,6 +10,8 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by
 - TP (tp=4): torchtitan's Megatron plan through ``parallelize_module``, vocab-parallel logits; both
   systems compile the model's forward (fxshard: ``backend="fxshard"``, which compiles the joint
   program; DTensor: ``backend="inductor"``) and compute the loss outside it under ``loss_parallel()``.
+- TP + SP (tp=4): the same with torchtitan's sequence parallelism (``SequenceParallel`` norms, the
+  residual stream sharded on the sequence between the blocks).
 - FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
   on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the unchanged
   model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``. Both
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
 BATCH, SEQ, STEPS = 8, 128, 6
-CASES = ("tp", "fsdp", "fsdp_tp")
+CASES = ("tp", "tp_sp", "fsdp", "fsdp_tp")
 
 
 def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
@@ -94,7 +96,7 @@ def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tup
     import fxshard
     from fxshard.backend.traffic import collective_calls
     from models.llama import Llama
-    from systems import build
+    from systems import TP_CASES, build
 
     torch.manual_seed(0)
     graphs: dict = {}  # tp: the collectives of fxshard's lowered programs, by stage, read as they are reported
@@ -103,7 +105,7 @@ def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tup
     model, step, compiled = build(case, system, mesh, Llama(config),
                                   {"cost_model": fxshard.CostModel(default_latency=0.0), **options},
                                   tp_options=on_graph)
-    return model, step, graphs if case == "tp" else compiled
+    return model, step, graphs if case in TP_CASES else compiled
 
 
 def run(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:

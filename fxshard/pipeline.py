@@ -15,6 +15,7 @@ from .mesh import MeshSpec
 from .policies import DEFAULT_REFINEMENT, Refinement
 from .propagate import Decisions, propagate
 from .redistribute import insert_redistributes
+from .reduce_together import reduce_together
 from .refine import propagate_with_pins
 from .registry import recipe_of
 from .timing import stage
@@ -42,6 +43,7 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
         shard_factories(gm)
         check_local_regions(gm)
         insert_redistributes(gm, cost_model=cost_model)
+        reduce_together(gm, cost_model)
         for node in gm.graph.nodes:
             recipe = recipe_of(node)
             if recipe is not None:

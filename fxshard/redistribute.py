@@ -43,11 +43,11 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
             if key not in made:
                 move = source_move(a, want, cost_model, moved=lambda n, layout: (n, layout) in made)
                 if move is None:
-                    made[key] = moves[key] = _redistribute_node(graph, a, have, want, cost_model)
+                    made[key] = moves[key] = redistribute_node(graph, a, have, want, cost_model)
                 else:
                     source_key = (move.source, move.layout)
                     if source_key not in made:
-                        made[source_key] = moves[source_key] = _redistribute_node(
+                        made[source_key] = moves[source_key] = redistribute_node(
                             graph, move.source, move.source.meta[LAYOUT], move.layout, cost_model, after=a)
                     made[key] = _replay(graph, move, made[source_key], before=node)
                     moves[key] = moves[source_key]
@@ -72,7 +72,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     return gm
 
 
-def _redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None,
+def redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None,
                        after: fx.Node | None = None) -> fx.Node:
     """A planned redistribution of ``x`` from ``src`` to ``dst``, placed right after ``after`` (default: ``x``)."""
     val = x.meta["val"]

@@ -132,9 +132,10 @@ def test_regional_fsdp_issues_the_whole_programs_buckets(fake_mesh_4, monkeypatc
     backward (regions.py); the buckets merged on the whole programs before the cut (buckets.merge_blocks)."""
     regional = _bucketed_collectives(True, fake_mesh_4, monkeypatch)
     whole = _bucketed_collectives(False, fake_mesh_4, monkeypatch)
-    # forward: the root and 3 layers, and the loss's count and sum; backward: each layer regathered (its
-    # norms' weights kept from the forward), one reduce_scatter per block, the root's last
-    assert regional == whole == [{"all_gather": 4, "all_reduce": 2}, {"all_gather": 3, "reduce_scatter": 4}], \
+    # forward: the root and 3 layers, and the loss's count and sum in one call (reduce_together.py);
+    # backward: each layer regathered (its norms' weights kept from the forward), one reduce_scatter per
+    # block, the root's last
+    assert regional == whole == [{"all_gather": 4, "all_reduce": 1}, {"all_gather": 3, "reduce_scatter": 4}], \
         (regional, whole)
 
 
@@ -155,9 +156,9 @@ def test_regional_fsdp_gathers_a_layer_early_and_waits_reductions_a_layer_late(f
     gather, reduce = ["all_gather"], ["reduce_scatter"]
     assert found == [
         # forward: layer 0's gathers start before the prologue (which gathers the root's and waits them),
-        # layer 1's before layer 0, layer 2's before layer 1; each layer waits its own; the loss's sums
+        # layer 1's before layer 0, layer 2's before layer 1; each layer waits its own; the loss's sums (one call)
         [(-1.5, False, gather, 0), (-1, False, gather, 0), (-0.5, False, gather, 0), (0, True, [], 1),
-         (0.5, False, gather, 0), (1, True, [], 1), (2, True, [], 1), (3, False, ["all_reduce"] * 2, 0)],
+         (0.5, False, gather, 0), (1, True, [], 1), (2, True, [], 1), (3, False, ["all_reduce"], 0)],
         # backward, last layer first: each layer's regather starts before the region ahead of it runs, its
         # reduce_scatter is waited after the next layer; the root's gradients reduced (and waited) at the end
         [(3.5, False, gather, 0), (3, False, [], 0), (2.5, False, gather, 0), (2, True, reduce, 1),

@@ -1,0 +1,114 @@
+"""fxshard/reduce_together.py: a mean's numerator and count reduced independently, in one call."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import fxshard
+from fxshard.backend.driver import plan_function
+from fxshard.graph import LAYOUT, SRC_LAYOUT
+from fxshard.ops import REDISTRIBUTE
+
+DP = fxshard.MeshSpec(dp=4)
+
+
+def masked_mean(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    keep = y != -100
+    return torch.where(keep, x, 0.0).sum() / keep.sum()
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets)
+
+
+def _data(n: int = 64, classes: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.randint(0, classes, (n,))
+    y[torch.rand(n) < 0.3] = -100  # ranks hold different numbers of counted targets
+    return torch.randn(n, classes), y
+
+
+def _reductions(fn, x, y, mesh=DP, placements=None) -> list[torch.fx.Node]:
+    """The redistributions of the forward of ``fn``'s training program (its loss returned whole)."""
+    x = x.detach().requires_grad_(True)
+    _, planned = plan_function(fn, (x, y), mesh=mesh, placements=placements or {0: (Shard(0),), 1: (Shard(0),)},
+                               training=True)
+    return [n for n in planned.training.forward.graph.nodes if n.target is REDISTRIBUTE]
+
+
+def _reads(node: torch.fx.Node, other: torch.fx.Node) -> bool:
+    todo, seen = [node], set()
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a is other:
+                return True
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
+
+
+@pytest.mark.parametrize("fn", [masked_mean, cross_entropy], ids=["masked mean", "cross_entropy"])
+def test_a_means_count_and_sum_are_reduced_independently_in_one_dtype(fn):
+    torch.manual_seed(0)
+    x, y = _data()
+    if fn is masked_mean:
+        x = x[:, 0]
+    moves = _reductions(fn, x, y)
+    sums = [n for n in moves if n.meta[SRC_LAYOUT].partial]
+    # the count (an int64 sum of a mask, converted to float32 before its reduction) and the sum of the
+    # kept values; cross_entropy also reduces nothing else (its rows are whole on each rank)
+    assert len(sums) == 2, [n.format_node() for n in moves]
+    count, total = sums
+    assert {n.meta["val"].dtype for n in sums} == {torch.float32}
+    assert not _reads(total, count) and not _reads(count, total)
+    assert all(not n.meta[LAYOUT].partial for n in sums)
+
+
+@pytest.mark.parametrize("fn", [masked_mean, cross_entropy], ids=["masked mean", "cross_entropy"])
+def test_the_mean_is_exact_when_ranks_count_differently(fn):
+    torch.manual_seed(1)
+    x, y = _data()
+    if fn is masked_mean:
+        x = x[:, 0]
+    x.requires_grad_(True)
+    ref = fn(x, y)
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    loss, grads = fxshard.simulate(fn, x, y, mesh=DP, placements={0: (Shard(0),), 1: (Shard(0),)}, grad=True)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grads[0], ref_grad)
+
+
+def test_a_count_a_float_cannot_hold_exactly_is_reduced_as_an_integer():
+    """float16 holds integers exactly up to 2048: a count of up to 4096 targets stays int64 to its
+    reduction (converting first could round a partial), so its reduction still precedes the division."""
+    def half_mean(x, y):
+        keep = y != -100
+        return (torch.where(keep, x, 0.0).sum() / keep.sum().to(torch.float16)).float()
+
+    x, y = torch.randn(4096, dtype=torch.float16), torch.randint(-100, 3, (4096,))
+    sums = [n for n in _reductions(half_mean, x, y) if n.meta[SRC_LAYOUT].partial]
+    assert len(sums) == 2 and sums[0].args[0].target is torch.ops.aten.sum.default, [n.format_node() for n in sums]
+    assert sums[0].meta["val"].dtype == torch.int64 and _reads(sums[1], sums[0])
+    out = fxshard.simulate(half_mean, x, y, mesh=DP, placements={0: (Shard(0),), 1: (Shard(0),)})
+    torch.testing.assert_close(out, half_mean(x, y))
+
+
+def test_reductions_over_other_axes_stay_as_planned():
+    """dp x tp, the values sharded on both axes, the mask on dp alone: the count is reduced over dp, the
+    quotient over (dp, tp); no one call could carry both, so the quotient is still reduced after the
+    division (its reduction reads the count's)."""
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 8), torch.randint(-100, 3, (8, 8))
+
+    def mean2d(x, y):
+        keep = y != -100
+        return torch.where(keep, x, 0.0).sum() / keep.sum()
+
+    mesh, placements = fxshard.MeshSpec(dp=2, tp=2), {0: (Shard(0), Shard(1)), 1: (Shard(0), Replicate())}
+    count, quotient = [n for n in _reductions(mean2d, x, y, mesh, placements) if n.meta[SRC_LAYOUT].partial]
+    assert [str(n.meta[SRC_LAYOUT]) for n in (count, quotient)] == ["[] P(sum@dp)", "[] P(sum@dp,tp)"]
+    assert quotient.args[0].target is torch.ops.aten.detach.default and _reads(quotient, count)
+    out = fxshard.simulate(mean2d, x, y, mesh=mesh, placements=placements)
+    torch.testing.assert_close(out, mean2d(x, y))
