@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from fxshard.graph import reachable
+
 from .bucket_copies import merge_all_gathers, merge_reduce_scatters
 
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
@@ -210,20 +212,11 @@ def block_buckets(collectives: Iterable[fx.Node], key: Any) -> list[list[fx.Node
                 buckets.append(bucket)
                 bucket, below = [], set()
             bucket.append(node)
-            below |= _descendants(node)
+            below |= reachable(node, lambda n: n.users)
         buckets.append(bucket)
     return [bucket for bucket in buckets if len(bucket) > 1]
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in found:
-                found.add(user)
-                stack.append(user)
-    return found
 
 
 def _first_use(graph: fx.Graph, bucket: Sequence[fx.Node]) -> fx.Node | None:

@@ -127,6 +127,19 @@ def input_root(node: fx.Node, relabels: Any) -> fx.Node | None:
     return node if node.op == "placeholder" else None
 
 
+def reachable(node: fx.Node, step: Any) -> set[fx.Node]:
+    """Every node reached from ``node`` by ``step`` (node -> its neighbours: ``lambda n: n.users`` for
+    descendants, ``lambda n: n.all_input_nodes`` for ancestors), ``node`` itself excluded unless on a cycle."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for other in step(stack.pop()):
+            if other not in found:
+                found.add(other)
+                stack.append(other)
+    return found
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy with its own nodes (and their meta dicts), so a rewrite leaves ``gm`` as it was."""
     graph = fx.Graph()

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .costs import CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, SRC_LAYOUT, tensor_inputs, value
+from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, SRC_LAYOUT, reachable, tensor_inputs, value
 from .layout import Layout
 from .ops import REDISTRIBUTE
 from .redistribute import redistribute_node
@@ -153,7 +153,7 @@ def _scaled_by_reduction(node: fx.Node, i: int, axes: frozenset) -> bool:
     for other in (a for a in tensor_inputs(node) if a is not num):
         for _ in range(_REACH + 1):
             if _is_sum_reduction(other):
-                if _axes(other) == axes and other not in _ancestors(num):
+                if _axes(other) == axes and other not in reachable(num, lambda n: n.all_input_nodes):
                     return True
                 break
             ins = tensor_inputs(other) if other.op == "call_function" else []
@@ -161,16 +161,6 @@ def _scaled_by_reduction(node: fx.Node, i: int, axes: frozenset) -> bool:
                 break
             other = ins[0]
     return False
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
 
 
 def _tensor_position(node: fx.Node, i: int) -> int:
