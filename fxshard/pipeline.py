@@ -32,9 +32,9 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
     """
     fallbacks: dict[str, str] = {}
     memo = Decisions()
-    propagate_with_pins(lambda pinned: propagate(gm, mesh, input_layouts, strict=strict, cost_model=cost_model,
-                                                 pinned=pinned, output_layouts=output_layouts,
-                                                 fallbacks=fallbacks, memo=memo), gm, cost_model, refinement)
+    propagate_with_pins(lambda pinned, foreseen=None: propagate(
+        gm, mesh, input_layouts, strict=strict, cost_model=cost_model, pinned=pinned, output_layouts=output_layouts,
+        fallbacks=fallbacks, memo=memo, foreseen=foreseen), gm, cost_model, refinement)
     for op, seen in fallbacks.items():
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
                       "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,6 +26,7 @@ from .planner import redistribute_cost
 from .policies import Pin
 from .refine import is_pinned
 from .registry import lookup
+from .sources import served_by_source
 from .strategies import numeric_size
 
 __all__ = ["UnsupportedOpError", "dtensor_expressible", "propagate", "reduce_shared"]
@@ -36,8 +37,9 @@ PIN_PENALTY = 1e6  # the factor on moving a pinned input (refine.py): a last res
 class _Requested:
     """Redistributions already asked for, per value: asking again costs nothing (stage 3 makes one)."""
 
-    def __init__(self) -> None:
-        self._seen: dict[fx.Node, set[Layout]] = {}
+    def __init__(self, foreseen: Mapping[fx.Node, Iterable[Layout]] | None = None) -> None:
+        self._seen: dict[fx.Node, set[Layout]] = {a: set(wants) for a, wants in (foreseen or {}).items()}
+        self._through_sources = foreseen is not None
 
     def add(self, ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> None:
         """``ins``: a node's tensor inputs; ``layouts``: what it requires of them."""
@@ -46,7 +48,10 @@ class _Requested:
                 self._seen.setdefault(a, set()).add(want)
 
     def has(self, a: fx.Node, want: Layout) -> bool:
-        return want in self._seen.get(a, ())
+        """Asked for already; with ``foreseen`` requests, also through a source of ``a``'s relabellings."""
+        if want in self._seen.get(a, ()):
+            return True
+        return self._through_sources and served_by_source(a, want, lambda n, layout: layout in self._seen.get(n, ()))
 
     def of(self, a: fx.Node) -> tuple[Layout, ...]:
         """The layouts ``a`` is moved into already, in a fixed order."""
@@ -120,7 +125,8 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
               strict: bool = False, cost_model: CostModel | None = None,
               pinned: frozenset[str] = frozenset(),
               output_layouts: Sequence[Layout | None] | None = None,
-              fallbacks: dict[str, str] | None = None, memo: Decisions | None = None) -> fx.GraphModule:
+              fallbacks: dict[str, str] | None = None, memo: Decisions | None = None,
+              foreseen: Mapping[fx.Node, Iterable[Layout]] | None = None) -> fx.GraphModule:
     """Annotate ``gm`` in place: ``meta["layout"]`` on tensor nodes, ``meta["arg_layouts"]`` on users.
 
     ``input_layouts`` maps placeholder names to layouts; other placeholders are replicated.
@@ -129,9 +135,15 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     one), as a joint graph requires each gradient in its parameter's layout. Ops replicated for
     want of a strategy are recorded in ``fallbacks`` (op -> input layouts), for one warning each.
     ``memo`` carries decisions from one propagation of ``gm`` to the next (refinement: see ``Decisions``).
+    ``foreseen``: redistributions taken as asked for from the start (value -> layouts: what the consumers
+    of an earlier plan asked for, refine.py), so that an op before the consumer asking for one may read
+    it for free, also through relabellings of it; such a propagation makes no memo decisions (they
+    would depend on more than ``Decisions.key`` reads).
     """
+    if foreseen is not None:
+        memo = None
     input_layouts = dict(input_layouts or {})
-    requested = _Requested()
+    requested = _Requested(foreseen)
     wanted = wanted_at_output(gm, output_layouts or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder":

@@ -25,19 +25,13 @@ from .layout import Layout
 from .planner import redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
 from .registry import FACTORIES, RELABELS
+from .sources import served_by_source
 from .timing import stage
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
     """The modeled cost of every redistribution a propagated graph asks for (each edge once)."""
-    total, seen = 0.0, set()
-    for node in gm.graph.nodes:
-        for a, want in requirements(node):
-            have = a.meta[LAYOUT]
-            if isinstance(want, Layout) and have != want and (a, want) not in seen:
-                seen.add((a, want))
-                total += redistribute_cost(have, want, a.meta["val"].dtype, cost_model)
-    return total
+    return sum(redistribute_cost(a.meta[LAYOUT], want, a.meta["val"].dtype, cost_model) for a, want in _asked(gm))
 
 
 def input_root(node: fx.Node) -> fx.Node | None:
@@ -70,14 +64,15 @@ def _restore(gm: fx.GraphModule, snapshot: dict) -> None:
         n.meta.update(snapshot[n])
 
 
-def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModule,
+def propagate_with_pins(run: Callable[..., None], gm: fx.GraphModule,
                         cost_model: CostModel | None = None,
                         policy: Refinement = DEFAULT_REFINEMENT) -> frozenset[str]:
-    """``run(pinned)`` propagates ``gm`` in place; leaves the cheapest plan found. Returns its pins.
+    """``run(pinned)`` (and ``run(pinned, foreseen)``: ``propagate``'s arguments) propagates ``gm`` in place;
+    leaves the cheapest plan found. Returns its pins.
 
     The plans tried are ``policy``'s (fxshard/policies.py): reducing shared partials once
     (``Pin.REDUCE_SHARED``), every activation pinned (``Pin.ACTIVATIONS``), the smallest moved
-    inputs pinned one by one, all of them pinned.
+    inputs pinned one by one, all of them pinned; then the best one's requests foreseen.
     """
     with stage("propagate"):
         run(frozenset())
@@ -86,7 +81,7 @@ def propagate_with_pins(run: Callable[[frozenset[str]], None], gm: fx.GraphModul
         return _refine(run, gm, cost_model, policy, best)
 
 
-def _refine(run: Callable[[frozenset[str]], None], gm: fx.GraphModule, cost_model: CostModel | None,
+def _refine(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None,
             policy: Refinement, best: tuple) -> frozenset[str]:
     """The rounds of ``propagate_with_pins`` after the greedy plan ``best``: (cost, snapshot, pins, moved)."""
     tried: set[frozenset[str]] = {frozenset()}
@@ -114,8 +109,43 @@ def _refine(run: Callable[[frozenset[str]], None], gm: fx.GraphModule, cost_mode
                 best, improved = (cost, _snapshot(gm), pins, moved_inputs(gm)), True
         if not improved:
             break
+    if policy.foresee:
+        best = _foresee(run, gm, cost_model, best)
     _restore(gm, best[1])
     return best[2]
+
+
+def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None, best: tuple) -> tuple:
+    """The best plan propagated again with the redistributions it asks for known from the start: an op
+    before the consumer asking for one (a weight gradient's matmul before the input gradient's, which
+    gathers the output gradient) may read it, or a relabelling of it, instead of moving something else.
+    Both plans priced as stage 3 will make them (``shared_cost``)."""
+    _restore(gm, best[1])
+    foreseen: dict[fx.Node, set[Layout]] = {}
+    for a, want in _asked(gm):
+        foreseen.setdefault(a, set()).add(want)
+    if not foreseen:
+        return best
+    before = shared_cost(gm, cost_model)
+    run(best[2], foreseen)
+    if shared_cost(gm, cost_model) < before:
+        return (planned_cost(gm, cost_model), _snapshot(gm), best[2], moved_inputs(gm))
+    return best
+
+
+def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
+    """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
+    that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
+    edges = _asked(gm)
+    return sum(0.0 if served_by_source(a, want, lambda n, layout: (n, layout) in edges)
+               else redistribute_cost(a.meta[LAYOUT], want, a.meta["val"].dtype, cost_model) for a, want in edges)
+
+
+def _asked(gm: fx.GraphModule) -> dict[tuple[fx.Node, Layout], None]:
+    """Every (value, layout) a propagated graph's consumers ask for a value in other than its own, once
+    each, in program order."""
+    return {(a, want): None for node in gm.graph.nodes for a, want in requirements(node)
+            if isinstance(want, Layout) and a.meta[LAYOUT] != want}
 
 
 def _has_shared_partial(gm: fx.GraphModule) -> bool:

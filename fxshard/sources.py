@@ -118,6 +118,19 @@ def _copied_block(step: Step) -> Layout | None:
     return max((step.before, step.after), key=lambda l: numeric_size(l.max_local_shape()))
 
 
+def served_by_source(value: fx.Node, want: Layout, asked: Callable[[fx.Node, Layout], bool]) -> bool:
+    """Whether a source of ``value``'s relabelling chain is ``asked`` for in the layout that relabels into
+    ``want``: stage 3 then moves that source once and replays the chain, so ``value`` in ``want`` is free."""
+    layout: Layout | None = want
+    for node in _chain(value):
+        layout = unrelabelled(node, layout)
+        if layout is None:
+            return False
+        if asked(node.args[0], layout):
+            return True
+    return False
+
+
 def moving_cost(value: fx.Node, layout: Layout, want: Layout, cost_model: CostModel | None = None) -> float:
     """The planned cost of moving ``value`` from ``layout`` into ``want``, plus the copies lowering
     adds: its block when it is a strided view (a collective reads contiguous memory) and the block

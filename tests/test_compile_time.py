@@ -123,8 +123,9 @@ def test_refinement_reusing_decisions_leaves_the_plan_unchanged(style):
 
     def planned(memo: Decisions | None) -> list:
         program = trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts)
-        propagate_with_pins(lambda pinned: propagate(program.gm, mesh, program.input_layouts, pinned=pinned,
-                                                     cost_model=BANDWIDTH_BOUND, memo=memo),
+        propagate_with_pins(lambda pinned, foreseen=None: propagate(program.gm, mesh, program.input_layouts,
+                                                                    pinned=pinned, cost_model=BANDWIDTH_BOUND,
+                                                                    memo=memo, foreseen=foreseen),
                             program.gm, BANDWIDTH_BOUND)
         return [(n.name, n.meta.get("layout"), n.meta.get("arg_layouts")) for n in program.gm.graph.nodes]
 

@@ -207,3 +207,27 @@ def test_no_rank_keeps_a_gathered_value_between_the_passes():
     big = [g for g in kept if g.meta["val"].numel() * 4 > largest // 64]
     assert len(big) == 1, big  # the output projection's weight, which the backward needs first
     assert [n for n in plan.backward.graph.nodes if grows(n)], "the backward gathers the layers' weights again"
+
+
+def test_sequence_parallel_weight_gradients_read_the_gathered_output_gradient():
+    """TP + SP at the bench's sizes (bench/train.py's Llama, 1024 tokens): each block's ``wo`` weight
+    gradient reads the output gradient that the input gradient gathers one op later (a relabelling of
+    it: ``t(view(g))``), not the attention output moved heads -> sequence by an all_to_all and a
+    Partial result reduce-scattered (the plan before ``Refinement.foresee``). Backward per block:
+    Megatron-LM's 4 all_gathers and 2 reduce_scatters (+ 1 all_reduce, the norms' weights)."""
+
+    config = LlamaConfig(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
+    torch.manual_seed(0)
+    model = Llama(config)
+    x, y = torch.randint(0, 2048, (8, 128)), torch.randint(0, 2048, (8, 128))
+    with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+        with LocalTensorMode(4):
+            parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True, loss_parallel=False))
+            targets = distribute_tensor(y, mesh, [Replicate()])
+        with fake_world(fxshard.MeshSpec(tp=4)) as device_mesh:
+            fwd, bwd = lowered_graphs(model.loss, x, targets, device_mesh=device_mesh, grad=True,
+                                      cost_model=fxshard.CostModel(default_latency=0.0))[(0,)]
+            found = collectives(bwd)
+    layers = config.n_layers
+    assert found == {"all_gather": 4 * layers + 2, "reduce_scatter": 2 * layers + 1,
+                                "all_reduce": 2 * layers + 1}
