@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from fxshard.backend.driver import plan_function
-from fxshard.graph import LAYOUT, SRC_LAYOUT
+from fxshard.graph import LAYOUT, SRC_LAYOUT, reachable
 from fxshard.ops import REDISTRIBUTE
 
 DP = fxshard.MeshSpec(dp=4)
@@ -23,10 +23,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets)
 
 
-def _data(n: int = 64, classes: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(fn, seed: int, n: int = 64, classes: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values for ``fn`` (a masked mean's one per target, cross_entropy's logits) and targets, some ignored."""
+    torch.manual_seed(seed)
     y = torch.randint(0, classes, (n,))
     y[torch.rand(n) < 0.3] = -100  # ranks hold different numbers of counted targets
-    return torch.randn(n, classes), y
+    x = torch.randn(n, classes)
+    return (x[:, 0] if fn is masked_mean else x), y
 
 
 def _reductions(fn, x, y, mesh=DP, placements=None) -> list[torch.fx.Node]:
@@ -38,23 +41,12 @@ def _reductions(fn, x, y, mesh=DP, placements=None) -> list[torch.fx.Node]:
 
 
 def _reads(node: torch.fx.Node, other: torch.fx.Node) -> bool:
-    todo, seen = [node], set()
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a is other:
-                return True
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return False
+    return other in reachable(node, lambda n: n.all_input_nodes)
 
 
 @pytest.mark.parametrize("fn", [masked_mean, cross_entropy], ids=["masked mean", "cross_entropy"])
 def test_a_means_count_and_sum_are_reduced_independently_in_one_dtype(fn):
-    torch.manual_seed(0)
-    x, y = _data()
-    if fn is masked_mean:
-        x = x[:, 0]
+    x, y = _data(fn, 0)
     moves = _reductions(fn, x, y)
     sums = [n for n in moves if n.meta[SRC_LAYOUT].partial]
     # the count (an int64 sum of a mask, converted to float32 before its reduction) and the sum of the
@@ -68,10 +60,7 @@ def test_a_means_count_and_sum_are_reduced_independently_in_one_dtype(fn):
 
 @pytest.mark.parametrize("fn", [masked_mean, cross_entropy], ids=["masked mean", "cross_entropy"])
 def test_the_mean_is_exact_when_ranks_count_differently(fn):
-    torch.manual_seed(1)
-    x, y = _data()
-    if fn is masked_mean:
-        x = x[:, 0]
+    x, y = _data(fn, 1)
     x.requires_grad_(True)
     ref = fn(x, y)
     (ref_grad,) = torch.autograd.grad(ref, x)
