@@ -71,8 +71,10 @@ def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return {p: int(m.group(2)) for p, m in found.items() if m and m.group(1) == prefix}
 
 
-def forward_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Node -> region of a forward program (placeholders included); empty when it has no layers."""
+def forward_regions(gm: fx.GraphModule, root_gathers_first: bool = True) -> dict[fx.Node, int]:
+    """Node -> region of a forward program (placeholders included); empty when it has no layers.
+    ``root_gathers_first=False``: where each node's work is, before the root's gathers (and what they
+    read) move into the prologue to share its bucket (``saved_regions`` reads that placement)."""
     layers = layer_of_inputs(gm)
     if not layers:
         return {}
@@ -84,7 +86,8 @@ def forward_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
         late = last_meets is not None and meets.get(p, -1) > last_meets
         index[p] = layers.get(p, last + 1 if late else -1)
     region = _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
-    return _root_gathers_first(gm, _sink(gm, region, runs_before=lambda a, b: a < b, first=-1))
+    region = _sink(gm, region, runs_before=lambda a, b: a < b, first=-1)
+    return _root_gathers_first(gm, region) if root_gathers_first else region
 
 
 def backward_regions(gm: fx.GraphModule, saved: Sequence[int | None], epilogue: int) -> dict[fx.Node, int]:
@@ -403,11 +406,15 @@ def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outp
                      merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
     """The regions of a training program's forward and backward (each empty where regions gain nothing);
     ``merge`` and ``overlap`` as for ``program_regions``."""
-    region = forward_regions(forward)
-    if not region:
+    placed = forward_regions(forward, root_gathers_first=False)
+    if not placed:
         return [], []
-    epilogue = max(region.values()) + 1 if region else 0
-    saved = saved_regions(forward, region, num_outputs)
+    epilogue = max(placed.values()) + 1
+    # where the backward of a saved value's readers is: before the root's gathers move into the prologue,
+    # which would take a gathered value the loss reads (the targets, in a plan that gathers them) and, the
+    # backward's regions being the minimum of their inputs', every gradient after it into the prologue
+    saved = saved_regions(forward, placed, num_outputs)
+    region = _root_gathers_first(forward, dict(placed))
     last = _last_layer(forward)
     backward_region = backward_regions(backward, saved, epilogue)
     return (_worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last),

@@ -165,3 +165,36 @@ def test_regional_fsdp_gathers_a_layer_early_and_waits_reductions_a_layer_late(f
          (1.5, False, gather, 0), (1, True, reduce, 1), (0.5, False, [], 1), (0, True, reduce, 1),
          (-0.5, False, [], 1), (-1, False, reduce, 0), (-1.5, False, [], 1)],
     ], found
+
+
+def _gathers_targets(runner: training.TrainingProgram) -> bool:
+    """Whether the forward gathers the batch's targets (its last placeholder): an all_gather of a value
+    computed from them alone, as a plan that keeps the logits sharded on the vocabulary does."""
+    targets = runner.forward_graph.graph.find_nodes(op="placeholder")[-1]
+    return any(n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+               and {a for a in fxshard.graph.reachable(n, lambda n: n.all_input_nodes) if a.op == "placeholder"}
+               == {targets} for n in runner.forward_graph.graph.nodes)
+
+
+@pytest.mark.parametrize("batch, gathers_targets", [((8, 64), False), ((4, 16), True)],
+                         ids=["output-projection-gathered", "targets-gathered"])
+def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatch, batch, gathers_targets):
+    """Each layer's backward is a layer region (compiled), at least as large as its forward's, whatever
+    the plan gathers for the loss: a gathered value the loss reads (the targets, where the plan gathers
+    them in the prologue with the root's parameters) once placed every gradient after it in the
+    prologue, which runs uncompiled."""
+    from train_llama import distribute_parameters
+
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy: gm)
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND)
+    x, y = (distribute_tensor(torch.randint(0, CFG.vocab_size, batch), fake_mesh_4, (Shard(0),)) for _ in range(2))
+    step(x, y).backward()
+    runner = step.last
+    assert _gathers_targets(runner) == gathers_targets
+    sizes = [{r.index: len(r.graph.graph.nodes) for r in program.regions if r.layer}
+             for program in (runner._forward, runner._backward)]
+    assert sorted(sizes[0]) == sorted(sizes[1]) == list(range(CFG.n_layers)), sizes
+    assert all(sizes[1][k] >= sizes[0][k] for k in sizes[0]), sizes
