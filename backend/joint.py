@@ -36,6 +36,7 @@ from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
 
+from .buckets import ROOT, block_of
 from .trace import JointSignature, TangentMismatch, TracedProgram, trace_global
 
 aten = torch.ops.aten
@@ -159,11 +160,15 @@ def _transposes_from_root(node: fx.Node) -> int | None:
 
 
 def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node]:
-    """The backward's first gather of a parameter the forward gathered too reuses the forward's.
+    """The backward's first gather of a root parameter the forward gathered too reuses the forward's.
 
     The backward would gather it again at once, while every saved activation is still alive,
     so keeping it raises no peak: FSDP2 leaves its root module (the output projection) unsharded
-    after forward for the same reason. Rewrites the joint graph; returns the forward gathers kept.
+    after forward for the same reason. Only a parameter outside the repeated layers (``block_of``:
+    the root): a layer's kept gather (the last layer's, where the plan leaves the output projection
+    sharded) is one more output of that layer's program, which then differs from the others' and
+    costs Inductor a compile each way (backend/regions.py). Rewrites the joint graph; returns the
+    forward gathers kept.
     """
     def parity(n: fx.Node) -> int | None:
         count = _transposes_from_root(n.args[0])
@@ -173,7 +178,8 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
         layout = f.meta[LAYOUT]
         return Layout(layout.mesh, layout.shape[::-1], layout.dims[::-1], layout.partial) if odd else layout
 
-    gathers = [n for n in gm.graph.nodes if grows(n) and parity(n) is not None]
+    gathers = [n for n in gm.graph.nodes if grows(n) and parity(n) is not None
+               and block_of(input_root(n.args[0]).name) == ROOT]
     pairs = [(b, f) for b in gathers if b not in forward for f in gathers if f in forward
              and input_root(f.args[0]) is input_root(b.args[0]) and not b.meta[LAYOUT].partial
              and held_as(f, (parity(b) - parity(f)) % 2) == b.meta[LAYOUT]]

@@ -50,10 +50,11 @@ class TrainingSplit:
     activation) is recomputed in the backward, so no rank holds a gathered value between the
     passes, except: parameters gathered to a size ``keep_below_fraction`` times smaller than the
     largest gathered one (a norm's weight: gathering it again costs a collective's latency to
-    save a few KiB), and, with ``keep_first_backward_gather``, the parameter the backward gathers
-    first (the output projection: it would be gathered again at once, while every saved
-    activation is alive, so keeping it raises no peak; FSDP2 keeps its root module unsharded
-    after forward for the same reason). Activations are never kept gathered.
+    save a few KiB), and, with ``keep_first_backward_gather``, the root parameter (outside the
+    repeated layers) the backward gathers first (the output projection: it would be gathered
+    again at once, while every saved activation is alive, so keeping it raises no peak; FSDP2
+    keeps its root module unsharded after forward for the same reason; a layer's would make that
+    layer's program differ from the others' and cost a compile). Activations are never kept gathered.
     """
 
     keep_below_fraction: int = 64

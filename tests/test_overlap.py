@@ -105,9 +105,10 @@ def counts(found: list[tuple[str, int]]) -> dict[str, int]:
 @pytest.mark.parametrize("program, lowered, compiled", [
     # one all_gather per weight (4), the loss summed; Inductor: one bucket per block
     ("forward", {"all_gather": 4, "all_reduce": 1}, {"all_gather": 2, "all_reduce": 1}),
-    # the two weights the input gradients need (one per block), regathered; one reduce_scatter per
-    # gradient; Inductor: one bucket per block and kind
-    ("backward", {"all_gather": 2, "reduce_scatter": 4}, {"all_gather": 2, "reduce_scatter": 2}),
+    # the weights the input gradients need, regathered (the last block's too: only a root parameter is
+    # kept gathered from the forward, joint.reuse_first_gather); one reduce_scatter per gradient;
+    # Inductor: one bucket per block and kind
+    ("backward", {"all_gather": 3, "reduce_scatter": 4}, {"all_gather": 2, "reduce_scatter": 2}),
 ])
 def test_each_block_is_one_bucket(training_step, program, lowered, compiled):
     fxshard_lowered, inductor, _ = training_step[program]
@@ -131,7 +132,7 @@ def test_waits_move_below_compute(training_step, program, overlapped):
 
 @pytest.mark.parametrize("program, unpacked", [
     ("forward", 2),   # a bucket of two weights per block
-    ("backward", 0),  # one weight regathered per block: nothing merged, nothing to unpack
+    ("backward", 1),  # the last block's two weights regathered as one bucket; the first block's one weight alone
 ])
 def test_a_gathered_bucket_is_unpacked_by_one_call(training_step, program, unpacked):
     """``backend/bucket_copies.py``: every member of a gathered bucket comes out of it in one
@@ -202,9 +203,9 @@ def test_buckets_are_the_same_on_every_rank_of_an_uneven_program(uneven_programs
     per_rank = {c: [buckets(forward, ()), buckets(backward, grads)] for c, (forward, backward) in programs.items()}
     assert shapes(programs[(0,)][0]) != shapes(programs[(3,)][0])
     assert all(b == per_rank[(0,)] for b in per_rank.values()), per_rank
-    # forward: a gather per block; backward: a regather and a reduce_scatter per block (one regathered
-    # weight per block: no bucket of one)
-    assert [[len(bucket) for bucket in b] for b in per_rank[(0,)]] == [[2, 2], [2, 2]]
+    # forward: a gather per block; backward: the last block's two weights regathered, a reduce_scatter per
+    # block (the first block regathers one weight, its input needing no gradient: no bucket of one)
+    assert [[len(bucket) for bucket in b] for b in per_rank[(0,)]] == [[2, 2], [2, 2, 2]]
 
 
 def test_a_collective_that_depends_on_its_bucket_starts_the_next():
