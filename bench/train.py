@@ -19,12 +19,15 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by
   feed it), so no collective builds the batch.
 
 Per system: compile time (the first step, which compiles), step time (median of the later steps),
-collective calls per step and the bytes one rank receives per step. Calls are counted at runtime, on
-both systems the same way: the process-group ops (``c10d::*``) the profiler records during one more
-compiled step, so what Inductor bucketed counts once (fxshard's programs as lowered, one collective
-per redistribution, are given too). Bytes: fxshard's are read from its lowered forward and backward
-programs; DTensor's are recorded by ``CommDebugMode`` around one eager step (bucketing merges
-collectives, it does not change their bytes). One formula for both (``fxshard.backend.traffic``).
+collective calls per step and the bytes one rank receives per step. A step is forward, backward and
+the optimizer's step: DTensor leaves some gradients Partial (TP+SP's norm weights) and the optimizer
+reduces them. Calls are counted at runtime, on both systems the same way: the process-group ops
+(``c10d::*``) the profiler records during one more compiled step, so what Inductor bucketed counts
+once (fxshard's programs as lowered, one collective per redistribution, are given too). Bytes:
+fxshard's are read from its lowered forward and backward programs; DTensor's are recorded by
+``CommDebugMode`` around one eager forward and backward (bucketing merges collectives, it does not
+change their bytes); both add what ``CommDebugMode`` records around an optimizer step. One formula
+for both (``fxshard.backend.traffic``).
 fxshard plans with a bandwidth-only cost model (``CostModel(default_latency=0)``): bytes decide.
 Inductor's caches are off, so both systems compile from scratch. The machine is small and noisy:
 read the ratios, not the absolute times.
@@ -127,7 +130,12 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    calls = runtime_collectives(lambda: step(*_data(config, STEPS)))  # one more step, profiled, not timed
+
+    def training_step() -> None:  # one more step, profiled, not timed: the optimizer's collectives count too
+        step(*_data(config, STEPS))
+        optimizer.step()
+
+    calls = runtime_collectives(training_step)
     optimizer.zero_grad()
     lowered = None
     if system == "fxshard":
@@ -146,7 +154,11 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
                 torch._dynamo.config.disable = False
         optimizer.zero_grad()
         sized = mode.calls
-    nbytes = _counts_bytes(sized)[1]
+    step(*_data(config, STEPS + 1))
+    with CommBytesMode() as mode:  # a gradient left Partial (DTensor's TP+SP norms) is reduced by the optimizer
+        optimizer.step()
+    optimizer.zero_grad()
+    nbytes = _counts_bytes(list(sized) + mode.calls)[1]
     return {"compile_s": times[0], "step_s": statistics.median(times[1:]), "counts": calls, "lowered": lowered,
             "bytes": nbytes}
 
