@@ -60,10 +60,25 @@ def test_regional_program_matches_one_device(mesh, placements, grad):
     torch.testing.assert_close(got, (ref_loss, ref_grads), rtol=1e-4, atol=1e-6)
 
 
-def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
-    """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
+def _fsdp_program(mesh, layers: int = CFG.n_layers, batch: tuple[int, int] = (4, 16), regional: bool = True,
+                  own_targets: bool = False) -> training.TrainingProgram:
+    """The program of one FSDP training step of the Llama with ``layers`` layers on a ``batch`` of tokens
+    (the targets: the tokens, or ``own_targets`` drawn after them), as ``training.compile_local`` (which
+    the caller patches) left it."""
     from train_llama import distribute_parameters
 
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(CFG, n_layers=layers))
+    distribute_parameters(model, mesh, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=regional)
+    x = distribute_tensor(torch.randint(0, CFG.vocab_size, batch), mesh, (Shard(0),))
+    y = distribute_tensor(torch.randint(0, CFG.vocab_size, batch), mesh, (Shard(0),)) if own_targets else x
+    step(x, y).backward()
+    return step.last
+
+
+def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
+    """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
     compiled: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, inputs, policy):  # the graph runs as it is: no Inductor here
@@ -71,13 +86,7 @@ def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
         return gm
 
     monkeypatch.setattr(training, "compile_local", record)
-    torch.manual_seed(0)
-    model = Llama(dataclasses.replace(CFG, n_layers=layers))
-    distribute_parameters(model, mesh, fsdp_placements(model))
-    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=True)
-    x = distribute_tensor(torch.randint(0, CFG.vocab_size, (4, 16)), mesh, (Shard(0),))
-    step(x, x).backward()
-    runner = step.last
+    runner = _fsdp_program(mesh, layers)
     return len(compiled), sum(r.layer for r in runner._forward.regions + runner._backward.regions)
 
 
@@ -91,18 +100,10 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
 def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
     """One FSDP training step's program, its regions (or whole programs) bucketed by the pass
     ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
-    from train_llama import distribute_parameters
-
     from fxshard.backend.inductor_config import bucketed_uncompiled
 
     monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy: bucketed_uncompiled(gm, policy))
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    distribute_parameters(model, mesh, fsdp_placements(model))
-    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND, regional=regional)
-    x = distribute_tensor(torch.randint(0, CFG.vocab_size, (8, 64)), mesh, (Shard(0),))
-    step(x, x).backward()
-    return step.last
+    return _fsdp_program(mesh, batch=(8, 64), regional=regional)
 
 
 def _kind(node: torch.fx.Node) -> str:
@@ -183,16 +184,8 @@ def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatc
     the plan gathers for the loss: a gathered value the loss reads (the targets, where the plan gathers
     them in the prologue with the root's parameters) once placed every gradient after it in the
     prologue, which runs uncompiled."""
-    from train_llama import distribute_parameters
-
     monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy: gm)
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
-    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND)
-    x, y = (distribute_tensor(torch.randint(0, CFG.vocab_size, batch), fake_mesh_4, (Shard(0),)) for _ in range(2))
-    step(x, y).backward()
-    runner = step.last
+    runner = _fsdp_program(fake_mesh_4, batch=batch, own_targets=True)
     assert _gathers_targets(runner) == gathers_targets
     sizes = [{r.index: len(r.graph.graph.nodes) for r in program.regions if r.layer}
              for program in (runner._forward, runner._backward)]
