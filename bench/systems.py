@@ -8,10 +8,13 @@ Each system is set up the way its best users run it:
   ``tp_sp``: the same with torchtitan's sequence parallelism (norms and the residual stream sharded on
   the sequence between the blocks: Megatron-LM's all_gather / reduce_scatter pairs).
 - ``fsdp`` (``dp``) and ``fsdp_tp`` (``dp`` x ``tp``): DTensor's way is FSDP2 (``fully_shard`` per block
-  and the root, on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the
-  unchanged model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``.
-  Both read each rank's rows of the global batch locally, as a data loader feeds them (fxshard: the
-  global batch as ``DTensor.from_local`` of the rows, nothing sent).
+  and the root, on top of the TP plan for 2-D) with each block compiled by Inductor, and torchtitan's
+  loss (this rank's loss sum over the global batch's count of valid tokens, all-reduced every step,
+  FSDP's gradient division off: the global mean, whatever the ignored targets); fxshard's is the
+  unchanged model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``
+  (the global mean: its count of valid tokens is all-reduced too). Both read each rank's rows of the
+  global batch locally, as a data loader feeds them (fxshard: the global batch as ``DTensor.from_local``
+  of the rows, nothing sent).
 
 ``materialize`` runs once the parameters are sharded: a model built on the meta device gets its
 shards there (bench/memory.py), so no rank ever holds the whole model.
@@ -22,11 +25,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 TP_CASES = ("tp", "tp_sp")  # the cases that run torch.compile(model) on a 1-D tp mesh, loss outside
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss
+IGNORE_INDEX = -100  # cross_entropy's default: targets that count for nothing
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss (a DTensor)
 
 
 def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: dict[str, Any],
@@ -66,7 +70,8 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
             loss.backward()
             return loss
         return model, fx_step, loss_fn
-    from torch.distributed.fsdp import fully_shard
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if case == "fsdp_tp":
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
@@ -77,14 +82,23 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
     fully_shard(model, mesh=dp_mesh)
     materialize(model)
 
+    for module in model.modules():  # torchtitan: the loss is normalized by the global token count instead
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM(1.0)
+
     def fsdp2_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = model(mine(tokens))
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        # FSDP's loss is the mean over this rank's sequences; the mean of those is the global one
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine(targets).flatten())
+        labels = mine(targets).flatten()
+        # torchtitan's trainer: this rank's loss sum over the valid tokens of the global batch, counted by
+        # one all_reduce a step, so the gradients FSDP sums are the global mean's (fxshard's loss) whatever
+        # the ignored tokens; FSDP's own division by the dp size is off (above)
+        valid = funcol.all_reduce((labels != IGNORE_INDEX).sum(), "sum", dp_mesh)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels, reduction="sum") / valid
         loss.backward()
-        return loss
+        return DTensor.from_local(loss.detach(), dp_mesh, (Partial(),), run_check=False)  # the ranks' sum: the mean
     return model, fsdp2_step, None
 
 

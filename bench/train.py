@@ -13,7 +13,9 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by
 - TP + SP (tp=4): the same with torchtitan's sequence parallelism (``SequenceParallel`` norms, the
   residual stream sharded on the sequence between the blocks).
 - FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
-  on top of the TP plan for 2-D) with each block compiled by Inductor; fxshard's is the unchanged
+  on top of the TP plan for 2-D) with each block compiled by Inductor, and torchtitan's loss (the
+  rank's loss sum over an all-reduced count of the batch's valid tokens: the global mean, as
+  fxshard's); fxshard's is the unchanged
   model whose parameters are DTensors with the same shardings, ``fxshard.compile(model.loss)``. Both
   read each rank's rows of the batch locally (fxshard: ``DTensor.from_local``, as a data loader would
   feed it), so no collective builds the batch.
@@ -122,14 +124,15 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
     mesh = case_mesh(case, world_size, device)
     model, step, compiled = _build(case, system, mesh, config, options or {})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
+    times, losses = [], []
     for k in range(STEPS):
         tokens, targets = _data(config, k)
         start = time.perf_counter()
-        step(tokens, targets)
+        losses.append(step(tokens, targets))
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
+    first_loss = float(losses[0].full_tensor())  # the global mean on both systems: they train the same model
 
     def training_step() -> None:  # one more step, profiled, not timed: the optimizer's collectives count too
         step(*_data(config, STEPS))
@@ -160,7 +163,7 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
     optimizer.zero_grad()
     nbytes = _counts_bytes(list(sized) + mode.calls)[1]
     return {"compile_s": times[0], "step_s": statistics.median(times[1:]), "counts": calls, "lowered": lowered,
-            "bytes": nbytes}
+            "bytes": nbytes, "first_loss": first_loss}
 
 
 def run_rank(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
@@ -185,9 +188,13 @@ def _ratio(a: dict, b: dict, key: str) -> str:
     return f"{a[key] / b[key]:.2f}"
 
 
+def _loss(result: dict) -> str:
+    return f"{result['first_loss']:.4f}" if "first_loss" in result else "n/a"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| case | fxshard collective calls / step | DTensor collective calls / step | bytes ratio | "
-             "step time ratio | compile time ratio |", "|---|---|---|---|---|---|"]
+             "step time ratio | compile time ratio | step 1 loss fxshard, DTensor |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         f, d = r["fxshard"], r["dtensor"]
 
@@ -199,7 +206,7 @@ def table(rows: list[dict]) -> str:
                 counts += f" ({sum(x['lowered'].values())} as lowered)"
             return f"{counts}; {x['bytes'] / 2**20:.2f} MiB; step {x['step_s'] * 1e3:.0f} ms; compile {x['compile_s']:.0f} s"
         lines.append(f"| {r['case']} | {cell(f)} | {cell(d)} | {_ratio(f, d, 'bytes')} | "
-                     f"{_ratio(f, d, 'step_s')} | {_ratio(f, d, 'compile_s')} |")
+                     f"{_ratio(f, d, 'step_s')} | {_ratio(f, d, 'compile_s')} | {_loss(f)}, {_loss(d)} |")
     return "\n".join(lines)
 
 
