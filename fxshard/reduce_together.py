@@ -12,7 +12,10 @@ all_reduce bucketing (and ``bucketed_uncompiled``) issues them as one call when 
   the total are integers the float represents exactly (the boolean tensor's global size bounds them);
 - ``reduce_before_scaling``: a reduction of ``num / d`` (or ``num * d``, through ``detach``, ``neg``,
   ``clone``), ``d`` whole on every rank and made by a reduction over the same mesh axes, becomes the
-  reduction of ``num``, the division then computed whole.
+  reduction of ``num``, the division then computed whole. A ``d`` reduced over fewer axes (a count
+  of dp-sharded targets, a loss sharded on dp x tp) is first made Partial on the others too, held by
+  their first coordinate and zero elsewhere (``local_partial``: exact, and free), and reduced over
+  all of them: the same group as ``num``'s, so one call carries both.
 
 Both rewrite the planned graph (its layouts and redistributions), not the plan's bytes: the cost
 model prices one call per redistribution and cannot see that two of them share a call.
@@ -107,9 +110,12 @@ def reduce_before_scaling(graph: fx.Graph, reduction: fx.Node, cost_model: CostM
     reduction over the same axes: the two reductions then read nothing of each other."""
     chain = _linear_chain(reduction)
     axes = _axes(reduction)
-    deepest = max((k for k, (node, i) in enumerate(chain) if _scaled_by_reduction(node, i, axes)), default=None)
+    scales = [(k, _scaling_reduction(node, i, axes)) for k, (node, i) in enumerate(chain)]
+    deepest, scale = max(((k, d) for k, d in scales if d is not None), default=(None, None), key=lambda kd: kd[0])
     if deepest is None:
         return False
+    if _axes(scale) != axes:
+        _reduce_over(graph, scale, reduction.meta[SRC_LAYOUT], cost_model)
     whole = reduction.meta[LAYOUT]
     for node, i in chain[:deepest + 1]:
         layouts = list(node.meta[ARG_LAYOUTS])
@@ -146,21 +152,37 @@ def _linear_chain(reduction: fx.Node) -> list[tuple[fx.Node, int]]:
     return chain
 
 
-def _scaled_by_reduction(node: fx.Node, i: int, axes: frozenset) -> bool:
-    """Whether ``node``'s other tensor argument comes, through at most ``_REACH`` single-input ops, from
-    a sum reduction over ``axes`` that ``node``'s Partial argument does not read."""
+def _scaling_reduction(node: fx.Node, i: int, axes: frozenset) -> fx.Node | None:
+    """The sum reduction over ``axes`` (or over some of them) that ``node``'s other tensor argument comes
+    from through at most ``_REACH`` single-input ops, not read by ``node``'s Partial argument; or None."""
     num = node.args[i]
     for other in (a for a in tensor_inputs(node) if a is not num):
         for _ in range(_REACH + 1):
             if _is_sum_reduction(other):
-                if _axes(other) == axes and other not in reachable(num, lambda n: n.all_input_nodes):
-                    return True
+                if _axes(other) <= axes and other not in reachable(num, lambda n: n.all_input_nodes):
+                    return other
                 break
             ins = tensor_inputs(other) if other.op == "call_function" else []
             if len(ins) != 1:
                 break
             other = ins[0]
-    return False
+    return None
+
+
+def _reduce_over(graph: fx.Graph, reduction: fx.Node, wider: Layout, cost_model: CostModel | None) -> None:
+    """``reduction`` (a sum over some of ``wider``'s Partial axes) made a sum over all of them: its value
+    made Partial on the others first (``local_partial``: the first coordinate holds it, the others
+    hold zero), so that it and a reduction over ``wider``'s axes run in the same group."""
+    src, whole = reduction.meta[SRC_LAYOUT], reduction.meta[LAYOUT]
+    held = {axis for axis, _ in src.partial}
+    widened = src.with_partial(tuple(src.partial) + tuple((a, op) for a, op in wider.partial if a not in held))
+    x = reduction.args[0]
+    spread = redistribute_node(graph, x, src, widened, cost_model, after=reduction)
+    spread.meta[NEEDED_BY] = list(reduction.meta[NEEDED_BY])
+    reduced = redistribute_node(graph, spread, widened, whole, cost_model)
+    reduced.meta[NEEDED_BY] = list(reduction.meta[NEEDED_BY])
+    reduction.replace_all_uses_with(reduced)
+    graph.erase_node(reduction)
 
 
 def _tensor_position(node: fx.Node, i: int) -> int:

@@ -84,10 +84,11 @@ def test_a_count_a_float_cannot_hold_exactly_is_reduced_as_an_integer():
     torch.testing.assert_close(out, half_mean(x, y))
 
 
-def test_reductions_over_other_axes_stay_as_planned():
-    """dp x tp, the values sharded on both axes, the mask on dp alone: the count is reduced over dp, the
-    quotient over (dp, tp); no one call could carry both, so the quotient is still reduced after the
-    division (its reduction reads the count's)."""
+def test_a_count_reduced_over_fewer_axes_joins_the_sums_group():
+    """dp x tp, the values sharded on both axes, the mask on dp alone: the count is Partial over dp, the
+    sum over (dp, tp). The count is made Partial over tp too (held by tp's first rank, zero on the
+    others: exact) and reduced over (dp, tp), so the two reductions are independent, in one group and
+    one dtype: one call carries both. The mean and its gradient are the single-device ones."""
     torch.manual_seed(2)
     x, y = torch.randn(8, 8), torch.randint(-100, 3, (8, 8))
 
@@ -96,8 +97,17 @@ def test_reductions_over_other_axes_stay_as_planned():
         return torch.where(keep, x, 0.0).sum() / keep.sum()
 
     mesh, placements = fxshard.MeshSpec(dp=2, tp=2), {0: (Shard(0), Shard(1)), 1: (Shard(0), Replicate())}
-    count, quotient = [n for n in _reductions(mean2d, x, y, mesh, placements) if n.meta[SRC_LAYOUT].partial]
-    assert [str(n.meta[SRC_LAYOUT]) for n in (count, quotient)] == ["[] P(sum@dp)", "[] P(sum@dp,tp)"]
-    assert quotient.args[0].target is torch.ops.aten.detach.default and _reads(quotient, count)
-    out = fxshard.simulate(mean2d, x, y, mesh=mesh, placements=placements)
-    torch.testing.assert_close(out, mean2d(x, y))
+    moves = _reductions(mean2d, x, y, mesh, placements)
+    assert [str(n.meta["plan"]).split(": ")[-1] for n in moves if n.meta[SRC_LAYOUT].partial] == \
+        ["all_reduce(dp,tp sum)", "local_partial(tp sum)", "all_reduce(dp,tp sum)"], [n.format_node() for n in moves]
+    total, spread, count = [n for n in moves if n.meta[SRC_LAYOUT].partial]
+    assert count.args[0] is spread and str(spread.meta[SRC_LAYOUT]) == "[] P(sum@dp)"
+    assert not _reads(total, count) and not _reads(count, total)
+    assert {n.meta["val"].dtype for n in (total, count)} == {torch.float32}
+    xg = x.clone().requires_grad_(True)
+    ref = mean2d(xg, y)
+    (ref_grad,) = torch.autograd.grad(ref, xg)
+    loss, grads = fxshard.simulate(mean2d, x.clone().requires_grad_(True), y, mesh=mesh, placements=placements,
+                                   grad=True)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grads[0], ref_grad)
