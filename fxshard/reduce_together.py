@@ -107,13 +107,14 @@ def _float_of_readers(reduction: fx.Node) -> torch.dtype | None:
 
 def reduce_before_scaling(graph: fx.Graph, reduction: fx.Node, cost_model: CostModel | None) -> bool:
     """``reduce(f(num, d))`` -> ``f(reduce(num), d)`` for ``f`` linear in ``num`` where ``d`` is the result of a
-    reduction over the same axes: the two reductions then read nothing of each other."""
+    reduction over the same axes (or over fewer of them, widened first: ``_reduce_over``): the two
+    reductions then read nothing of each other."""
     chain = _linear_chain(reduction)
     axes = _axes(reduction)
-    scales = [(k, _scaling_reduction(node, i, axes)) for k, (node, i) in enumerate(chain)]
-    deepest, scale = max(((k, d) for k, d in scales if d is not None), default=(None, None), key=lambda kd: kd[0])
-    if deepest is None:
+    found = [(k, d) for k, (node, i) in enumerate(chain) if (d := _scaling_reduction(node, i, axes)) is not None]
+    if not found:
         return False
+    deepest, scale = found[-1]
     if _axes(scale) != axes:
         _reduce_over(graph, scale, reduction.meta[SRC_LAYOUT], cost_model)
     whole = reduction.meta[LAYOUT]
