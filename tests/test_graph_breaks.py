@@ -141,6 +141,7 @@ def test_python_writes_into_a_graph_output_between_graphs(world):
     torch.testing.assert_close(out, scatter_by_rows(x, w))
 
 
+@pytest.mark.slow  # ~22 s; by default the branchy model's tests (simulate and explain graph by graph) run the path
 def test_eager_moe_experts_loop_runs_graph_by_graph():
     """Mixtral with transformers' eager experts (a Python loop over the experts hit): Dynamo splits it into
     many graphs; attention Megatron-sharded, everything exact, and ``explain`` reports each graph."""

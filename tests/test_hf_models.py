@@ -117,8 +117,14 @@ def check(kind: str, plan, mesh: fxshard.MeshSpec, sequence_parallel: bool = Fal
     return counts
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
+# By default GPT-2 at 4 ranks; Hugging Face's Llama at 4 with --slow (and both at 8): tests/test_zoo.py runs
+# LlamaForCausalLM under Megatron TP at 2 and 4 ranks and under TP+SP (the same plan, counts and no-fallback
+# check), tests/test_models.py's FSDP test the Llama FSDP plan, and the 2-D test below the HF Llama sharded on dp.
+WORLD_KIND = [(4, "gpt2") if (world, kind) == (4, "gpt2") else pytest.param(world, kind, marks=pytest.mark.slow)
+              for world in (4, 8) for kind in ("llama", "gpt2")]
+
+
+@pytest.mark.parametrize("world, kind", WORLD_KIND)
 def test_tensor_parallel(kind, world):
     counts = check(kind, plan_tp, fxshard.MeshSpec(tp=world))
     # two block outputs per layer and the vocab-parallel embedding are reduced; GPT-2's fused q|k|v
@@ -127,8 +133,7 @@ def test_tensor_parallel(kind, world):
     assert counts == {"all_reduce": 2 * 2 + 1, **regroups}, counts
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world, kind", WORLD_KIND)
 def test_tensor_and_sequence_parallel(kind, world):
     """Few tokens (fewer than twice the hidden size): moving activations is cheaper than gathering
     weights, so each block gathers its input on the sequence and reduce-scatters its output."""
@@ -137,12 +142,12 @@ def test_tensor_and_sequence_parallel(kind, world):
     assert counts == {"all_gather": 2 * 2 + 1, "reduce_scatter": 2 * 2 + 1, **regroups}, counts
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world, kind", WORLD_KIND)
 def test_fsdp_style(kind, world):
     check(kind, plan_fsdp, fxshard.MeshSpec(dp=world), batch=2 * world)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+# gpt2 (~6 s) with --slow: the llama case runs the 2-D mesh, test_*[4-gpt2] GPT-2 on tp and on dp
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_2d_data_and_tensor_parallel(kind):
     check(kind, plan_2d, fxshard.MeshSpec(dp=2, tp=4))

@@ -58,6 +58,10 @@ def counts(explanation) -> dict[str, int]:
     return out
 
 
+# ~8 s: by default test_llama_variants_under_tensor_parallel runs this parallelize_module TP plan (exact, only
+# all_reduces), and tests/test_explain_report.py's test_llama_tensor_parallel_reasons_totals_and_memory counts its
+# 2 reduces per layer + 1 (megatron_placements, the same placements)
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_llama_tensor_parallel_two_all_reduces_per_layer(world):
     ref, out, e = run_plan(CFG, world, False, (tokens(2, 16),))
@@ -66,6 +70,9 @@ def test_llama_tensor_parallel_two_all_reduces_per_layer(world):
     assert counts(e) == {"all_reduce": 2 * CFG.n_layers + 1}
 
 
+# ~8 s: by default tests/test_training.py's test_tensor_and_sequence_parallel_with_parallelize_module runs this
+# plan forward and backward (exact, its forward collectives counted), and test_golden_llama_layer_... reads it
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_llama_tensor_and_sequence_parallel(world):
     ref, out, e = run_plan(CFG, world, True, (tokens(2, 16),))

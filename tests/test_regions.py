@@ -43,7 +43,9 @@ def reference(model: Llama, x: torch.Tensor, y: torch.Tensor, grad: bool) -> tup
 
 @pytest.mark.parametrize("mesh, placements, grad", [
     (fxshard.MeshSpec(dp=4), fsdp_placements, True),       # FSDP: parameters gathered in their layer's region
-    (fxshard.MeshSpec(tp=4), megatron_placements, True),   # Megatron: all-reduces inside the regions
+    # Megatron: all-reduces inside the regions. ~6 s: by default fsdp runs the regional backward and
+    # megatron-inference the all-reduces inside regions
+    pytest.param(fxshard.MeshSpec(tp=4), megatron_placements, True, marks=pytest.mark.slow),
     (fxshard.MeshSpec(tp=4), megatron_placements, False),  # inference: the forward alone
 ], ids=["fsdp", "megatron", "megatron-inference"])
 def test_regional_program_matches_one_device(mesh, placements, grad):
@@ -126,6 +128,10 @@ def _bucketed_collectives(regional: bool, mesh, monkeypatch) -> list[dict[str, i
     return found
 
 
+# ~8 s, with --slow: by default test_regional_fsdp_gathers_a_layer_early_... lists this regional step's collectives
+# region by region (the same 4 gathers and the loss's all_reduce forward, 3 gathers and 4 reduce_scatters backward),
+# and tests/test_overlap.py's test_each_block_is_one_bucket the whole program's buckets
+@pytest.mark.slow
 def test_regional_fsdp_issues_the_whole_programs_buckets(fake_mesh_4, monkeypatch):
     """Cut into regions, FSDP still makes one all_gather and one reduce_scatter per block, as the whole
     program does and FSDP2 does: the root's parameters (embedding, final norm, output projection) are
@@ -177,8 +183,12 @@ def _gathers_targets(runner: training.TrainingProgram) -> bool:
                == {targets} for n in runner.forward_graph.graph.nodes)
 
 
-@pytest.mark.parametrize("batch, gathers_targets", [((8, 64), False), ((4, 16), True)],
-                         ids=["output-projection-gathered", "targets-gathered"])
+# output-projection-gathered with --slow: test_regional_fsdp_gathers_a_layer_early_... reads the layer regions of
+# that batch's backward, and targets-gathered (the case that once left no backward layer region) runs by default
+@pytest.mark.parametrize("batch, gathers_targets", [
+    pytest.param((8, 64), False, marks=pytest.mark.slow),  # ~4 s
+    ((4, 16), True),
+], ids=["output-projection-gathered", "targets-gathered"])
 def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatch, batch, gathers_targets):
     """Each layer's backward is a layer region (compiled), at least as large as its forward's, whatever
     the plan gathers for the loss: a gathered value the loss reads (the targets, where the plan gathers

@@ -64,6 +64,9 @@ def plan_counts(model: Llama, x, y, mesh: fxshard.MeshSpec, placements: dict, co
         return collectives(fwd), collectives(bwd), collective_calls(fwd)
 
 
+# ~7 s: by default test_fsdp_x_tensor_parallel[shape0] trains Megatron on its tp axis (exact; the same reduces
+# each way, and the vocab-parallel loss's), test_tensor_and_sequence_parallel_... TP on a 1-D mesh
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
     torch.manual_seed(tp)
@@ -81,6 +84,9 @@ def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
     assert bwd == {"all_reduce": 2 * layers + 1}
 
 
+# ~8 s: by default test_fsdp_x_tensor_parallel[shape0] trains FSDP on its dp axis (exact, each gradient
+# reduce-scattered), tests/test_regions.py the FSDP step on dp=4 (exact; its gathers and reductions counted)
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     torch.manual_seed(dp)
