@@ -29,7 +29,8 @@ class Refinement:
     rounds from the best plan so far: every activation pinned (``pin_activations``: FSDP's plan,
     only inputs move), each of the ``max_singles`` smallest inputs the plan moved pinned alone
     (the greedy choice moves small operands, token ids say, and pays for it at every later
-    layer), and all of them pinned. A round that finds nothing cheaper ends the search. Last,
+    layer), or rather with the same input of the other layers (one try for every layer's norm
+    weight: ``refine.smallest_classes``), and all of them pinned. A round that finds nothing cheaper ends the search. Last,
     ``foresee``: the best plan propagated once more with the redistributions it asks for known
     from the start (propagation chooses in program order: an op cannot know that a later consumer
     will gather the value, or a relabelling of the value, it could use).

@@ -132,6 +132,41 @@ def test_refinement_reusing_decisions_leaves_the_plan_unchanged(style):
     assert planned(Decisions()) == planned(None)
 
 
+def test_refinement_pins_an_input_of_every_layer_at_once():
+    """Pinning one layer's norm weight prices as pinning another's: refinement pins each kind of input
+    in every layer at once (``refine.smallest_classes``), so a 4-layer FSDP model is refined with no
+    more propagations than a 2-layer one (each tried one layer's norm weights alone before: 10 each), and the plan is the one pinning the inputs one by one would
+    find (the joint plans' text is golden-tested in test_golden.py)."""
+    tried: dict[int, list[frozenset[str]]] = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64))
+        x = torch.randint(0, 64, (8, 16))
+        mesh = fxshard.MeshSpec(dp=4)
+        captured = capture(model, (x,))
+        names = named_inputs(model, (x,), captured.objects)
+        layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {**fsdp_placements(model), 0: (Shard(0),)})
+        program = trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts)
+        runs = tried[layers] = []
+        memo = Decisions()
+
+        def run(pinned, foreseen=None):
+            runs.append(pinned)
+            propagate(program.gm, mesh, program.input_layouts, pinned=pinned, cost_model=BANDWIDTH_BOUND, memo=memo,
+                      foreseen=foreseen)
+
+        propagate_with_pins(run, program.gm, BANDWIDTH_BOUND)
+        norms = {f"fn_layers_{i}_{kind}_norm_weight" for i in range(layers) for kind in ("attention", "ffn")}
+        for pins in runs:
+            # a layer's norm weight is pinned with every other layer's of its kind, or not at all
+            for kind in ("attention", "ffn"):
+                of_kind = {n for n in norms if kind in n}
+                assert not (of_kind & pins) or of_kind <= pins, pins
+    # 2 layers: the greedy plan, activations pinned, four classes (the two norms' kinds, the final norm,
+    # wk), all moved inputs, the foreseen plan; 4 layers: the six smallest are the norms, two classes
+    assert [len(tried[2]), len(tried[4])] == [8, 6], tried
+
+
 def test_a_model_plans_each_repeated_layer_once():
     """Decisions are keyed by a node's structure: a deeper model adds no new strategy choices (the
     layers after the first reuse the first's), and the plan is the fresh one."""
