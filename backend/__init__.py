@@ -6,7 +6,10 @@ without a sharding rule), ``inductor`` (False runs the lowered graph without Ind
 ``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
 ``backend/inductor_config.py``), ``regional`` (default True: each distinct layer compiled once, not the whole local program:
 less compile time, the same buckets, collectives overlapped within a layer only: ``backend/regions.py``),
-``cost_model`` (a ``fxshard.CostModel``), ``on_graph`` (a callback receiving each stage's graph
+``cost_model`` (a ``fxshard.CostModel``), ``training_split`` (a ``fxshard.TrainingSplit``: which gathered
+values the forward keeps for the backward; ``TrainingSplit(keep_gathered_activations=False)`` gathers a
+sequence-parallel block's input again in the backward, as Megatron-LM: less memory, one all_gather more
+per block), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
 as text: ``<graph>_<n>_<stage>.txt``).
 
@@ -40,7 +43,7 @@ from .dtensor_rules import lend_rules_to_dtensor  # noqa: E402
 
 lend_rules_to_dtensor()
 
-_OPTIONS = {"strict", "inductor", "bucketing", "regional", "cost_model", "on_graph", "debug_dir"}
+_OPTIONS = {"strict", "inductor", "bucketing", "regional", "cost_model", "training_split", "on_graph", "debug_dir"}
 
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
@@ -69,7 +72,20 @@ def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter:
     return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
                            cost_model=options.get("cost_model"), inductor=options.get("inductor", True),
                            bucketing=options.get("bucketing", True), regional=options.get("regional", True),
-                           reporter=reporter)
+                           reporter=reporter, **_split_option(options))
+
+
+def _split_option(options: dict) -> dict:
+    """``training_split`` checked: a ``fxshard.TrainingSplit`` (the default when absent)."""
+    from fxshard.policies import TrainingSplit
+
+    if "training_split" not in options:
+        return {}
+    split = options["training_split"]
+    if not isinstance(split, TrainingSplit):
+        raise TypeError(f"fxshard option training_split={split!r}: expected a fxshard.TrainingSplit, e.g. "
+                        "fxshard.TrainingSplit(keep_gathered_activations=False)")
+    return {"training_split": split}
 
 
 def _trains(inputs: Sequence[Any]) -> bool:

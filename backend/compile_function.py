@@ -24,6 +24,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.costs import CostModel
 from fxshard.placements import as_mesh_spec
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 
 from .capture import capture, fake_stand_in
 from .driver import compile_program
@@ -36,7 +37,8 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
                  strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-                 bucketing: bool = True, regional: bool = True):
+                 bucketing: bool = True, regional: bool = True,
+                 training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT):
         self.fn = fn
         self.module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         if self.module is not None and not isinstance(self.module, torch.nn.Module):
@@ -44,7 +46,7 @@ class CompiledFunction:
         self.device_mesh = device_mesh
         self.placements = dict(placements or {})
         self.strict, self.cost_model, self.inductor, self.bucketing = strict, cost_model, inductor, bucketing
-        self.regional = regional
+        self.regional, self.training_split = regional, training_split
         self._programs: dict[tuple, tuple[Any, list[tuple[str, Any]]]] = {}
         self.last: Any = None  # the program of the latest call (TrainingProgram or InferenceProgram)
 
@@ -104,16 +106,18 @@ class CompiledFunction:
         runner = compile_program(captured.gm, captured.example_inputs, training=training, device_mesh=device_mesh,
                                  mesh=spec, layouts=layouts, names=names, strict=self.strict,
                                  cost_model=self.cost_model, inductor=self.inductor, bucketing=self.bucketing,
-                                 regional=self.regional, reporter=reporter)
+                                 regional=self.regional, reporter=reporter, training_split=self.training_split)
         return runner, sources
 
 
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-            bucketing: bool = True, regional: bool = True) -> CompiledFunction:
+            bucketing: bool = True, regional: bool = True,
+            training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> CompiledFunction:
     """Compile ``fn`` (a module, or a method of one, or a function) for the mesh of its DTensor
     parameters and arguments; plain tensor arguments are replicated unless ``placements`` (by
-    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``
-    and ``regional``: as the backend options (``backend/inductor_config.py``, ``backend/regions.py``)."""
-    return CompiledFunction(fn, device_mesh, placements, strict, cost_model, inductor, bucketing, regional)
+    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``,
+    ``regional`` and ``training_split``: as the backend options (``backend/__init__.py``)."""
+    return CompiledFunction(fn, device_mesh, placements, strict, cost_model, inductor, bucketing, regional,
+                            training_split)
 

@@ -22,6 +22,7 @@ from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.timing import stage
 
 from . import outputs as outputs_
@@ -53,20 +54,24 @@ class PlannedProgram:
 def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None = None,
                  layouts: Mapping[int, Layout] | None = None, names: Sequence[str] | None = None,
                  strict: bool = False, cost_model: CostModel | None = None,
-                 reporter: StageReporter | None = None) -> PlannedProgram:
+                 reporter: StageReporter | None = None,
+                 training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> PlannedProgram:
     """Stages 1-3 of ``gm`` for ``inputs`` (concrete sizes). ``layouts``: by input position (default:
-    DTensors bring theirs, plain tensors are replicated); ``training``: the joint program."""
+    DTensors bring theirs, plain tensors are replicated); ``training``: the joint program, cut into
+    forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``)."""
     reporter = reporter or StageReporter()
     with reporter.timing():
         return _plan_program(gm, inputs, training=training, mesh=mesh, layouts=layouts, names=names, strict=strict,
-                             cost_model=cost_model, reporter=reporter)
+                             cost_model=cost_model, reporter=reporter, training_split=training_split)
 
 
 def _plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None,
                   layouts: Mapping[int, Layout] | None, names: Sequence[str] | None, strict: bool,
-                  cost_model: CostModel | None, reporter: StageReporter) -> PlannedProgram:
+                  cost_model: CostModel | None, reporter: StageReporter,
+                  training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> PlannedProgram:
     if training:
-        plan = plan_training(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict, cost_model=cost_model)
+        plan = plan_training(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict, cost_model=cost_model,
+                             split=training_split)
         reporter("plan", plan.joint)
         reporter("plan_forward", plan.forward)
         reporter("plan_backward", plan.backward)
@@ -137,10 +142,11 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
 
 def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                   training: bool = False, strict: bool = False, cost_model: CostModel | None = None,
-                  reporter: StageReporter | None = None) -> tuple[Captured, PlannedProgram]:
+                  reporter: StageReporter | None = None,
+                  training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> tuple[Captured, PlannedProgram]:
     """Capture ``fn(*args)`` with Dynamo and plan it: ``mesh`` (a MeshSpec, DeviceMesh or {axis: size};
     default: the DTensor arguments' and parameters') and ``placements`` (argument index or parameter
-    name -> placements) say how it is sharded."""
+    name -> placements) say how it is sharded; ``training_split`` as ``plan_program``'s."""
     reporter = reporter or StageReporter(label=label_of(fn))
     captured = capture(fn, args)
     if mesh is None:
@@ -155,5 +161,6 @@ def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placem
     if training and not any(isinstance(o, torch.Tensor) and o.requires_grad for o in captured.objects):
         raise ValueError("grad=True but no input of the function requires grad")
     planned = plan_program(captured.gm, captured.example_inputs, training=training, mesh=spec, layouts=layouts,
-                           names=[n for n, _ in names], strict=strict, cost_model=cost_model, reporter=reporter)
+                           names=[n for n, _ in names], strict=strict, cost_model=cost_model, reporter=reporter,
+                           training_split=training_split)
     return captured, planned

@@ -212,7 +212,8 @@ def _first_backward_use(node: fx.Node, forward: set[fx.Node], order: Mapping[fx.
 
 
 def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) -> set[fx.Node]:
-    """Forward nodes the backward recomputes rather than saves: gathers (but those ``split`` keeps),
+    """Forward nodes the backward recomputes rather than saves: gathers (but those ``split`` keeps:
+    small parameters, the root's first, and activations with ``keep_gathered_activations``),
     views of them, views of the primals, and what a ``torch.utils.checkpoint`` region computed
     (but random draws, which would differ). Rewrites ``gm`` (see ``reuse_first_gather``)."""
     keep = small_gathers(gm, forward, split.keep_below_fraction)
@@ -223,7 +224,9 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) 
         if node not in forward or node.op != "call_function":
             continue
         source = node.args[0] if node.args else None
-        if (grows(node) and node not in keep) or (node.target in CHEAP_FOLLOWERS and source in out) or \
+        regathered = grows(node) and node not in keep and \
+            (input_root(source) is not None or not split.keep_gathered_activations)
+        if regathered or (node.target in CHEAP_FOLLOWERS and source in out) or \
                 (node.target in RELABELS and isinstance(source, fx.Node) and source.op == "placeholder") or \
                 _checkpointed(node):
             out.add(node)

@@ -30,6 +30,7 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 
 from .capture import Captured, capture_graphs
 from .driver import PlannedProgram, plan_function
@@ -248,15 +249,17 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,
-                   strict: bool = False, cost_model: CostModel | None = None, grad: bool = False) -> dict:
+                   strict: bool = False, cost_model: CostModel | None = None, grad: bool = False,
+                   training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> dict:
     """Every rank's lowered local program (stage 5) of ``fn(*args)`` on ``device_mesh``, by coordinate.
 
     Arguments are global tensors (with ``placements``) or DTensors, as in ``simulate``; nothing runs.
-    With ``grad`` each value is the pair (forward, backward) of the training program.
+    With ``grad`` each value is the pair (forward, backward) of the training program, cut as
+    ``training_split`` says.
     """
     groups = MeshGroups(device_mesh)
     _, planned = plan_function(fn, args, mesh=device_mesh, placements=placements, training=grad, strict=strict,
-                               cost_model=cost_model)
+                               cost_model=cost_model, training_split=training_split)
     coords = planned.program.mesh.coordinates()
     if grad:
         return {c: (lower(localize(planned.training.forward, c), c, groups),

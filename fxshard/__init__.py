@@ -10,10 +10,12 @@ from .ops import constrain
 from .placements import layout_from_placements, placements_from_layout
 from .planner import plan_redistribute
 from .plans import Plan, Step
+from .policies import TrainingSplit
 
 __all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile",
            "constrain", "explain", "explain_pipeline", "layout_from_placements", "load_sharded", "lower_bound_bytes",
-           "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan"]
+           "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan",
+           "TrainingSplit"]
 
 
 def __getattr__(name: str) -> Any:

@@ -47,19 +47,25 @@ class Refinement:
 class TrainingSplit:
     """What the forward keeps for the backward among values the plan gathered.
 
-    A redistribution that grows a value (an all_gather of an FSDP weight or of a sequence-parallel
-    activation) is recomputed in the backward, so no rank holds a gathered value between the
-    passes, except: parameters gathered to a size ``keep_below_fraction`` times smaller than the
-    largest gathered one (a norm's weight: gathering it again costs a collective's latency to
-    save a few KiB), and, with ``keep_first_backward_gather``, the root parameter (outside the
-    repeated layers) the backward gathers first (the output projection: it would be gathered
-    again at once, while every saved activation is alive, so keeping it raises no peak; FSDP2
-    keeps its root module unsharded after forward for the same reason; a layer's would make that
-    layer's program differ from the others' and cost a compile). Activations are never kept gathered.
+    A parameter the plan gathers (an FSDP weight) is gathered again in the backward, so no rank
+    holds it between the passes, except: parameters gathered to a size ``keep_below_fraction``
+    times smaller than the largest gathered one (a norm's weight: gathering it again costs a
+    collective's latency to save a few KiB), and, with ``keep_first_backward_gather``, the root
+    parameter (outside the repeated layers) the backward gathers first (the output projection: it
+    would be gathered again at once, while every saved activation is alive, so keeping it raises
+    no peak; FSDP2 keeps its root module unsharded after forward for the same reason; a layer's
+    would make that layer's program differ from the others' and cost a compile).
+
+    A gathered activation (a sequence-parallel block's input) is kept for the backward with
+    ``keep_gathered_activations``, as DTensor's and torchtitan's sequence parallelism keep it: no
+    collective and no byte more than they move. Off, it is gathered again where the backward reads
+    it, as Megatron-LM does: one all_gather more per gathered input each step, for a peak lower by
+    the gathered activations (tp - 1 of every tp parts of them).
     """
 
     keep_below_fraction: int = 64
     keep_first_backward_gather: bool = True
+    keep_gathered_activations: bool = True
 
 
 DEFAULT_REFINEMENT = Refinement()

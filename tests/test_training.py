@@ -131,8 +131,9 @@ def test_fsdp_x_tensor_parallel(shape):
     assert (fwd["all_reduce"], bwd["all_reduce"]) == (2 * layers + 1 + 4, 2 * layers + 1)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "regathered"])
 @pytest.mark.parametrize("tp", [4, pytest.param(8, marks=pytest.mark.slow)])
-def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
+def test_tensor_and_sequence_parallel_with_parallelize_module(tp, keep):
     torch.manual_seed(0)
     model = Llama(CFG)
     x, y = data(2, 16)
@@ -147,19 +148,23 @@ def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
             targets = distribute_tensor(y, mesh, [Replicate()])
         loss, grads = fxshard.simulate(sharded.loss, x, targets, grad=True)
         with fake_world(fxshard.MeshSpec(tp=tp)) as device_mesh:
-            fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True)[(0,)]
+            fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True,
+                                      training_split=fxshard.TrainingSplit(keep_gathered_activations=keep))[(0,)]
             fwd_counts, bwd_counts, bwd_calls = collectives(fwd), collectives(bwd), collective_calls(bwd)
     assert_matches(loss, grads, ref_loss, ref_grads)
     layers = CFG.n_layers
     # forward per layer: 2 all_gather + 2 reduce_scatter, as parallelize_module's plan says; + the
     # embedding's reduce_scatter, the output projection's gather and the logits' (replicated loss)
     assert fwd_counts == {"all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers + 1}
-    # backward per layer, Megatron-LM's sequence parallel: per block the output gradient gathered
-    # once (both the input and the weight gradient read it), the block input gathered again (for
-    # the weight gradient) and the input gradient reduce-scattered once (the norm scales the shard);
-    # + the output projection's input and the embedding's gradient gathered, its input's gradient
-    # reduce-scattered; the norm weights' gradients all-reduced (their tokens are sharded)
-    assert bwd_counts == {"all_gather": 4 * layers + 2, "reduce_scatter": 2 * layers + 1, "all_reduce": 2 * layers + 1}
+    # backward per layer: per block the output gradient gathered once (both the input and the weight
+    # gradient read it) and the input gradient reduce-scattered once (the norm scales the shard); the
+    # weight gradient reads the block input the forward gathered (kept, as DTensor keeps it) or, as
+    # Megatron-LM, gathers it again; + the embedding's gradient gathered (and the output projection's
+    # input again), its input's gradient reduce-scattered; the norm weights' gradients all-reduced
+    # (their tokens are sharded)
+    regathers = 0 if keep else 2 * layers + 1
+    assert bwd_counts == {"all_gather": 2 * layers + 1 + regathers, "reduce_scatter": 2 * layers + 1,
+                          "all_reduce": 2 * layers + 1}
     assert {c.input_bytes for c in bwd_calls if c.kind == "all_reduce"} == {CFG.dim * 4}
 
 
@@ -219,8 +224,10 @@ def test_sequence_parallel_weight_gradients_read_the_gathered_output_gradient():
     """TP + SP at the bench's sizes (bench/train.py's Llama, 1024 tokens): each block's ``wo`` weight
     gradient reads the output gradient that the input gradient gathers one op later (a relabelling of
     it: ``t(view(g))``), not the attention output moved heads -> sequence by an all_to_all and a
-    Partial result reduce-scattered (the plan before ``Refinement.foresee``). Backward per block:
-    Megatron-LM's 4 all_gathers and 2 reduce_scatters (+ 1 all_reduce, the norms' weights)."""
+    Partial result reduce-scattered (the plan before ``Refinement.foresee``). Backward per layer: the
+    two blocks' output gradients gathered and input gradients reduce-scattered, the blocks' inputs kept
+    gathered from the forward (``TrainingSplit``; Megatron-LM gathers them again: 2 all_gathers more),
+    and the norms' weight gradients all-reduced."""
 
     config = LlamaConfig(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
     torch.manual_seed(0)
@@ -235,5 +242,4 @@ def test_sequence_parallel_weight_gradients_read_the_gathered_output_gradient():
                                       cost_model=fxshard.CostModel(default_latency=0.0))[(0,)]
             found = collectives(bwd)
     layers = config.n_layers
-    assert found == {"all_gather": 4 * layers + 2, "reduce_scatter": 2 * layers + 1,
-                                "all_reduce": 2 * layers + 1}
+    assert found == {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 1, "all_reduce": 2 * layers + 1}
