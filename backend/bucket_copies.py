@@ -47,8 +47,12 @@ def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dt
 
     numels = [x.numel() for x in ins]
     total = sum(numels)
-    out = torch.ops.bucketing._pre_bucket_all_gather(ins, group_size, dtype, [_ALL_DTYPES.index(d) for d in out_dtypes],
-                                                     rank, None)
+    pack = torch.ops.bucketing._pre_bucket_all_gather
+    dtype_ints = [_ALL_DTYPES.index(d) for d in out_dtypes]
+    if "group_name" in (a.name for a in pack.default._schema.arguments):  # torch 2.11 takes the group's name too
+        out = pack(ins, group_size, group_name, dtype, dtype_ints, rank, None)
+    else:
+        out = pack(ins, group_size, dtype, dtype_ints, rank, None)
     gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
         out.narrow(0, total * rank, total), group_size, group_name, out=out))
     members = torch.ops.fxshard.unpack_gathered(gathered, group_size, numels)
@@ -67,7 +71,9 @@ def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.
         return
     _, group_size, group_name = bucket[0].args
     dtype = bucket[0].meta["val"].dtype
-    rank = torch.distributed.get_rank(_resolve_process_group(b._resolve_group_name(group_name)))
+    # torch 2.13 may name the group by a node (compile on one rank) and resolves it; 2.11's names are strings
+    resolve = getattr(b, "_resolve_group_name", lambda name: name)
+    rank = torch.distributed.get_rank(_resolve_process_group(resolve(group_name)))
 
     def trace_args(ins: list[fx.Node]) -> tuple:
         return ([n.meta["val"] for n in ins], group_name, group_size, dtype, [dtype] * len(ins), rank)

@@ -19,6 +19,8 @@ from fxshard.layout import Layout
 from fxshard.mesh import Coordinate, MeshSpec
 from fxshard.placements import layout_from_placements, user_layout
 
+from .dynamo_compat import dtensor_prim, prim_arguments
+
 
 class InputError(ValueError):
     """Inputs that do not say one consistent sharding: several meshes, unknown names, two placements."""
@@ -65,14 +67,23 @@ def find_device_mesh(example_inputs: Sequence[Any], gm: fx.GraphModule | None = 
     pairs += [(named[k], x) for k, x in enumerate(example_inputs) if isinstance(x, DeviceMesh)]
     if gm is not None:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and is_from_local(node.target) and len(node.args) > 1 and \
-                    isinstance(node.args[1], DeviceMesh):
-                pairs.append((f"from_local at {node.name}", node.args[1]))
+            if node.op == "call_function" and is_from_local(node.target):
+                args, kwargs = from_local_arguments(node.target, node.args, node.kwargs)
+                mesh = args[1] if len(args) > 1 else kwargs.get("device_mesh")
+                if isinstance(mesh, DeviceMesh):
+                    pairs.append((f"from_local at {node.name}", mesh))
     return one_mesh([m for _, m in pairs], "this program", [n for n, _ in pairs])
 
 
 def is_from_local(target: Any) -> bool:
-    return getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", "")
+    """A Dynamo graph's ``DTensor.from_local`` call: the function itself, or torch 2.11's closure for it."""
+    return dtensor_prim(target) == "from_local" or (
+        getattr(target, "__name__", "") == "from_local" and "tensor" in getattr(target, "__module__", ""))
+
+
+def from_local_arguments(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a from_local call as ``DTensor.from_local`` takes them (backend/dynamo_compat.py)."""
+    return prim_arguments(target, args, kwargs) if dtensor_prim(target) else (tuple(args), dict(kwargs))
 
 
 def named_inputs(fn: Callable, args: Sequence[Any], objects: Sequence[Any]) -> list[tuple[str, Any]]:

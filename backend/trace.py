@@ -28,7 +28,8 @@ from fxshard.placements import as_mesh_spec, layout_from_placements, placements_
 
 from . import inputs
 from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
-from .inputs import find_device_mesh, is_from_local
+from .dynamo_compat import dtensor_prim, prim_arguments
+from .inputs import find_device_mesh, from_local_arguments, is_from_local
 
 
 class TraceError(RuntimeError):
@@ -135,7 +136,10 @@ class _GlobalInterpreter(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if dtensor_prim(target) in ("redistribute", "to_local"):  # torch 2.11 (backend/dynamo_compat.py)
+            return self.call_method(dtensor_prim(target), *prim_arguments(target, args, kwargs))
         if is_from_local(target):
+            args, kwargs = from_local_arguments(target, args, kwargs)
             return self._from_local(*args, **kwargs)
         if target is torch.ops.higher_order.tag_activation_checkpoint:
             return self._checkpointed(*args, **kwargs)
