@@ -102,6 +102,14 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
     return model, fsdp2_step, None
 
 
+def adamw(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, DTensors and plain tensors (a TP plan leaves the norms plain)
+    in separate groups: torch 2.11's foreach kernels refuse a group that mixes them."""
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=lr)
+
+
 def _rows(dp_mesh: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """This rank's equal share of a global batch's rows (the batch divides over dp)."""
     rank, size = dp_mesh.get_local_rank(), dp_mesh.size()

@@ -118,12 +118,12 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
     from comm import CommBytesMode
     from fxshard.backend.traffic import collective_calls
     from models.llama import LlamaConfig
-    from systems import case_mesh
+    from systems import adamw, case_mesh
 
     config = LlamaConfig(**LLAMA)
     mesh = case_mesh(case, world_size, device)
     model, step, compiled = _build(case, system, mesh, config, options or {})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = adamw(model)
     times, losses = [], []
     for k in range(STEPS):
         tokens, targets = _data(config, k)
