@@ -1,7 +1,8 @@
 """Stage 6 for training: the lowered forward and backward of this rank behind one autograd node.
 
-The caller's DTensors enter through ``to_local()`` and the outputs leave through
-``DTensor.from_local``, both differentiable, so autograd sees an ordinary DTensor program:
+The caller's DTensors enter the node as they are (it unwraps them and returns their gradients as
+DTensors on their specs, as ``to_local()``'s backward would) and the outputs leave through
+``DTensor.from_local``, so autograd sees an ordinary DTensor program:
 ``loss.backward()`` runs the compiled backward, and each parameter's gradient arrives as a
 DTensor with the parameter's placements (the plan computed it in that layout), ready for
 ``torch.optim``.
@@ -12,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
@@ -20,7 +22,7 @@ from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
-from .inputs import InputReader
+from .inputs import DTensorGradients, InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
 from .regions import Region, RegionalProgram, program_copy, training_regions
@@ -47,6 +49,7 @@ class TrainingProgram:
         self.input_layouts = [program.input_layouts[n] for n in program.input_names]
         self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
         self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)
+        self.input_gradient = DTensorGradients()
         self.write_outputs = OutputWriter(plan.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
@@ -118,9 +121,13 @@ class TrainingProgram:
 
 
 class _TrainingStep(torch.autograd.Function):
+    """The step as one autograd node. DTensor inputs enter as they are and are unwrapped here; their
+    gradients leave as DTensors on their specs (``inputs.DTensorGradients``)."""
+
     @staticmethod
     def forward(ctx: Any, runner: TrainingProgram, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        results = runner.run_forward(inputs)
+        ctx.gradient_of = [(x._spec, x._local_tensor.stride()) if isinstance(x, DTensor) else None for x in inputs]
+        results = runner.run_forward([x._local_tensor if isinstance(x, DTensor) else x for x in inputs])
         n = runner.plan.num_outputs
         outs, saved = results[:n], results[n:]
         ctx.runner = runner
@@ -137,7 +144,7 @@ class _TrainingStep(torch.autograd.Function):
         grads = runner.run_backward(list(ctx.saved_tensors) + tangents)
         result: list[torch.Tensor | None] = [None] * len(runner.positions)
         for k, g in zip(runner.plan.grad_inputs, grads):
-            result[k] = g
+            result[k] = runner.input_gradient(g, ctx.gradient_of[k])
         return (None, *result)
 
 

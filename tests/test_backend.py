@@ -267,3 +267,40 @@ def test_output_dtensors_of_later_calls_reuse_the_first_calls_spec(fake_mesh_4, 
     eager_block = eager.to_local().clone()
     if exact:
         torch.testing.assert_close(second.to_local(), eager_block, rtol=0, atol=0)
+
+
+def test_parameter_gradients_are_dtensors_with_the_parameters_placements(fake_mesh_4):
+    """Training: each parameter's gradient is a DTensor with its placements, global shape and strides,
+    its block eager's (column-parallel: no collective runs), step after step."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 16)
+    parallelize_module(layer, fake_mesh_4, ColwiseParallel(use_local_output=False))
+    compiled = torch.compile(layer, backend="fxshard", options={"inductor": False})
+    x = torch.randn(4, 8)
+    steps = []
+    for _ in range(2):
+        compiled(x).to_local().sum().backward()
+        steps.append({n: (p.grad._spec, p.grad.to_local().clone()) for n, p in layer.named_parameters()})
+        layer.zero_grad(set_to_none=True)
+    layer(x).to_local().sum().backward()
+    for name, p in layer.named_parameters():
+        for spec, block in (step[name] for step in steps):
+            assert spec == p._spec  # mesh, placements, global shape and strides
+            torch.testing.assert_close(block, p.grad.to_local(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_partial_inputs_gradient_is_replicated_and_takes_its_blocks_strides(fake_mesh_4):
+    """As to_local()'s backward: a Partial input's gradient is Replicate; a gradient block with other
+    strides than the input's block is copied into them (the spec's global strides say so). The spec is
+    made once per input spec: later gradients share it (it is never the input's own object)."""
+    from torch.distributed.tensor import Partial
+
+    from fxshard.backend.inputs import DTensorGradients
+
+    x = DTensor.from_local(torch.randn(4, 6), fake_mesh_4, [Partial()], run_check=False)
+    gradients = DTensorGradients()
+    like = (x._spec, x._local_tensor.stride())
+    g = gradients(torch.randn(6, 4).t(), like)
+    assert g.placements == (Replicate(),) and g.shape == x.shape and g.to_local().stride() == (6, 1)
+    assert gradients(torch.randn(4, 6), like)._spec is g._spec and g._spec is not x._spec
+    assert gradients(None, like) is None
