@@ -233,6 +233,69 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) 
     return out
 
 
+def _saved(grads: Sequence[fx.Node], forward: set[fx.Node], recompute: set[fx.Node]) -> tuple[list[fx.Node], set[fx.Node]]:
+    """(the forward values the backward reads, the backward's nodes): the gradients' ancestors, cut
+    at forward values that are not recomputed."""
+    saved: dict[fx.Node, None] = {}
+    in_backward: set[fx.Node] = set()
+    stack = list(grads)
+    while stack:
+        n = stack.pop()
+        if n in in_backward or n in saved:
+            continue
+        if n in forward and n not in recompute:
+            saved[n] = None
+            continue
+        in_backward.add(n)
+        stack.extend(n.all_input_nodes)
+    return list(saved), in_backward
+
+
+_REBUILD_DEPTH = 8  # the longest chain of pointwise ops and views the backward replays for one saved value
+
+
+def _rebuilds_freely(node: fx.Node) -> bool:
+    """A pointwise op or a view: the backward replays it from its inputs for nothing but a fused read
+    (no collective, no random draw, no reduction)."""
+    if node.op != "call_function" or node.target is REDISTRIBUTE or CHECKPOINTED in node.meta:
+        return False
+    if node.target in RELABELS or node.target in CHEAP_FOLLOWERS:
+        return True
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def rebuilt_pointwise(saved: Sequence[fx.Node], in_backward: set[fx.Node]) -> set[fx.Node]:
+    """Saved values the backward can rebuild from values it holds anyway (other saved values, the
+    primals, its own nodes) by pointwise ops and views alone, with the forward nodes on the way.
+
+    Rebuilding one holds its bytes no more between the passes and adds none: it reads only what is
+    kept anyway. A normalization's output, from its kept input and statistics; SwiGLU's product, from
+    its two kept projections. AOTAutograd's min-cut partitioner recomputes such chains too; without
+    it a layer held ~5 hidden-sized tensors more than DTensor + Inductor (bench/results/gpu.md)."""
+    kept = set(saved)
+
+    def rebuildable(n: fx.Node, candidate: fx.Node, depth: int, chain: set[fx.Node]) -> bool:
+        if n is not candidate and (n.op == "placeholder" or n in kept or n in in_backward):
+            return True
+        if depth >= _REBUILD_DEPTH or not _rebuilds_freely(n):
+            return False
+        if all(rebuildable(a, candidate, depth + 1, chain) for a in n.all_input_nodes):
+            chain.add(n)
+            return True
+        return False
+
+    rebuilt: set[fx.Node] = set()
+    for node in reversed(list(saved)):
+        if node.op == "placeholder":
+            continue
+        chain: set[fx.Node] = set()
+        if rebuildable(node, node, 0, chain):
+            kept.discard(node)
+            rebuilt |= chain
+    return rebuilt
+
+
 def _checkpointed(node: fx.Node) -> bool:
     """Whether ``node`` ran in a checkpointed region and recomputing it gives the same value."""
     tags = getattr(node.target, "tags", ())
@@ -254,19 +317,11 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
     forward |= {n for n in nodes if n.target is operator.getitem and n.args[0] in forward}
     recompute = recomputed(joint, forward, split)
     nodes = list(joint.graph.nodes)  # recomputed() may have rewritten a backward gather
-
-    saved: list[fx.Node] = []
-    in_backward: set[fx.Node] = set()
-    stack = list(grads)
-    while stack:
-        n = stack.pop()
-        if n in in_backward or n in saved:
-            continue
-        if n in forward and n not in recompute:
-            saved.append(n)
-            continue
-        in_backward.add(n)
-        stack.extend(n.all_input_nodes)
+    saved, in_backward = _saved(grads, forward, recompute)
+    if split.recompute_pointwise:
+        rebuilt = rebuilt_pointwise(saved, in_backward)
+        if rebuilt:
+            saved, in_backward = _saved(grads, forward, recompute | rebuilt)
     order = {n: i for i, n in enumerate(nodes)}
     saved.sort(key=order.__getitem__)
 

@@ -61,11 +61,17 @@ class TrainingSplit:
     collective and no byte more than they move. Off, it is gathered again where the backward reads
     it, as Megatron-LM does: one all_gather more per gathered input each step, for a peak lower by
     the gathered activations (tp - 1 of every tp parts of them).
+
+    With ``recompute_pointwise`` a saved value the backward can rebuild from values it keeps anyway
+    by pointwise ops and views alone (a normalization's output from its input and statistics,
+    SwiGLU's product from its projections) is rebuilt there, as AOTAutograd's min-cut partitioner
+    does: fewer bytes held between the passes, no collective and no byte moved more.
     """
 
     keep_below_fraction: int = 64
     keep_first_backward_gather: bool = True
     keep_gathered_activations: bool = True
+    recompute_pointwise: bool = True
 
 
 DEFAULT_REFINEMENT = Refinement()

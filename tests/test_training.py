@@ -243,3 +243,35 @@ def test_sequence_parallel_weight_gradients_read_the_gathered_output_gradient():
             found = collectives(bwd)
     layers = config.n_layers
     assert found == {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 1, "all_reduce": 2 * layers + 1}
+
+
+def test_the_backward_rebuilds_pointwise_values_from_what_it_keeps():
+    """A normalization's output and SwiGLU's product are rebuilt in the backward from values it keeps
+    anyway (the norm's input and statistics, the two projections): no saved value is a pointwise op or a
+    view of kept values alone, and fewer bytes cross than when every read value is saved
+    (``TrainingSplit(recompute_pointwise=False)``), with the same collectives."""
+    from fxshard.backend.driver import plan_function
+    from fxshard.backend.joint import _rebuilds_freely
+
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    x, y = data(2, 16)
+
+    def split(recompute: bool) -> tuple[list[torch.fx.Node], dict]:
+        _, planned = plan_function(model.loss, (x, y), mesh=fxshard.MeshSpec(tp=4), placements=megatron_placements(model),
+                                   training=True, training_split=fxshard.TrainingSplit(recompute_pointwise=recompute))
+        saved = list(torch.fx.node.map_arg(planned.training.forward.graph.output_node().args[0], lambda n: n))
+        return saved[planned.training.num_outputs:], {**collectives(planned.training.forward),
+                                                       **{f"bwd {k}": v for k, v in collectives(planned.training.backward).items()}}
+
+    def nbytes(nodes: list[torch.fx.Node]) -> int:
+        return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+
+    (rebuilt, moves), (everything, moves_saving_all) = split(True), split(False)
+    kept = set(rebuilt)
+    for n in rebuilt:
+        if _rebuilds_freely(n):
+            assert not all(a.op == "placeholder" or a in kept for a in n.all_input_nodes), f"{n} is rebuildable"
+    # per layer: the two norms' outputs and their scaled views, the attention output's view, silu and its product
+    assert nbytes(rebuilt) < nbytes(everything) and len(everything) - len(rebuilt) >= 5 * CFG.n_layers
+    assert moves == moves_saving_all
