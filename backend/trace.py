@@ -136,8 +136,9 @@ class _GlobalInterpreter(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if dtensor_prim(target) in ("redistribute", "to_local"):  # torch 2.11 (backend/dynamo_compat.py)
-            return self.call_method(dtensor_prim(target), *prim_arguments(target, args, kwargs))
+        method = dtensor_prim(target)
+        if method in ("redistribute", "to_local"):  # torch 2.11's closure for the method (backend/dynamo_compat.py)
+            return self.call_method(method, *prim_arguments(target, args, kwargs))
         if is_from_local(target):
             args, kwargs = from_local_arguments(target, args, kwargs)
             return self._from_local(*args, **kwargs)
