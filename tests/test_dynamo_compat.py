@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-import pytest
 import torch
 import torch.fx as fx
 from torch.distributed._local_tensor import LocalTensorMode
