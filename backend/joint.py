@@ -32,6 +32,7 @@ from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
 from fxshard.pipeline import shard_graph
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.rebuild import replayable
 from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
@@ -257,12 +258,7 @@ _REBUILD_DEPTH = 8  # the longest chain of pointwise ops and views the backward 
 def _rebuilds_freely(node: fx.Node) -> bool:
     """A pointwise op or a view: the backward replays it from its inputs for nothing but a fused read
     (no collective, no random draw, no reduction)."""
-    if node.op != "call_function" or node.target is REDISTRIBUTE or CHECKPOINTED in node.meta:
-        return False
-    if node.target in RELABELS or node.target in CHEAP_FOLLOWERS:
-        return True
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+    return node.target is not REDISTRIBUTE and CHECKPOINTED not in node.meta and replayable(node)
 
 
 def rebuilt_pointwise(saved: Sequence[fx.Node], in_backward: set[fx.Node]) -> set[fx.Node]:

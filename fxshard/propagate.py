@@ -24,6 +24,7 @@ from .op_kinds import Context, UnsupportedOpError
 from .placements import dtensor_spec_of, layout_from_placements
 from .planner import redistribute_cost
 from .policies import Pin
+from .rebuild import Rebuilds
 from .refine import is_pinned
 from .registry import lookup
 from .sources import served_by_source
@@ -37,9 +38,10 @@ PIN_PENALTY = 1e6  # the factor on moving a pinned input (refine.py): a last res
 class _Requested:
     """Redistributions already asked for, per value: asking again costs nothing (stage 3 makes one)."""
 
-    def __init__(self, foreseen: Mapping[fx.Node, Iterable[Layout]] | None = None) -> None:
+    def __init__(self, rebuilds: Rebuilds, foreseen: Mapping[fx.Node, Iterable[Layout]] | None = None) -> None:
         self._seen: dict[fx.Node, set[Layout]] = {a: set(wants) for a, wants in (foreseen or {}).items()}
         self._through_sources = foreseen is not None
+        self.rebuilds = rebuilds  # what serving a value in a layout costs, rebuilt or moved
 
     def add(self, ins: Sequence[fx.Node], layouts: Sequence[Layout]) -> None:
         """``ins``: a node's tensor inputs; ``layouts``: what it requires of them."""
@@ -143,7 +145,7 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     if foreseen is not None:
         memo = None
     input_layouts = dict(input_layouts or {})
-    requested = _Requested(foreseen)
+    requested = _Requested(Rebuilds(cost_model), foreseen)
     wanted = wanted_at_output(gm, output_layouts or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -232,7 +234,7 @@ def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: b
         def move_cost(i: int, dst: Layout) -> float:
             if in_layouts[i] == dst or requested.has(ins[i], dst):
                 return 0.0
-            price = redistribute_cost(in_layouts[i], dst, dtype_of(ins[i]), cost_model)
+            price = requested.rebuilds.serving_cost(ins[i], dst)
             return price * PIN_PENALTY if is_pinned(ins[i], pinned) else price
 
         offered = reduce_shared(ins, in_layouts) if Pin.REDUCE_SHARED in pinned else in_layouts

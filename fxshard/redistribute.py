@@ -5,6 +5,8 @@ are removed here. The plan of every inserted node is in ``node.meta["plan"]``, t
 ``node.meta["needed_by"]`` (as text; ``redistribution_reason`` says it in words). A relabelled value
 (``t(w)``, a view) is moved at its source where that costs less, its relabelling replayed after
 (fxshard/sources.py): an FSDP weight is gathered as stored, not as a strided block of its transpose.
+A value made by pointwise ops and views of smaller ones is computed again in the wanted layout
+where moving its inputs costs less (fxshard/rebuild.py): a loss's one-hot targets, from token ids.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .planner import plan_redistribute
+from .rebuild import Rebuild, rebuild, replay
 from .sources import SourceMove, source_move
 
 
@@ -24,7 +27,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     """Rewrite ``gm`` (propagated) in place so every edge carries the layout its consumer needs."""
     graph = gm.graph
     made: dict[tuple[fx.Node, Layout], fx.Node] = {}  # (value, layout) -> the value in that layout
-    moves: dict[tuple[fx.Node, Layout], fx.Node] = {}  # (value, layout) -> the redistribution behind it
+    moves: dict[tuple[fx.Node, Layout], list[fx.Node]] = {}  # (value, layout) -> the redistributions behind it
     bypassed: list[fx.Node] = []
     for node in list(graph.nodes):
         required = node.meta.get(ARG_LAYOUTS)
@@ -41,18 +44,26 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 return a
             key = (a, want)
             if key not in made:
-                move = source_move(a, want, cost_model, moved=lambda n, layout: (n, layout) in made)
-                if move is None:
-                    made[key] = moves[key] = redistribute_node(graph, a, have, want, cost_model)
-                else:
+                asked = lambda n, layout: (n, layout) in made  # noqa: E731
+                move = source_move(a, want, cost_model, moved=asked)
+                again = rebuild(a, want, cost_model, moved=asked) if move is None else None
+                if move is not None:
                     source_key = (move.source, move.layout)
                     if source_key not in made:
-                        made[source_key] = moves[source_key] = redistribute_node(
-                            graph, move.source, move.source.meta[LAYOUT], move.layout, cost_model, after=a)
+                        made[source_key] = redistribute_node(graph, move.source, move.source.meta[LAYOUT],
+                                                             move.layout, cost_model, after=a)
+                        moves[source_key] = [made[source_key]]
                     made[key] = _replay(graph, move, made[source_key], before=node)
                     moves[key] = moves[source_key]
                     bypassed.extend(move.chain)
-            moves[key].meta[NEEDED_BY].append(_consumer(node))
+                elif again is not None:
+                    made[key] = _rebuilt(graph, again, made, moves, before=node, cost_model=cost_model)
+                    bypassed.extend(n for n, _ in again.nodes)
+                else:
+                    made[key] = redistribute_node(graph, a, have, want, cost_model)
+                    moves[key] = [made[key]]
+            for behind in moves[key]:
+                behind.meta[NEEDED_BY].append(_consumer(node))
             return made[key]
 
         if node.op == "output":
@@ -91,6 +102,29 @@ def _replay(graph: fx.Graph, move: SourceMove, moved: fx.Node, before: fx.Node) 
             value = graph.node_copy(original, lambda a, src=original.args[0], new=value: new if a is src else a)
         value.meta.update({ARG_LAYOUTS: (value.args[0].meta[LAYOUT],), LAYOUT: layout})
     return value
+
+
+def _rebuilt(graph: fx.Graph, plan: Rebuild, made: dict, moves: dict, before: fx.Node,
+             cost_model: CostModel | None) -> fx.Node:
+    """``plan`` replayed right before ``before``, its leaves moved (once each: ``made``/``moves`` as
+    ``insert_redistributes`` keeps them); the replayed value. Every copy is ``made`` for later consumers."""
+    behind: list[fx.Node] = []
+
+    def value_of(leaf: fx.Node, layout: Layout) -> fx.Node:
+        if leaf.meta[LAYOUT] == layout:
+            return leaf
+        key = (leaf, layout)
+        if key not in made:
+            made[key] = redistribute_node(graph, leaf, leaf.meta[LAYOUT], layout, cost_model)
+            moves[key] = [made[key]]
+        behind.extend(moves[key])
+        return made[key]
+
+    copies = replay(graph, plan, value_of, before)
+    for key, copy in copies.items():
+        if key not in made:
+            made[key], moves[key] = copy, behind
+    return copies[plan.nodes[-1]]
 
 
 def redistribution_reason(node: fx.Node) -> str:

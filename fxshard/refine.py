@@ -23,7 +23,7 @@ from . import graph
 from .costs import CostModel
 from .graph import LAYOUT, PROPAGATED, requirements
 from .layout import Layout
-from .planner import redistribute_cost
+from .rebuild import Rebuilds
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
 from .registry import FACTORIES, RELABELS
 from .sources import served_by_source
@@ -31,8 +31,10 @@ from .timing import stage
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
-    """The modeled cost of every redistribution a propagated graph asks for (each edge once)."""
-    return sum(redistribute_cost(a.meta[LAYOUT], want, a.meta["val"].dtype, cost_model) for a, want in _asked(gm))
+    """The modeled cost of every redistribution a propagated graph asks for (each edge once; a value
+    cheaper to compute again where it is wanted at that price: ``rebuild.Rebuilds``)."""
+    rebuilds = Rebuilds(cost_model)
+    return sum(rebuilds.serving_cost(a, want) for a, want in _asked(gm))
 
 
 def input_root(node: fx.Node) -> fx.Node | None:
@@ -153,9 +155,9 @@ def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel
 def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
     """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
     that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
-    edges = _asked(gm)
+    edges, rebuilds = _asked(gm), Rebuilds(cost_model)
     return sum(0.0 if served_by_source(a, want, lambda n, layout: (n, layout) in edges)
-               else redistribute_cost(a.meta[LAYOUT], want, a.meta["val"].dtype, cost_model) for a, want in edges)
+               else rebuilds.serving_cost(a, want) for a, want in edges)
 
 
 def _asked(gm: fx.GraphModule) -> dict[tuple[fx.Node, Layout], None]:
