@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
-import re
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
@@ -23,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from fxshard.blocks import ROOT, block_of
 from fxshard.graph import reachable
 
 from .bucket_copies import merge_all_gathers, merge_reduce_scatters
@@ -31,19 +31,10 @@ __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag
 
 BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
 _MERGED_KEY = "fxshard_merged"  # in node.meta["custom"]: a block's merged collective
-ROOT = "root"  # the block of every parameter outside an indexed module
-# the first indexed module in a parameter's name: "layers_0_attention_wq_weight" -> "layers_0"
-_BLOCK = re.compile(r"^(.*?_\d+)(?:_|$)")
 _c10d = torch.ops._c10d_functional
 _TAGGED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
 _MERGED = (_c10d.all_gather_into_tensor_out.default, _c10d.all_gather_into_tensor.default,
            _c10d.reduce_scatter_tensor.default)  # what a bucket's merge makes
-
-
-def block_of(name: str) -> str:
-    """The block of a graph input named after a parameter (or saved from one: ``saved_``), by name alone."""
-    match = _BLOCK.match(name.removeprefix("saved_"))
-    return match.group(1) if match else ROOT
 
 
 def tag_blocks(gm: fx.GraphModule, output_names: Sequence[str | None] = ()) -> tuple[str | None, ...]:

@@ -75,7 +75,8 @@ def plan_training(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshS
         program.input_layouts[name] = layout
     grad_layouts = tuple(program.input_layouts[program.input_names[k]] for k in signature.grad_inputs)
     joint = shard_graph(program.gm, program.mesh, program.input_layouts, strict=strict, cost_model=cost_model,
-                        output_layouts=list(out_layouts) + list(grad_layouts))
+                        output_layouts=list(out_layouts) + list(grad_layouts),
+                        output_names=[None] * len(out_layouts) + [program.input_names[k] for k in signature.grad_inputs])
     with stage("split"):
         forward, backward = partition(joint, signature, split)
     return TrainingPlan(forward, backward, joint, program, signature.num_forward_outputs, signature.grad_inputs,

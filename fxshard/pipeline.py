@@ -24,17 +24,20 @@ from .timing import stage
 def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
                 strict: bool = False, cost_model: CostModel | None = None,
                 output_layouts: Sequence[Layout | None] | None = None,
-                refinement: Refinement = DEFAULT_REFINEMENT) -> fx.GraphModule:
+                refinement: Refinement = DEFAULT_REFINEMENT,
+                output_names: Sequence[str | None] = ()) -> fx.GraphModule:
     """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``).
 
-    ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do).
+    ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do);
+    ``output_names`` says which input each output is the gradient of (None: none), for refinement's
+    prices (``refine.planned_cost``: one block's gradients are reduced in one call).
     Every node whose arguments stage 4 rewrites gets its localization recipe (``graph.LOCALIZE``).
     """
     fallbacks: dict[str, str] = {}
     memo = Decisions()
     propagate_with_pins(lambda pinned, foreseen=None: propagate(
         gm, mesh, input_layouts, strict=strict, cost_model=cost_model, pinned=pinned, output_layouts=output_layouts,
-        fallbacks=fallbacks, memo=memo, foreseen=foreseen), gm, cost_model, refinement)
+        fallbacks=fallbacks, memo=memo, foreseen=foreseen), gm, cost_model, refinement, output_names)
     for op, seen in fallbacks.items():
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
                       "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",

@@ -14,27 +14,79 @@ tried is a policy (``fxshard.policies.Refinement``).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch.fx as fx
 
 from . import graph
-from .costs import CostModel
+from .blocks import block_of
+from .costs import DEFAULT_COST_MODEL, CostModel
 from .graph import LAYOUT, PROPAGATED, requirements
 from .layout import Layout
-from .rebuild import Rebuilds
+from .planner import plan_redistribute, redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
+from .rebuild import Rebuilds
 from .registry import FACTORIES, RELABELS
 from .sources import served_by_source
 from .timing import stage
 
 
-def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
+def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
+                 output_names: Sequence[str | None] = ()) -> float:
     """The modeled cost of every redistribution a propagated graph asks for (each edge once; a value
-    cheaper to compute again where it is wanted at that price: ``rebuild.Rebuilds``)."""
-    rebuilds = Rebuilds(cost_model)
-    return sum(rebuilds.serving_cost(a, want) for a, want in _asked(gm))
+    cheaper to compute again where it is wanted at that price: ``rebuild.Rebuilds``). The moves of one
+    block's parameters pay one latency per kind of move, as do the reductions of one block's gradients
+    (``output_names``: per output, the input it is the gradient of; training programs only): stage 6
+    buckets each into one call (``blocks.block_of``; FSDP2's grouping), so twenty small gathers of one
+    layer cost one gather's latency, not twenty."""
+    return _priced(gm, _asked(gm), cost_model, output_names)
+
+
+def _priced(gm: fx.GraphModule, edges: Iterable[tuple[fx.Node, Layout]], cost_model: CostModel | None,
+            output_names: Sequence[str | None]) -> float:
+    rebuilds, bare_model = Rebuilds(cost_model), _without_latency(cost_model)
+    groups = _block_groups(gm, output_names)
+    total, latency = 0.0, {}
+    for a, want in edges:
+        group = groups.get((a, want))
+        if group is None:
+            total += rebuilds.serving_cost(a, want)
+            continue
+        dtype = a.meta["val"].dtype
+        plan = plan_redistribute(a.meta[LAYOUT], want, dtype=dtype, cost_model=cost_model)
+        bare = redistribute_cost(a.meta[LAYOUT], want, dtype, bare_model)
+        key = group + (dtype, tuple((step.kind, step.axes) for step in plan.collectives))
+        total += bare
+        latency[key] = max(latency.get(key, 0.0), plan.cost - bare)
+    return total + sum(latency.values())
+
+
+def _block_groups(gm: fx.GraphModule, output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
+    """The moves stage 6 buckets per block: of a view of an input (``("in", block)``) and into an output
+    that is an input's gradient (``("out", block)``). Training programs only (some output is a
+    gradient): an inference plan priced so gathers a toy model's weights rather than move its few
+    activations, trading away the weight memory tensor parallelism is for, which no price here sees."""
+    groups: dict[tuple[fx.Node, Layout], tuple] = {}
+    if not any(name is not None for name in output_names):
+        return groups
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            for (a, want), name in zip(requirements(node), output_names):
+                if name is not None and isinstance(want, Layout):
+                    groups[(a, want)] = ("out", block_of(name))
+            continue
+        for a, want in requirements(node):
+            root = input_root(a)
+            if root is not None and isinstance(want, Layout):
+                groups.setdefault((a, want), ("in", block_of(root.name)))
+    return groups
+
+
+def _without_latency(cost_model: CostModel | None) -> CostModel:
+    model = cost_model or DEFAULT_COST_MODEL
+    return dataclasses.replace(model, default_latency=0.0, latency=tuple((axis, 0.0) for axis, _ in model.latency))
 
 
 def input_root(node: fx.Node) -> fx.Node | None:
@@ -69,9 +121,11 @@ def _restore(gm: fx.GraphModule, snapshot: dict) -> None:
 
 def propagate_with_pins(run: Callable[..., None], gm: fx.GraphModule,
                         cost_model: CostModel | None = None,
-                        policy: Refinement = DEFAULT_REFINEMENT) -> frozenset[str]:
+                        policy: Refinement = DEFAULT_REFINEMENT,
+                        output_names: Sequence[str | None] = ()) -> frozenset[str]:
     """``run(pinned)`` (and ``run(pinned, foreseen)``: ``propagate``'s arguments) propagates ``gm`` in place;
-    leaves the cheapest plan found. Returns its pins.
+    leaves the cheapest plan found (``planned_cost``: ``output_names`` say which outputs are which
+    inputs' gradients). Returns its pins.
 
     The plans tried are ``policy``'s (fxshard/policies.py): reducing shared partials once
     (``Pin.REDUCE_SHARED``), every activation pinned (``Pin.ACTIVATIONS``), the smallest moved
@@ -80,19 +134,19 @@ def propagate_with_pins(run: Callable[..., None], gm: fx.GraphModule,
     """
     with stage("propagate"):
         run(frozenset())
-        best = (planned_cost(gm, cost_model), _snapshot(gm), frozenset(), moved_inputs(gm))
+        best = (planned_cost(gm, cost_model, output_names), _snapshot(gm), frozenset(), moved_inputs(gm))
     with stage("refine"):
-        return _refine(run, gm, cost_model, policy, best)
+        return _refine(run, gm, cost_model, policy, best, output_names)
 
 
 def _refine(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None,
-            policy: Refinement, best: tuple) -> frozenset[str]:
+            policy: Refinement, best: tuple, output_names: Sequence[str | None]) -> frozenset[str]:
     """The rounds of ``propagate_with_pins`` after the greedy plan ``best``: (cost, snapshot, pins, moved)."""
     tried: set[frozenset[str]] = {frozenset()}
     if policy.reduce_shared and _has_shared_partial(gm):
         tried.add(frozenset({Pin.REDUCE_SHARED}))
         run(frozenset({Pin.REDUCE_SHARED}))
-        cost = planned_cost(gm, cost_model)
+        cost = planned_cost(gm, cost_model, output_names)
         if cost < best[0]:
             best = (cost, _snapshot(gm), frozenset({Pin.REDUCE_SHARED}), moved_inputs(gm))
     for _ in range(policy.rounds):
@@ -107,13 +161,13 @@ def _refine(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel 
                 continue
             tried.add(pins)
             run(pins)
-            cost = planned_cost(gm, cost_model)
+            cost = planned_cost(gm, cost_model, output_names)
             if cost < best[0]:
                 best, improved = (cost, _snapshot(gm), pins, moved_inputs(gm)), True
         if not improved:
             break
     if policy.foresee:
-        best = _foresee(run, gm, cost_model, best)
+        best = _foresee(run, gm, cost_model, best, output_names)
     _restore(gm, best[1])
     return best[2]
 
@@ -134,7 +188,8 @@ def smallest_classes(moved: Mapping[str, int], count: int) -> list[frozenset[str
     return list(dict.fromkeys(frozenset(classes[class_of(k)]) for k in smallest))
 
 
-def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None, best: tuple) -> tuple:
+def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None, best: tuple,
+             output_names: Sequence[str | None]) -> tuple:
     """The best plan propagated again with the redistributions it asks for known from the start: an op
     before the consumer asking for one (a weight gradient's matmul before the input gradient's, which
     gathers the output gradient) may read it, or a relabelling of it, instead of moving something else.
@@ -145,19 +200,20 @@ def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel
         foreseen.setdefault(a, set()).add(want)
     if not foreseen:
         return best
-    before = shared_cost(gm, cost_model)
+    before = shared_cost(gm, cost_model, output_names)
     run(best[2], foreseen)
-    if shared_cost(gm, cost_model) < before:
-        return (planned_cost(gm, cost_model), _snapshot(gm), best[2], moved_inputs(gm))
+    if shared_cost(gm, cost_model, output_names) < before:
+        return (planned_cost(gm, cost_model, output_names), _snapshot(gm), best[2], moved_inputs(gm))
     return best
 
 
-def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None) -> float:
+def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
+                output_names: Sequence[str | None] = ()) -> float:
     """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
     that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
-    edges, rebuilds = _asked(gm), Rebuilds(cost_model)
-    return sum(0.0 if served_by_source(a, want, lambda n, layout: (n, layout) in edges)
-               else rebuilds.serving_cost(a, want) for a, want in edges)
+    edges = _asked(gm)
+    return _priced(gm, [(a, want) for a, want in edges
+                        if not served_by_source(a, want, lambda n, layout: (n, layout) in edges)], cost_model, output_names)
 
 
 def _asked(gm: fx.GraphModule) -> dict[tuple[fx.Node, Layout], None]:

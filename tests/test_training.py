@@ -109,6 +109,28 @@ def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     assert bwd["all_gather"] == 7 * CFG.n_layers
 
 
+def test_fsdp_under_the_default_cost_model_prices_a_blocks_gathers_as_one_call():
+    """FSDP placements, the default cost model (10 us a collective), activations about as large as a
+    layer's weights. Priced one latency per parameter, a layer's 9 gathers and 9 reduce_scatters lose
+    to a tensor-parallel plan (the batch replicated, activations all-reduced at every layer: each rank
+    computes and holds the whole batch's norms and residuals); stage 6 buckets each block's into one
+    call (backend/buckets.py), and refinement now prices them so (``refine.planned_cost``): FSDP."""
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=1024, dim=128, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=384)
+    model = Llama(config)
+    x, y = torch.randint(0, 1024, (8, 256)), torch.randint(0, 1024, (8, 256))
+    placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
+    mesh = fxshard.MeshSpec(dp=4)
+    ref_loss, ref_grads = reference(model, x, y)
+    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+    fwd, bwd, fwd_calls = plan_counts(model, x, y, mesh, placements)
+    n_params = len(list(model.parameters()))
+    assert (fwd, bwd) == ({"all_gather": n_params, "all_reduce": 2},
+                          {"all_gather": 7 * config.n_layers, "reduce_scatter": n_params})
+    assert all(c.input_bytes <= 8 for c in fwd_calls if c.kind == "all_reduce")  # the loss's scalars only
+
+
 @pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_fsdp_x_tensor_parallel(shape):
     torch.manual_seed(sum(shape))
