@@ -72,7 +72,7 @@ def fxshard_compile(layers: int, mesh: Any, regional: bool = True) -> dict:
 
     model = _model(layers, mesh)
     distribute_parameters(model, mesh, fsdp_placements(model))
-    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(default_latency=0.0), regional=regional)
+    compiled = fxshard.compile(model.loss, cost_model=fxshard.CostModel(), regional=regional)
     tokens, targets = (distribute_tensor(t, mesh, (Shard(0),)) for t in _data())
     start, cpu = time.perf_counter(), cpu_seconds()
     compiled(tokens, targets).backward()

@@ -181,7 +181,7 @@ def speed(case: str, system: str, device: str, small: bool, regional: bool = Tru
         config = LlamaConfig(**llama)
         torch.manual_seed(0)
         model = Llama(config).to(device)
-        model, step, _ = build(case, system, mesh, model, {"cost_model": fxshard.CostModel(default_latency=0.0),
+        model, step, _ = build(case, system, mesh, model, {"cost_model": fxshard.CostModel(),
                                                             "regional": regional})
         optimizer = adamw(model)
 

@@ -47,7 +47,7 @@ def one(case: str, system: str) -> dict:
     try:
         torch.manual_seed(0)
         model, step, _ = build(case, system, case_mesh(case, 4, "cpu"), Llama(LlamaConfig(**TINY)),
-                               {"cost_model": fxshard.CostModel(default_latency=0.0)})
+                               {"cost_model": fxshard.CostModel()})
         optimizer = adamw(model)
         x, y = (torch.randint(0, TINY["vocab_size"], (BATCH, SEQ)) for _ in range(2))
 

@@ -93,7 +93,7 @@ def _build(case: str, system: str, mesh: Any, config: Any) -> tuple[nn.Module, C
     planned: dict = {}
     on_graph = {"on_graph": lambda stage, gm: planned.__setitem__(stage.removeprefix("plan_"), gm)
                 if stage in ("plan_forward", "plan_backward") else None}
-    model, step, compiled = build(case, system, mesh, model, {"cost_model": fxshard.CostModel(default_latency=0.0)},
+    model, step, compiled = build(case, system, mesh, model, {"cost_model": fxshard.CostModel()},
                                   tp_options=on_graph, materialize=_materialize)
     if compiled is None:
         return model, step, planned
