@@ -27,7 +27,7 @@ from .policies import Pin
 from .rebuild import Rebuilds
 from .refine import is_pinned
 from .registry import lookup
-from .sources import served_by_source
+from .sources import relabel_chain, served_by_source
 from .strategies import numeric_size
 
 __all__ = ["UnsupportedOpError", "dtensor_expressible", "propagate", "reduce_shared"]
@@ -59,6 +59,14 @@ class _Requested:
         """The layouts ``a`` is moved into already, in a fixed order."""
         return tuple(sorted(self._seen.get(a, ()), key=str))
 
+    def key(self, a: fx.Node, memo: "Decisions") -> Hashable:
+        """All ``has(a, ...)`` reads: ``of(a)``; with ``foreseen`` requests, also each relabelling on the way
+        to ``a``'s sources (its structure), its input's layout and what that is moved into already."""
+        if not self._through_sources:
+            return self.of(a)
+        return self.of(a), tuple((memo.structure_of(n), n.args[0].meta[LAYOUT], self.of(n.args[0]))
+                                 for n in relabel_chain(a))
+
 
 class Decisions:
     """The strategies one program's propagations chose, keyed by all a decision reads: the node's
@@ -81,12 +89,16 @@ class Decisions:
             ins = self._inputs[node] = tensor_inputs(node)
         return ins
 
-    def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
-            pinned: frozenset[str]) -> tuple:
+    def structure_of(self, node: fx.Node) -> Hashable:
+        """``structure(node, ...)``, read once per program."""
         static = self._structures.get(node)
         if static is None:
-            static = self._structures[node] = structure(node, ins)
-        return (static, tuple(layouts), tuple(requested.of(a) for a in ins),
+            static = self._structures[node] = structure(node, self.inputs(node))
+        return static
+
+    def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
+            pinned: frozenset[str]) -> tuple:
+        return (self.structure_of(node), tuple(layouts), tuple(requested.key(a, self) for a in ins),
                 tuple(is_pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
 
 
@@ -139,11 +151,11 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     ``memo`` carries decisions from one propagation of ``gm`` to the next (refinement: see ``Decisions``).
     ``foreseen``: redistributions taken as asked for from the start (value -> layouts: what the consumers
     of an earlier plan asked for, refine.py), so that an op before the consumer asking for one may read
-    it for free, also through relabellings of it; such a propagation makes no memo decisions (they
-    would depend on more than ``Decisions.key`` reads).
+    it for free, also through relabellings of it; such a propagation keeps its decisions to itself (a
+    fresh ``Decisions``: what it reads of the requests, ``_Requested.key``, is more than others' keys say).
     """
     if foreseen is not None:
-        memo = None
+        memo = Decisions()
     input_layouts = dict(input_layouts or {})
     requested = _Requested(Rebuilds(cost_model), foreseen)
     wanted = wanted_at_output(gm, output_layouts or ())

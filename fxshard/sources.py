@@ -78,7 +78,7 @@ def unrelabelled(node: fx.Node, want: Layout) -> Layout | None:
     return candidate if candidate is not None and relabelled(node, candidate) == want else None
 
 
-def _chain(value: fx.Node) -> list[fx.Node]:
+def relabel_chain(value: fx.Node) -> list[fx.Node]:
     """The relabelling ops that lead to ``value`` (its own first, towards its source), each taking
     its input as that input is laid out (a relabelling that needed its input moved ends the chain)."""
     chain = []
@@ -122,7 +122,7 @@ def served_by_source(value: fx.Node, want: Layout, asked: Callable[[fx.Node, Lay
     """Whether a source of ``value``'s relabelling chain is ``asked`` for in the layout that relabels into
     ``want``: stage 3 then moves that source once and replays the chain, so ``value`` in ``want`` is free."""
     layout: Layout | None = want
-    for node in _chain(value):
+    for node in relabel_chain(value):
         layout = unrelabelled(node, layout)
         if layout is None:
             return False
@@ -150,7 +150,7 @@ def source_move(value: fx.Node, want: Layout, cost_model: CostModel | None = Non
     """The source of ``value``'s relabelling chain whose move into ``want`` costs less than moving
     ``value`` itself, copies included (a source ``moved`` into that layout already costs nothing),
     the furthest of equals; None where no source does better (ties keep the move where it was)."""
-    chain = _chain(value)
+    chain = relabel_chain(value)
     if not chain:
         return None
     best, best_cost = None, moving_cost(value, value.meta[LAYOUT], want, cost_model)
