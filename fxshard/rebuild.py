@@ -28,10 +28,9 @@ import torch.fx as fx
 from .costs import DEFAULT_COST_MODEL, CostModel
 from .graph import ARG_LAYOUTS, LAYOUT, tensor_inputs
 from .layout import Layout, LayoutError
-from .op_kinds import Context
 from .planner import redistribute_cost
-from .registry import CHEAP_FOLLOWERS, RELABELS, lookup
-from .sources import moving_cost, unrelabelled
+from .registry import CHEAP_FOLLOWERS, RELABELS
+from .sources import moving_cost, produced, unrelabelled
 from .strategies import numeric_size
 
 REBUILD_DEPTH = 6  # the longest chain of ops replayed for one value
@@ -56,23 +55,6 @@ def replayable(node: fx.Node) -> bool:
         return True
     tags = getattr(node.target, "tags", ())
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-
-
-def produced(node: fx.Node, in_layouts: Sequence[Layout]) -> Layout | None:
-    """The layout of ``node``'s output when its tensor inputs have ``in_layouts`` and nothing moves (None:
-    the op would move one), asked of its registry entry as stage 2 does."""
-    entry = lookup(node, has_tensor_inputs=True)
-    if entry is None or entry.kind is None or not in_layouts:
-        return None
-    ctx = Context(in_layouts[0].mesh, list(in_layouts), list(in_layouts),
-                  lambda i, dst: 0.0 if dst == in_layouts[i] else math.inf, lambda a, b: 0.0)
-    try:
-        decision = entry.kind(node, ctx)
-    except (LayoutError, ValueError):
-        return None
-    if decision is None or tuple(decision[0]) != tuple(in_layouts) or not isinstance(decision[1], Layout):
-        return None
-    return decision[1]
 
 
 def broadcast_layout(want: Layout, shape: Sequence[int]) -> Layout | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,7 @@ from .layout import Layout, LayoutError
 from .op_kinds import VIEW, Context, Declared
 from .planner import plan_redistribute
 from .plans import Step
-from .registry import RELABELS, entry_of
+from .registry import RELABELS, entry_of, lookup
 from .strategies import numeric_size
 from .views import view_layout
 
@@ -44,15 +44,22 @@ class SourceMove:
 def relabelled(node: fx.Node, src: Layout) -> Layout | None:
     """The layout of relabelling ``node``'s output when its input has layout ``src`` and nothing
     moves (None: the op needs ``src`` moved first); asked of the op's registry entry, as stage 2 does."""
-    entry = entry_of(node.target)
-    if entry is None or entry.kind is None:
+    return produced(node, [src])
+
+
+def produced(node: fx.Node, in_layouts: Sequence[Layout]) -> Layout | None:
+    """The layout of ``node``'s output when its tensor inputs have ``in_layouts`` and nothing moves (None:
+    the op would move one), asked of its registry entry as stage 2 does."""
+    entry = lookup(node, has_tensor_inputs=True)
+    if entry is None or entry.kind is None or not in_layouts:
         return None
-    ctx = Context(src.mesh, [src], [src], lambda i, dst: 0.0 if dst == src else math.inf, lambda a, b: 0.0)
+    ctx = Context(in_layouts[0].mesh, list(in_layouts), list(in_layouts),
+                  lambda i, dst: 0.0 if dst == in_layouts[i] else math.inf, lambda a, b: 0.0)
     try:
         decision = entry.kind(node, ctx)
-    except LayoutError:
+    except (LayoutError, ValueError):
         return None
-    if decision is None or tuple(decision[0]) != (src,) or not isinstance(decision[1], Layout):
+    if decision is None or tuple(decision[0]) != tuple(in_layouts) or not isinstance(decision[1], Layout):
         return None
     return decision[1]
 
