@@ -355,6 +355,12 @@ class RegionalProgram:
         self.result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
 
     def __call__(self, *args: Any) -> Any:
+        return self.call_boxed(list(args))
+
+    def call_boxed(self, args: list[Any]) -> Any:
+        """As ``__call__``, taking the list ``args`` over (Inductor's boxed calling convention): the list is
+        emptied, so an input no later region reads is freed once its last reader has run, not when the
+        whole program returns (a backward's saved activations, layer by layer)."""
         attrs = [getattr(self.gm, target) for _, target in self.attrs]
         return self.walk(args, attrs, lambda k, inputs: (self.compiled[k] or self.compiled_region(k, inputs))(*inputs))
 
@@ -363,6 +369,8 @@ class RegionalProgram:
         its last reader; returns the program's outputs. (``simulate`` steps every rank's program at once.)"""
         env: list[Any] = [None] * self.num_slots
         env[:self.num_inputs] = args
+        if isinstance(args, list):
+            args.clear()  # the env holds the inputs now, each until its last reader
         for (s, _), value in zip(self.attrs, attrs):
             env[s] = value
         for k, (reads, writes, frees) in enumerate(self.steps):

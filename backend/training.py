@@ -70,27 +70,31 @@ class TrainingProgram:
         outs = _TrainingStep.apply(self, *self.read_inputs(args, differentiable=True))
         return self.write_outputs(outs)
 
-    def run_forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def run_forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The forward program on ``inputs`` (a list it takes over and empties)."""
         return self._run("forward", inputs)
 
-    def run_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def run_backward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The backward program on ``inputs`` (a list it takes over and empties: see ``_run``)."""
         return self._run("backward", inputs)
 
-    def _run(self, which: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(self, which: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run the forward or backward program; Inductor compiles it on its first call, with these inputs
-        (regionally: each region as the first call reaches it, so that call is timed with the compile)."""
-        inputs = [x.detach().contiguous() for x in inputs]
+        (regionally: each region as the first call reaches it, so that call is timed with the compile).
+        Takes ``inputs`` over and empties it, so a regional program frees each input after its last
+        reader (``RegionalProgram.call_boxed``)."""
+        args = [x.detach().contiguous() for x in inputs]
+        inputs.clear()
         run = getattr(self, f"_{which}")
-        if run is not None:
-            return list(_as_tuple(run(*inputs)))
-        if not self.inductor:
+        if run is None and not self.inductor:
             run = getattr(self, f"{which}_graph")
             setattr(self, f"_{which}", run)
-            return list(_as_tuple(run(*inputs)))
+        if run is not None:
+            return list(_as_tuple(_call(run, args)))
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
-            run = self._compiled(getattr(self, f"{which}_graph"), inputs, which)
+            run = self._compiled(getattr(self, f"{which}_graph"), args, which)
             setattr(self, f"_{which}", run)
-            return list(_as_tuple(run(*inputs)))
+            return list(_as_tuple(_call(run, args)))
 
     def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
         """The whole program compiled, or (``regional``, a model with layers) a program that compiles its
@@ -141,11 +145,24 @@ class _TrainingStep(torch.autograd.Function):
         runner: TrainingProgram = ctx.runner
         tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                     for g, (shape, dtype, device) in zip(grad_outputs, ctx.out_meta)]
-        grads = runner.run_backward(list(ctx.saved_tensors) + tangents)
+        args = [*ctx.saved_tensors, *tangents]
+        del tangents, grad_outputs
+        # as AOTAutograd's backward: autograd's references to the saved values go now (unless the graph is
+        # retained), so the program frees each as its last reader runs rather than when the step ends
+        ctx.maybe_clear_saved_tensors()
+        grads = runner.run_backward(args)
         result: list[torch.Tensor | None] = [None] * len(runner.positions)
         for k, g in zip(runner.plan.grad_inputs, grads):
             result[k] = runner.input_gradient(g, ctx.gradient_of[k])
         return (None, *result)
+
+
+def _call(run: Callable, args: list[torch.Tensor]) -> Any:
+    """``run`` on ``args``, handing the list over where ``run`` takes it (``RegionalProgram``): the other
+    programs (a whole program compiled, a graph) hold their inputs until they return."""
+    if isinstance(run, RegionalProgram):
+        return run.call_boxed(args)
+    return run(*args)
 
 
 def _as_tuple(x: Any) -> tuple:

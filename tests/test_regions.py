@@ -99,6 +99,61 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
     assert five == three < ran_three, (three, five, ran_three)
 
 
+def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_4, monkeypatch):
+    """The forward's saved activations are freed layer by layer as the backward's regions read them last,
+    as AOTAutograd's backward frees them, not all at once when the step ends (which held every layer's
+    activations beside all gradients: the step's peak 1.09x DTensor's at bench/gpu.py's TP+SP size)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: list[StorageWeakRef] = []
+    alive_per_region: list[int] = []
+    run_forward = training.TrainingProgram.run_forward
+
+    def recording_forward(self, inputs):
+        own = {x.untyped_storage().data_ptr() for x in inputs}  # parameters the forward returns stay alive
+        results = run_forward(self, inputs)
+        saved[:] = [StorageWeakRef(t.untyped_storage()) for t in results[self.plan.num_outputs:]
+                    if t.untyped_storage().data_ptr() not in own]
+        return results
+
+    def recording_region(gm, inputs, policy):
+        def run(*args):
+            if saved:  # the backward's regions (the forward's run before ``saved`` is set)
+                alive_per_region.append(sum(not ref.expired() for ref in saved))
+            return gm(*args)
+        return run
+
+    monkeypatch.setattr(training.TrainingProgram, "run_forward", recording_forward)
+    monkeypatch.setattr(training, "compile_local", recording_region)
+    _fsdp_program(fake_mesh_4)
+    assert len(saved) > 10 and len(alive_per_region) >= CFG.n_layers, (len(saved), alive_per_region)
+    # each layer's region (the last layer's first) finds fewer alive than the one before it; the epilogue
+    # (the output projection's backward, uncompiled: not counted) has freed its own before the first
+    assert all(a > b for a, b in zip(alive_per_region, alive_per_region[1:])), alive_per_region
+    assert alive_per_region[0] < len(saved) and alive_per_region[-1] < len(saved) / 2, (len(saved), alive_per_region)
+
+
+def test_a_retained_graph_runs_its_backward_again(fake_mesh_4, monkeypatch):
+    """``backward(retain_graph=True)`` keeps the saved values for a second backward (which accumulates the
+    same gradients again); without it a second backward says the graph is freed, as eager PyTorch does."""
+    from train_llama import distribute_parameters
+
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy: gm)
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=BANDWIDTH_BOUND)
+    x = distribute_tensor(torch.randint(0, CFG.vocab_size, (4, 16)), fake_mesh_4, (Shard(0),))
+    loss = step(x, x)
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.to_local(), 2 * once[n], msg=lambda m: f"{n}: {m}")
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
 def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
     """One FSDP training step's program, its regions (or whole programs) bucketed by the pass
     ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
