@@ -17,6 +17,7 @@ from .propagate import Decisions, propagate
 from .redistribute import insert_redistributes
 from .reduce_together import reduce_together
 from .refine import propagate_with_pins
+from .softmax_statistics import gather_softmax_statistics
 from .registry import recipe_of
 from .timing import stage
 
@@ -47,6 +48,7 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
         check_local_regions(gm)
         insert_redistributes(gm, cost_model=cost_model)
         reduce_together(gm, cost_model)
+        gather_softmax_statistics(gm, cost_model)
         for node in gm.graph.nodes:
             recipe = recipe_of(node)
             if recipe is not None:

@@ -3,7 +3,8 @@
 A language-model head ``h @ w.T`` whose weight is vocab-sharded on ``tp`` (Megatron's output
 projection) and whose tokens are batch-sharded on ``dp`` (FSDP's batch), then
 ``F.cross_entropy(..., reduction="mean")``. Each case lists every collective a reader of the loss
-pays, in order, as (kind, axes): the vocab-parallel log-softmax's max and sum on tp, the count of
+pays, in order, as (kind, axes): the vocab-parallel log-softmax's max and sum on tp (each rank's pair
+gathered in one call: fxshard/softmax_statistics.py), the count of
 targets that are not ignored on dp, then the loss's own all_reduce (``explain`` leaves the loss
 Partial, as DTensor would: it is reduced where it is read; a training program reduces it at its
 output). The target's log-probability (Partial over tp: zeros on the ranks that do not hold its
@@ -30,10 +31,10 @@ CASES = {
     # name: (mesh, placements of (h, w, y), the collectives in order)
     "vocab-parallel, batch on dp": (
         {"dp": 2, "tp": 2}, ((Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), Replicate())),
-        [("all_reduce", "tp"), ("all_reduce", "tp"), ("all_reduce", "dp"), ("all_reduce", "dp,tp")]),
+        [("all_gather", "tp"), ("all_reduce", "dp"), ("all_reduce", "dp,tp")]),
     "vocab-parallel, batch replicated": (
         {"tp": 4}, ((Replicate(),), (Shard(0),), (Replicate(),)),
-        [("all_reduce", "tp"), ("all_reduce", "tp"), ("all_reduce", "tp")]),
+        [("all_gather", "tp"), ("all_reduce", "tp")]),
     "batch on dp, vocab whole": (
         {"dp": 4}, ((Shard(0),), (Replicate(),), (Shard(0),)),
         [("all_reduce", "dp"), ("all_reduce", "dp")]),

@@ -149,8 +149,12 @@ def test_fsdp_x_tensor_parallel(shape):
     assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
     layers = CFG.n_layers
     # Megatron's (2 per layer, the embedding's; the output projection's input gradient) and the loss's:
-    # the vocab-parallel max and sum on tp, the target count on dp, the loss itself on (dp, tp) at once
-    assert (fwd["all_reduce"], bwd["all_reduce"]) == (2 * layers + 1 + 4, 2 * layers + 1)
+    # the vocab-parallel max and sum on tp, the target count on dp, the loss itself on (dp, tp) at once.
+    # At tp=2 the max and sum are each rank's pair gathered in one all_gather instead (no more bytes:
+    # fxshard/softmax_statistics.py); at tp=4 the gather moves twice the two reductions' bytes
+    statistics = {"all_gather": 1, "all_reduce": 0} if tp == 2 else {"all_gather": 0, "all_reduce": 2}
+    assert (fwd["all_reduce"], bwd["all_reduce"]) == (2 * layers + 1 + 2 + statistics["all_reduce"], 2 * layers + 1)
+    assert fwd.get("all_gather", 0) == n_params + statistics["all_gather"]
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "regathered"])
