@@ -138,15 +138,16 @@ class Rebuilds:
 
 def rebuild(value: fx.Node, want: Layout, cost_model: CostModel | None = None,
             moved: Callable[[fx.Node, Layout], bool] = lambda node, layout: False,
-            sources: dict | None = None, searched: dict | None = None) -> Rebuild | None:
+            sources: dict | None = None, searched: dict | None = None, always: bool = False) -> Rebuild | None:
     """The cheapest replay of ``value``'s pointwise ops and views into ``want``, if it costs less than moving
     ``value`` (a leaf ``moved`` into its layout already costs nothing); None otherwise. Only a value at
     least twice the bytes it is made of is searched (``source_bytes``: most activations are made of
-    others as large, and moving those costs as much). ``sources``, ``searched``: caches (``Rebuilds``)."""
+    others as large, and moving those costs as much), unless ``always`` (a leaf of it is moved for
+    others already: ``shared_leaf``). ``sources``, ``searched``: caches (``Rebuilds``)."""
     have = value.meta.get(LAYOUT)
     if want.partial or not replayable(value) or not isinstance(have, Layout) or have.partial or have.is_replicated:
         return None  # (a replicated value is sliced where it is: no communication to save)
-    if 2 * source_bytes(value, {} if sources is None else sources) > _bytes(value):
+    if not always and 2 * source_bytes(value, {} if sources is None else sources) > _bytes(value):
         return None
     model = cost_model or DEFAULT_COST_MODEL
     own = moving_cost(value, have, want, cost_model)
@@ -155,6 +156,57 @@ def rebuild(value: fx.Node, want: Layout, cost_model: CostModel | None = None,
         return None
     cost, nodes, leaves = best
     return Rebuild(tuple(dict.fromkeys(nodes)), tuple(dict.fromkeys(leaves)), cost)
+
+
+def shared_leaves(values: Sequence[tuple[fx.Node, Layout]], cost_model: CostModel | None = None
+                  ) -> list[tuple[fx.Node, Layout, list[fx.Node]]]:
+    """The inputs that several of ``values`` (each wanted in a layout it does not have) are made of by
+    pointwise ops and views, where moving that input once and replaying each value from it costs less
+    than moving each value: (input, the layout to move it into, the values to replay). Token ids
+    behind a loss's mask, its clamped targets and its one-hot compare: moved themselves, a call per
+    value (and per dtype, bucketed); the ids, one."""
+    by_leaf: dict[fx.Node, list[tuple[fx.Node, Layout]]] = {}
+    for value, want in dict.fromkeys(values):
+        leaf = _single_leaf(value)
+        if leaf is not None:
+            by_leaf.setdefault(leaf, []).append((value, want))
+    found = []
+    for leaf, group in by_leaf.items():
+        if len(group) < 2 or not isinstance(leaf.meta.get(LAYOUT), Layout) or leaf.meta[LAYOUT].partial:
+            continue
+        by_layout: dict[Layout, list[tuple[fx.Node, Layout, Rebuild]]] = {}
+        for v, want in group:  # each value replayed from the input moved (for free here), where that is cheaper
+            plan = rebuild(v, want, cost_model, moved=lambda n, _, leaf=leaf: n is leaf, always=True)
+            layouts = {layout for n, layout in plan.leaves if n is leaf} if plan is not None else set()
+            if len(layouts) == 1:
+                by_layout.setdefault(layouts.pop(), []).append((v, want, plan))
+        for layout, members in by_layout.items():
+            if all(n.target in RELABELS for _, _, p in members for n, _ in p.nodes):
+                continue  # relabellings of one source: sources.source_move moves it once for all already
+            once = moving_cost(leaf, leaf.meta[LAYOUT], layout, cost_model) + sum(p.cost for _, _, p in members)
+            if len(members) > 1 and once < sum(moving_cost(v, v.meta[LAYOUT], w, cost_model) for v, w, _ in members):
+                found.append((leaf, layout, [v for v, _, _ in members]))
+                break
+    return found
+
+
+def _single_leaf(value: fx.Node) -> fx.Node | None:
+    """The one input ``value`` is made of through replayable ops (``REBUILD_DEPTH`` deep) that would move
+    (replicated inputs, factories among them, are sliced where they are); None if none or several."""
+    if not replayable(value):
+        return None
+    leaves: set[fx.Node] = set()
+    stack = [(a, 1) for a in tensor_inputs(value)]
+    while stack:
+        node, depth = stack.pop()
+        ins = tensor_inputs(node) if node.op == "call_function" else []
+        if ins and replayable(node) and depth < REBUILD_DEPTH:
+            stack += [(a, depth + 1) for a in ins]
+            continue
+        layout = node.meta.get(LAYOUT)
+        if not (isinstance(layout, Layout) and layout.is_replicated and not layout.partial):
+            leaves.add(node)
+    return next(iter(leaves)) if len(leaves) == 1 else None
 
 
 def source_bytes(node: fx.Node, cache: dict[fx.Node, float], depth: int = 0) -> float:

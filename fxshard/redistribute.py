@@ -19,7 +19,7 @@ from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .planner import plan_redistribute
-from .rebuild import Rebuild, rebuild, replay
+from .rebuild import Rebuild, rebuild, replay, shared_leaves
 from .sources import SourceMove, source_move
 
 
@@ -29,6 +29,12 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     made: dict[tuple[fx.Node, Layout], fx.Node] = {}  # (value, layout) -> the value in that layout
     moves: dict[tuple[fx.Node, Layout], list[fx.Node]] = {}  # (value, layout) -> the redistributions behind it
     bypassed: list[fx.Node] = []
+    seeded, replayed = [], set()  # inputs moved once for several values replayed from them (rebuild.shared_leaves)
+    for leaf, layout, values in shared_leaves(_wanted_moves(graph), cost_model):
+        made[(leaf, layout)] = redistribute_node(graph, leaf, leaf.meta[LAYOUT], layout, cost_model)
+        moves[(leaf, layout)] = [made[(leaf, layout)]]
+        seeded.append(made[(leaf, layout)])
+        replayed.update(values)
     for node in list(graph.nodes):
         required = node.meta.get(ARG_LAYOUTS)
         if required is None:
@@ -46,7 +52,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
             if key not in made:
                 asked = lambda n, layout: (n, layout) in made  # noqa: E731
                 move = source_move(a, want, cost_model, moved=asked)
-                again = rebuild(a, want, cost_model, moved=asked) if move is None else None
+                again = rebuild(a, want, cost_model, moved=asked, always=a in replayed) if move is None else None
                 if move is not None:
                     source_key = (move.source, move.layout)
                     if source_key not in made:
@@ -71,6 +77,12 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
         else:
             node.args, node.kwargs = pytree.tree_map(fix, (node.args, node.kwargs))
     order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in seeded:  # right before its first reader (made before them all); none: a source moved instead
+        if node.users:
+            min(node.users, key=order.__getitem__).prepend(node)
+        else:
+            graph.erase_node(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in sorted(set(bypassed), key=order.__getitem__, reverse=True):  # relabellings no one reads now
         if not node.users:
             graph.erase_node(node)
@@ -81,6 +93,22 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _wanted_moves(graph: fx.Graph) -> list[tuple[fx.Node, Layout]]:
+    """Every (value, layout) a consumer reads it in that it does not have, as ``insert_redistributes`` meets them."""
+    wanted = []
+    for node in graph.nodes:
+        required = node.meta.get(ARG_LAYOUTS)
+        if required is None:
+            continue
+        queue = list(required)
+        for a in pytree.tree_leaves(node.args if node.op == "output" else (node.args, node.kwargs)):
+            if isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(a.meta.get("val"), torch.Tensor):
+                want = queue.pop(0)
+                if a.meta[LAYOUT] != want:
+                    wanted.append((a, want))
+    return wanted
 
 
 def redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None,

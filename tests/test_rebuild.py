@@ -101,3 +101,33 @@ def test_vocab_parallel_loss_under_fsdp():
     output_weight = f"[4@dp {VOCAB // 4}] [32]"
     assert [m for m in moved if m[1] == "all_to_all" or output_weight in m[2:]] == []
     assert ("forward", "all_gather", "[4@dp 16] [32]", "[64] [32]") in moved  # the hidden states
+
+
+def test_token_ids_read_by_several_values_are_gathered_once():
+    """A vocab-parallel cross entropy over batch-sharded targets, the logits' rows whole: the ignore mask
+    (bool) and the clamped targets (int64) are wanted whole in the forward, the targets again in the
+    backward's one-hot. Moved one by one, that is a gather per value (bucketed: a call per dtype, and
+    one more in the backward); the token ids gathered once, each is computed from them where it is
+    read, and the backward reads the gathered ids the forward keeps (``rebuild.shared_leaves``)."""
+    torch.manual_seed(1)
+    logits, targets = _data()
+    logits.requires_grad_(True)
+    placements = {0: (Shard(1),), 1: (Shard(0),)}
+    loss = torch.nn.functional.cross_entropy
+    _, planned = plan_function(loss, (logits, targets), mesh=MESH, placements=placements, training=True,
+                               cost_model=BANDWIDTH_BOUND)
+
+    def of_targets(gm: torch.fx.GraphModule) -> list[tuple]:
+        return [(c.kind, c.node.meta["val"].dtype, c.bytes_per_rank) for c in collectives_of(gm)
+                if c.node.meta["val"].dtype in (torch.int64, torch.bool)]
+
+    assert of_targets(planned.training.forward) == [("all_gather", torch.int64, ROWS * 8 * 3 // 4)]
+    # the backward's mask of valid rows: 48 bytes moved cost less than copying the kept ids' 512 (a
+    # bandwidth-only model's choice); the ids themselves are not gathered again
+    assert [dtype for _, dtype, _ in of_targets(planned.training.backward)] == [torch.bool]
+    run = fxshard.backend.simulate.simulate_ranks(loss, logits, targets, mesh=MESH, placements=placements, grad=True,
+                                                  cost_model=BANDWIDTH_BOUND)
+    expected = loss(logits, targets)
+    expected.backward()
+    torch.testing.assert_close(run.full()[0], expected.detach())
+    torch.testing.assert_close(run.full_grads()[0], logits.grad)
