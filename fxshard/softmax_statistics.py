@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from .costs import CostModel
 from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
-from .layout import Layout, Piece
+from .layout import Layout
+from .mesh import is_static
 from .ops import REDISTRIBUTE
 from .planner import redistribute_cost
 from .redistribute import redistribute_node
@@ -84,8 +85,8 @@ def _blocks_axes(layout: Layout, d: int) -> tuple | None:
     more than one element), where no other dim is sharded on them; else None."""
     pieces = layout.dims[d]
     if len(pieces) < 2 or pieces[-1].axis is not None or pieces[-1].size == 1 \
-            or any(p.axis is None or p.chunked for p in pieces[:-1]):
-        return None
+            or any(p.axis is None or p.chunked or not is_static(p.size) for p in pieces[:-1]):
+        return None  # (a symbolic number of blocks: ``explain`` prices the two reductions)
     axes = tuple(p.axis for p in pieces[:-1])
     others = {p.axis for k, dim in enumerate(layout.dims) if k != d for p in dim if p.axis is not None}
     return None if any(a in others for a in axes) else axes

@@ -76,3 +76,16 @@ def test_softmax_over_sharded_keys_with_masked_blocks(masked_block):
     result = run.full()[0]
     assert not result.isnan().any()
     torch.testing.assert_close(result, masked_softmax(scores, mask))
+
+
+def test_a_symbolic_number_of_ranks_keeps_the_two_reductions():
+    """``explain`` on a symbolic tp: the number of blocks is not a number, so the max and the sum stay
+    two all_reduces, priced as expressions of tp."""
+    import sympy
+
+    tp = sympy.Symbol("tp", positive=True, integer=True)
+    logits, targets = torch.randn(32, 64), torch.randint(0, 64, (32,))
+    explained = fxshard.explain(vocab_parallel_loss, logits, targets, mesh=fxshard.MeshSpec({"tp": tp}),
+                                placements={0: (Shard(1),), 1: (Replicate(),)})
+    assert [c.kind for c in explained.collectives] == ["all_reduce", "all_reduce"]
+    assert explained.bytes_per_rank.free_symbols == {tp}
