@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .costs import CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
+from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT, argument_leaves
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .planner import plan_redistribute
@@ -42,7 +42,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
         queue = list(required)
 
         def fix(a):
-            if not (isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(a.meta.get("val"), torch.Tensor)):
+            if not _laid_out(a):
                 return a
             want = queue.pop(0)
             have = a.meta[LAYOUT]
@@ -103,12 +103,17 @@ def _wanted_moves(graph: fx.Graph) -> list[tuple[fx.Node, Layout]]:
         if required is None:
             continue
         queue = list(required)
-        for a in pytree.tree_leaves(node.args if node.op == "output" else (node.args, node.kwargs)):
-            if isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(a.meta.get("val"), torch.Tensor):
+        for a in argument_leaves((node.args, node.kwargs)):
+            if _laid_out(a):
                 want = queue.pop(0)
                 if a.meta[LAYOUT] != want:
                     wanted.append((a, want))
     return wanted
+
+
+def _laid_out(a: object) -> bool:
+    """An argument whose layout ``ARG_LAYOUTS`` lists: a tensor node with a layout."""
+    return isinstance(a, fx.Node) and LAYOUT in a.meta and isinstance(a.meta.get("val"), torch.Tensor)
 
 
 def redistribute_node(graph: fx.Graph, x: fx.Node, src: Layout, dst: Layout, cost_model: CostModel | None,

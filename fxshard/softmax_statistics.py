@@ -21,13 +21,13 @@ rewrites the planned graph, which the cost model cannot see as one call.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .costs import CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT
+from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT, argument_leaves
 from .layout import Layout
 from .mesh import is_static
 from .ops import REDISTRIBUTE
@@ -157,12 +157,7 @@ class _Emitter:
             node = self.graph.call_function(target, args)
         node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
         node.meta[LAYOUT] = layout
-        node.meta[ARG_LAYOUTS] = tuple(a.meta[LAYOUT] for a in _tensor_args(args))
+        node.meta[ARG_LAYOUTS] = tuple(a.meta[LAYOUT] for a in argument_leaves(args) if isinstance(a, fx.Node))
         self.after = node
         return node
 
-
-def _tensor_args(args: Sequence[Any]) -> list[fx.Node]:
-    flat: list[fx.Node] = []
-    fx.node.map_arg(args, lambda a: flat.append(a) or a)
-    return flat
