@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
-from fxshard.graph import outputs
+from fxshard.graph import code_on_demand, outputs
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
@@ -60,7 +60,7 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
     DTensors bring theirs, plain tensors are replicated); ``training``: the joint program, cut into
     forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``)."""
     reporter = reporter or StageReporter()
-    with reporter.timing():
+    with reporter.timing(), code_on_demand():
         return _plan_program(gm, inputs, training=training, mesh=mesh, layouts=layouts, names=names, strict=strict,
                              cost_model=cost_model, reporter=reporter, training_split=training_split)
 
@@ -121,7 +121,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     if planned.training is not None:
-        with reporter.timing():
+        with reporter.timing(), code_on_demand():
             runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing,
                                           reporter=reporter, eager_layouts=eager, regional=regional)
         reporter.stage_summary()
@@ -130,7 +130,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
         reporter.summarize(planned.training.forward)
         reporter.summarize(planned.training.backward)
         return runner
-    with reporter.timing():
+    with reporter.timing(), code_on_demand():
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
                                   bucketing=bucketing, reporter=reporter, eager_layouts=eager, regional=regional)

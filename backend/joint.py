@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
-from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, output_layouts, outputs
+from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, graph_module, output_layouts, outputs
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
@@ -341,4 +341,4 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
         if n in in_backward and n.op != "placeholder":
             benv[n] = bwd_graph.node_copy(n, benv.__getitem__)
     bwd_graph.output(tuple(benv[g] for g in grads))
-    return fx.GraphModule(joint, fwd_graph), fx.GraphModule(joint, bwd_graph)
+    return graph_module(joint, fwd_graph), graph_module(joint, bwd_graph)

@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.graph import graph_module
+
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
@@ -302,7 +304,7 @@ def _region(index: int, nodes: list[fx.Node]) -> Region:
         env[node] = graph.create_node("call_function", node.target, args, kwargs, name=f"v{k}")
         env[node].meta = {key: v for key, v in node.meta.items() if key not in _NO_META}
     graph.output(tuple(env[o] for o in outputs))
-    return Region(index, fx.GraphModule(torch.nn.Module(), graph), inputs, outputs)
+    return Region(index, graph_module(torch.nn.Module(), graph), inputs, outputs)
 
 
 def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
@@ -435,7 +437,7 @@ def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph, and the lowered program stays what fxshard lowered (the one users and tests read)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def _across_cuts(gm: fx.GraphModule, region: dict[fx.Node, Any], last: int, merge: Merge | None, overlap: bool,

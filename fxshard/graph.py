@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from .layout import Layout
 
@@ -145,4 +146,18 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
+
+
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)``; made within ``code_on_demand()``, it writes its Python code when first
+    run or read, not at once."""
+    return _make_graph_module(root, graph)
+
+
+def code_on_demand() -> Any:
+    """A block within which graph modules made (and ``recompile()``d) write their Python code only when first
+    run or read (torch's lazy graph modules, as Inductor's passes use them). The stages rewrite and copy
+    graphs that never run as Python (the planned global graph; what Inductor compiles from its nodes):
+    writing each one's code at once (``exec`` of thousands of lines) was ~10% of fxshard's compile."""
+    return _use_lazy_graph_module(True)
