@@ -13,6 +13,11 @@ FSDP2 does the same copies eagerly, in one ``split_with_sizes_copy``. Here too:
   (views, no copy).
 
 What moves, and where, is unchanged: the same collectives, buckets and bytes.
+
+An all_gather bucket may mix dtypes (token ids with activations, a mask with a weight): the members
+travel as the bytes of the narrowest one (Inductor's ``pick_bucket_dtype``) and are viewed back as
+their own dtypes, so a gather of int64 ids beside float32 values is one call, not one per dtype
+(``gather_key``). A reduce_scatter adds its members up, so its buckets keep one dtype.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["merge_all_gathers", "merge_reduce_scatters", "unpack_gathered"]
+__all__ = ["gather_key", "merge_all_gathers", "merge_reduce_scatters", "unpack_gathered"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -42,10 +47,11 @@ def _(gathered: torch.Tensor, group_size: int, numels: Sequence[int]) -> list[to
 
 def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dtype: torch.dtype,
                    out_dtypes: list[torch.dtype], rank: int) -> list[torch.Tensor]:
-    """What one bucketed all_gather runs (traced into the graph in place of its members)."""
+    """What one bucketed all_gather runs (traced into the graph in place of its members): the members
+    packed as ``dtype`` (the narrowest of ``out_dtypes``, theirs), each gathered piece viewed back."""
     from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
 
-    numels = [x.numel() for x in ins]
+    numels = [x.numel() * d.itemsize // dtype.itemsize for x, d in zip(ins, out_dtypes)]  # in units of dtype
     total = sum(numels)
     pack = torch.ops.bucketing._pre_bucket_all_gather
     dtype_ints = [_ALL_DTYPES.index(d) for d in out_dtypes]
@@ -56,11 +62,21 @@ def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dt
     gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
         out.narrow(0, total * rank, total), group_size, group_name, out=out))
     members = torch.ops.fxshard.unpack_gathered(gathered, group_size, numels)
-    return [m.view(x.shape[0] * group_size, *x.shape[1:]) for m, x in zip(members, ins)]
+    return [m.view(d).view(x.shape[0] * group_size, *x.shape[1:]) for m, x, d in zip(members, ins, out_dtypes)]
+
+
+def gather_key(node: fx.Node) -> tuple:
+    """The all_gathers one bucket may take: those of one process group, whatever their dtypes (packed
+    as bytes); a member that converts its dtype on the way in (Inductor's default merge, one dtype)
+    only with others of its dtype."""
+    from torch._inductor.fx_passes import bucketing as b
+
+    group = getattr(b, "_resolve_group_name", lambda name: name)(node.args[2])
+    return (group, node.meta["val"].dtype) if b.has_mergeable_all_gather_convert_dtype(node) else (group,)
 
 
 def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
-    """One all_gather for ``bucket`` (members of one process group and dtype, each read by its wait alone),
+    """One all_gather for ``bucket`` (members of one process group (``gather_key``), each read by its wait alone),
     placed before ``insert_before`` (None: after the last member). A bucket whose members convert their
     dtype on the way in is merged by Inductor's default merge (its copies convert)."""
     from torch._inductor.fx_passes import bucketing as b
@@ -70,13 +86,14 @@ def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.
         b.merge_all_gather_bucket(graph, bucket, insert_before=insert_before)
         return
     _, group_size, group_name = bucket[0].args
-    dtype = bucket[0].meta["val"].dtype
+    dtypes = [n.meta["val"].dtype for n in bucket]
+    dtype = b.pick_bucket_dtype(dtypes)
     # torch 2.13 may name the group by a node (compile on one rank) and resolves it; 2.11's names are strings
     resolve = getattr(b, "_resolve_group_name", lambda name: name)
     rank = torch.distributed.get_rank(_resolve_process_group(resolve(group_name)))
 
     def trace_args(ins: list[fx.Node]) -> tuple:
-        return ([n.meta["val"] for n in ins], group_name, group_size, dtype, [dtype] * len(ins), rank)
+        return ([n.meta["val"] for n in ins], group_name, group_size, dtype, dtypes, rank)
 
     b.process_collective_bucket(graph, bucket, _gather_bucket, trace_args, insert_before=insert_before)
 

@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fxshard.blocks import ROOT, block_of
 from fxshard.graph import reachable
 
-from .bucket_copies import merge_all_gathers, merge_reduce_scatters
+from .bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
 
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
 
@@ -146,10 +146,10 @@ def merge_blocks(gm: fx.GraphModule, region: dict[fx.Node, Any]) -> None:
 
 
 def _kinds() -> tuple:
-    """(kind, is it one, Inductor's bucket key, merge) for all_gathers and reduce_scatters."""
+    """(kind, is it one, bucket key, merge) for all_gathers (any dtypes together) and reduce_scatters (one)."""
     from torch._inductor.fx_passes import bucketing as b
 
-    return (("all_gather", b.is_all_gather_into_tensor, b._ag_group_key, merge_all_gathers),
+    return (("all_gather", b.is_all_gather_into_tensor, gather_key, merge_all_gathers),
             ("reduce_scatter", b.is_reduce_scatter_tensor, b._rs_group_key, merge_reduce_scatters))
 
 

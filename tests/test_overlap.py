@@ -255,3 +255,50 @@ def test_a_bucket_holds_one_block(model, placements, expected):
                                   placements=placements | {0: (Shard(0),)}, cost_model=COST)
     forward = programs[(0,)]
     assert block_bytes(forward) == expected
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+@pytest.mark.parametrize("block", [True, False])
+def test_a_gather_bucket_of_several_dtypes_is_one_call_and_gives_each_member_back(fake_mesh_4, inductor, block):
+    """Token ids (int64), activations (float32) and a mask (as uint8) gathered on one group are one bucket
+    (``bucket_copies.gather_key``): one all_gather of the members' bytes, each member viewed back as its
+    dtype; as one block's (each gathers a graph input: ``tag_blocks``) or as no block's (each computed from
+    two inputs: bucketed greedily). On the fake group nothing arrives from the other ranks, so rank 0's
+    piece of each gathered member is what packing put there: it must be its input, bit for bit (an odd
+    number of int64s between float32s and bytes: the offsets are in the narrowest dtype's units)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxshard.backend.inductor_config import bucketed_uncompiled, compile_local
+
+    fake = FakeTensorMode()
+    c10d = torch.ops._c10d_functional
+    group = fake_mesh_4.get_group().group_name
+    values = [torch.tensor([3, -100, 2**40 + 7]), torch.randn(5, 2), torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.uint8)]
+    graph, inputs, waits = torch.fx.Graph(), [], []
+    for name, x in zip(("ids", "hidden", "mask"), values):
+        gathered = graph.placeholder(name)
+        gathered.meta["val"] = fake.from_tensor(x)
+        inputs.append(x)
+        if not block:  # x - zeros: a value of two inputs, of no block
+            zeros = graph.placeholder(f"{name}_zeros")
+            zeros.meta["val"] = fake.from_tensor(x)
+            inputs.append(torch.zeros_like(x))
+            gathered = graph.call_function(torch.ops.aten.sub.Tensor, (gathered, zeros))
+            gathered.meta["val"] = fake.from_tensor(x)
+        gather = graph.call_function(c10d.all_gather_into_tensor.default, (gathered, 4, group))
+        with fake:
+            gather.meta["val"] = torch.empty(4 * x.shape[0], *x.shape[1:], dtype=x.dtype)
+        wait = graph.call_function(c10d.wait_tensor.default, (gather,))
+        wait.meta["val"] = gather.meta["val"]
+        waits.append(wait)
+    graph.output(tuple(waits))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    policy = BucketPolicy(cap=2**20)
+    run = compile_local(gm, inputs, policy) if inductor else bucketed_uncompiled(gm, policy)
+    if not inductor:
+        gathers = [str(n.target) for n in gm.graph.nodes if str(n.target).startswith("_c10d_functional.all_gather")]
+        assert gathers == ["_c10d_functional.all_gather_into_tensor_out.default"], gathers
+    outs = run(*inputs)
+    for x, out in zip(values, outs):
+        assert out.dtype == x.dtype and out.shape == (4 * x.shape[0], *x.shape[1:])
+        assert torch.equal(out[:x.shape[0]], x)
