@@ -15,7 +15,7 @@ FSDP2 does the same copies eagerly, in one ``split_with_sizes_copy``. Here too:
 What moves, and where, is unchanged: the same collectives, buckets and bytes.
 
 An all_gather bucket may mix dtypes (token ids with activations, a mask with a weight): the members
-travel as the bytes of the narrowest one (Inductor's ``pick_bucket_dtype``) and are viewed back as
+travel as the bytes of the narrowest one (as Inductor's ``pick_bucket_dtype``) and are viewed back as
 their own dtypes, so a gather of int64 ids beside float32 values is one call, not one per dtype
 (``gather_key``). A reduce_scatter adds its members up, so its buckets keep one dtype.
 """
@@ -87,7 +87,7 @@ def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.
         return
     _, group_size, group_name = bucket[0].args
     dtypes = [n.meta["val"].dtype for n in bucket]
-    dtype = b.pick_bucket_dtype(dtypes)
+    dtype = min(dtypes, key=lambda d: d.itemsize)  # the narrowest: every member's bytes are whole units of it
     # torch 2.13 may name the group by a node (compile on one rank) and resolves it; 2.11's names are strings
     resolve = getattr(b, "_resolve_group_name", lambda name: name)
     rank = torch.distributed.get_rank(_resolve_process_group(resolve(group_name)))

@@ -57,7 +57,10 @@ def _priced(gm: fx.GraphModule, edges: Iterable[tuple[fx.Node, Layout]], cost_mo
         dtype = a.meta["val"].dtype
         plan = plan_redistribute(a.meta[LAYOUT], want, dtype=dtype, cost_model=cost_model)
         bare = redistribute_cost(a.meta[LAYOUT], want, dtype, bare_model)
-        key = group + (dtype, tuple((step.kind, step.axes) for step in plan.collectives))
+        steps = tuple((step.kind, step.axes) for step in plan.collectives)
+        # one call per block, kind and axes; per dtype too unless it only gathers (stage 6 packs the
+        # gathers of several dtypes as bytes, backend/bucket_copies.py; a reduction adds in its dtype)
+        key = group + (None if all(kind == "all_gather" for kind, _ in steps) else dtype, steps)
         total += bare
         latency[key] = max(latency.get(key, 0.0), plan.cost - bare)
     return total + sum(latency.values())

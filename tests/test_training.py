@@ -131,6 +131,41 @@ def test_fsdp_under_the_default_cost_model_prices_a_blocks_gathers_as_one_call()
     assert all(c.input_bytes <= 8 for c in fwd_calls if c.kind == "all_reduce")  # the loss's scalars only
 
 
+@pytest.mark.parametrize("dtypes, latencies", [
+    ((torch.float32, torch.float32), 1),
+    ((torch.float32, torch.bfloat16), 1),  # a block's gathers of two dtypes: one call (bucket_copies.gather_key)
+])
+def test_a_blocks_gathers_pay_one_latency_whatever_their_dtypes(dtypes, latencies):
+    """``refine.planned_cost`` prices a plan as stage 6 issues it: one block's parameter gathers are one
+    call, also when the block mixes dtypes (a bfloat16 matrix beside a float32 norm weight), since an
+    all_gather bucket packs its members as bytes. Two weights of ``layers.0`` Shard(0) on dp=4, each
+    wanted replicated: the two gathers' bytes and one latency."""
+    from fxshard.graph import ARG_LAYOUTS, LAYOUT
+    from fxshard.refine import planned_cost
+
+    mesh, model = fxshard.MeshSpec(dp=4), fxshard.CostModel()
+    graph, weights = torch.fx.Graph(), []
+    for name, dtype in zip(("layers_0_w", "layers_0_norm_weight"), dtypes):
+        w = graph.placeholder(name)
+        w.meta.update({"val": torch.empty(64, 16, dtype=dtype), LAYOUT: layout_of(mesh, (64, 16), (Shard(0),))})
+        weights.append(w)
+    use = graph.call_function(torch.ops.aten.add.Tensor, tuple(weights))
+    whole = layout_of(mesh, (64, 16), (Replicate(),))
+    use.meta.update({"val": torch.empty(64, 16), LAYOUT: whole, ARG_LAYOUTS: (whole, whole)})
+    out = graph.output((use,))
+    out.meta[ARG_LAYOUTS] = (whole,)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    gathered = sum(3 * 64 * 16 // 4 * dtype.itemsize for dtype in dtypes)  # 3 of 4 shards arrive
+    expected = gathered / model.default_bandwidth + latencies * model.default_latency
+    assert planned_cost(gm, model, output_names=("layers.0.w",)) == pytest.approx(expected)
+
+
+def layout_of(mesh: fxshard.MeshSpec, shape: tuple, placements: tuple) -> fxshard.Layout:
+    from fxshard.placements import layout_from_placements
+
+    return layout_from_placements(mesh, shape, placements)
+
+
 @pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_fsdp_x_tensor_parallel(shape):
     torch.manual_seed(sum(shape))
