@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from fxshard.decompose import decomposition_table, eliminate_common_subexpressions
+from fxshard.decompose import decomposition_table, eliminate_common_subexpressions, fold_one_hot_sums
 from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
@@ -348,6 +348,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
         joint = JointSignature(len(tangent_fakes), grad_inputs, tangent_names)
     eliminate_common_subexpressions(traced)
+    fold_one_hot_sums(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
     input_layouts: dict[str, Layout] = {}
     used: set[str] = set()

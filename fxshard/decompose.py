@@ -5,11 +5,13 @@ them and why): softmax over a sharded dim becomes amax/sum with a small all_redu
 of a gather of the tensor; cross-entropy becomes log_softmax + gather, so vocab-parallel logits
 never gather [tokens, vocab]. Everything else stays whole, so Inductor still sees the ops it
 knows how to fuse. Two decompositions are fxshard's own: random ``*_like`` ops drawn in global
-shape, and nll_loss's backward as a comparison against a class arange.
+shape, and nll_loss's backward as a comparison against a class arange. One rewrite follows from the
+last: the sum over the classes of such a one-hot comparison (log_softmax's backward sums its output
+gradient over the classes) is the value at the target itself (``fold_one_hot_sums``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -116,3 +118,162 @@ def _hashable(a: Any) -> Any:
     if isinstance(a, float):
         return ("float", a)  # 1 and 1.0 are different arguments
     return a
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten._unsafe_view.default)
+_ANDS = (aten.bitwise_and.Tensor, aten.logical_and.default)
+
+
+def fold_one_hot_sums(gm: fx.GraphModule) -> fx.GraphModule:
+    """``sum(where(classes == t & m, a, 0), dim=d)`` -> ``where(0 <= t < C & m, a, 0)`` (in place).
+
+    ``classes`` an arange of the ``C`` classes along ``d``; ``t`` (the targets), the other terms ``m``
+    (the ignore mask) and ``a`` constant along ``d``. At most one class equals an integer target, exactly
+    one when it is in range: the sum is that one value (plus zeros: bit for bit the same). Log-softmax's
+    backward sums cross-entropy's one-hot gradient over the classes this way; summed as it is, a
+    vocab-parallel plan reduces it across the ranks that hold the classes (a call each step) or gathers
+    it, and every rank compares its tokens against every class. Folded, it is the targets' own values.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        found = _one_hot_sum(node)
+        if found is not None and _fold(gm.graph, node, *found):
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _one_hot_sum(node: fx.Node) -> tuple | None:
+    """(dim, targets, class count, the other terms, where's value and its zero) of a foldable sum; else None."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList or node.kwargs.get("dtype") is not None:
+        return None
+    x, dims = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or x.target is not aten.where.self or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    shape = _shape(x)
+    if shape is None or not x.meta["val"].dtype.is_floating_point:
+        return None
+    d = dims[0] % len(shape)
+    cond, value, zero = x.args
+    if not (_constant_along(value, d, shape) and _is_zero(zero) and _constant_along(zero, d, shape)):
+        return None
+    terms = _conjunction(cond)
+    for k, term in enumerate(terms):
+        if term.target is not aten.eq.Tensor:
+            continue
+        for classes, t in (term.args, term.args[::-1]):
+            if (isinstance(classes, fx.Node) and isinstance(t, fx.Node) and _arange_along(classes, d, shape)
+                    and _constant_along(t, d, shape) and len(_shape(t) or ()) == len(shape)
+                    and not t.meta["val"].dtype.is_floating_point
+                    and all(_constant_along(m, d, shape) for m in terms[:k] + terms[k + 1:])):
+                return d, t, shape[d], terms[:k] + terms[k + 1:], value, zero
+    return None
+
+
+def _fold(graph: fx.Graph, node: fx.Node, d: int, t: fx.Node, classes: int, others: Sequence[fx.Node],
+          value: Any, zero: Any) -> bool:
+    """The sum ``node`` replaced by its fold; False (the graph as it was) where the fold's shape differs."""
+    meta = {k: v for k, v in node.meta.items() if k != "val"}
+    made: list[fx.Node] = []
+
+    def emit(target: Any, *args: Any) -> fx.Node:
+        new = graph.call_function(target, args)
+        new.meta.update(meta)
+        vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+        with _fake_mode(node):
+            new.meta["val"] = target(*vals)
+        made.append(new)
+        return new
+
+    with graph.inserting_before(node):
+        cond = emit(aten.bitwise_and.Tensor, emit(aten.ge.Scalar, t, 0), emit(aten.lt.Scalar, t, classes))
+        for m in others:
+            cond = emit(aten.bitwise_and.Tensor, cond, m)
+        out = emit(aten.where.self, cond, value, zero)
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if not keepdim:
+            out = emit(aten.squeeze.dim, out, d)
+    if tuple(out.meta["val"].shape) != tuple(node.meta["val"].shape) or out.meta["val"].dtype != node.meta["val"].dtype:
+        for new in reversed(made):  # another broadcast than the sum's: leave it as it is
+            graph.erase_node(new)
+        return False
+    node.replace_all_uses_with(out)
+    _erase_unused(graph, [node])
+    return True
+
+
+def _erase_unused(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    """``nodes``, and what they read, erased where nothing else reads them (pure ops only: a draw
+    from a random generator stays, as eager would draw it)."""
+    stack, erased = list(nodes), set()
+    while stack:
+        node = stack.pop()
+        if node not in erased and not node.users and _is_pure(node):
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            erased.add(node)
+            stack += inputs
+
+
+def _fake_mode(node: fx.Node) -> Any:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([node.meta["val"]])
+
+
+def _shape(a: Any) -> tuple[int, ...] | None:
+    val = a.meta.get("val") if isinstance(a, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return tuple(int(s) for s in val.shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _constant_along(a: Any, d: int, shape: Sequence[int]) -> bool:
+    """Whether ``a`` (a scalar or a tensor broadcast against ``shape``) has one value along dim ``d``."""
+    if not isinstance(a, fx.Node):
+        return isinstance(a, (int, float, bool))
+    own = _shape(a)
+    if own is None or len(own) > len(shape):
+        return False
+    at = d - (len(shape) - len(own))
+    return at < 0 or own[at] == 1
+
+
+def _is_zero(a: Any) -> bool:
+    if not isinstance(a, fx.Node):
+        return a == 0
+    if a.target is aten.zeros.default:
+        return True
+    return a.target in (aten.scalar_tensor.default, aten.full.default) and a.args[-1] == 0
+
+
+def _conjunction(cond: Any) -> list[fx.Node]:
+    """The terms ``cond`` is the logical and of (itself if none)."""
+    if not isinstance(cond, fx.Node):
+        return []
+    if cond.target in _ANDS and all(isinstance(a, fx.Node) for a in cond.args[:2]):
+        return _conjunction(cond.args[0]) + _conjunction(cond.args[1])
+    return [cond]
+
+
+def _arange_along(node: fx.Node, d: int, shape: Sequence[int]) -> bool:
+    """Whether ``node`` is ``arange(shape[d])`` laid along dim ``d`` of ``shape`` (size 1 elsewhere)."""
+    own = _shape(node)
+    if own is None or len(own) > len(shape):
+        return False
+    at = d - (len(shape) - len(own))
+    if at < 0 or own[at] != shape[d] or any(s != 1 for k, s in enumerate(own) if k != at):
+        return False
+    while node.target in _VIEWS:
+        node = node.args[0]
+    if node.target is aten.arange.default:
+        return node.args[0] == shape[d] and node.kwargs.get("dtype") in (None, torch.int64, torch.int32)
+    if node.target in (aten.arange.start, aten.arange.start_step):
+        step = node.args[2] if len(node.args) > 2 else 1
+        return (node.args[0], node.args[1], step) == (0, shape[d], 1) and node.kwargs.get("dtype") in (None, torch.int64, torch.int32)
+    return False

@@ -122,9 +122,13 @@ def test_token_ids_read_by_several_values_are_gathered_once():
                 if c.node.meta["val"].dtype in (torch.int64, torch.bool)]
 
     assert of_targets(planned.training.forward) == [("all_gather", torch.int64, ROWS * 8 * 3 // 4)]
-    # the backward's mask of valid rows: 48 bytes moved cost less than copying the kept ids' 512 (a
-    # bandwidth-only model's choice); the ids themselves are not gathered again
-    assert [dtype for _, dtype, _ in of_targets(planned.training.backward)] == [torch.bool]
+    # the backward's masks of valid rows (the ignore mask, and the in-range mask of log-softmax's row sums,
+    # decompose.fold_one_hot_sums): 48 bytes each moved cost less than copying the kept ids' 512 (a
+    # bandwidth-only model's choice); the ids themselves are not gathered again, nor the row sums (192
+    # bytes of float32 before the fold)
+    backward = collectives_of(planned.training.backward)
+    assert [dtype for _, dtype, _ in of_targets(planned.training.backward)] == [torch.bool, torch.bool]
+    assert [c.node.meta["val"].dtype for c in backward] == [torch.bool, torch.bool]
     run = fxshard.backend.simulate.simulate_ranks(loss, logits, targets, mesh=MESH, placements=placements, grad=True,
                                                   cost_model=BANDWIDTH_BOUND)
     expected = loss(logits, targets)
