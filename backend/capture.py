@@ -23,6 +23,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
+from .collector import collector_paused
+
 
 @dataclass
 class Captured:
@@ -55,7 +57,8 @@ def _fresh_entry(fn: Callable) -> Callable:
 
 def capture(fn: Callable, args: Sequence[Any]) -> Captured:
     """``fn(*args)`` as one graph (fullgraph), never run: the frame returns its outputs on meta."""
-    graphs, _ = _compile_and_call(fn, args, lambda captured, inputs: outputs_on_meta(captured), fullgraph=True)
+    with collector_paused():  # Dynamo's trace of the whole program, nothing run (backend/collector.py)
+        graphs, _ = _compile_and_call(fn, args, lambda captured, inputs: outputs_on_meta(captured), fullgraph=True)
     return graphs[0]
 
 

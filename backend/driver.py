@@ -27,6 +27,7 @@ from fxshard.timing import stage
 
 from . import outputs as outputs_
 from .capture import Captured, capture
+from .collector import collector_paused
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
 from .joint import TrainingPlan, plan_training
@@ -60,7 +61,7 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
     DTensors bring theirs, plain tensors are replicated); ``training``: the joint program, cut into
     forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``)."""
     reporter = reporter or StageReporter()
-    with reporter.timing(), code_on_demand():
+    with reporter.timing(), code_on_demand(), collector_paused():
         return _plan_program(gm, inputs, training=training, mesh=mesh, layouts=layouts, names=names, strict=strict,
                              cost_model=cost_model, reporter=reporter, training_split=training_split)
 
@@ -121,7 +122,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     if planned.training is not None:
-        with reporter.timing(), code_on_demand():
+        with reporter.timing(), code_on_demand(), collector_paused():
             runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing,
                                           reporter=reporter, eager_layouts=eager, regional=regional)
         reporter.stage_summary()
@@ -130,7 +131,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
         reporter.summarize(planned.training.forward)
         reporter.summarize(planned.training.backward)
         return runner
-    with reporter.timing(), code_on_demand():
+    with reporter.timing(), code_on_demand(), collector_paused():
         runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                   [program.input_layouts[n] for n in program.input_names], inductor=inductor,
                                   bucketing=bucketing, reporter=reporter, eager_layouts=eager, regional=regional)

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
+from .collector import collector_paused
 
 __all__ = ["BucketPolicy", "compile_local", "bucketed_uncompiled", "block_bytes", "inductor_patches"]
 
@@ -73,7 +74,7 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
         policy = None  # nothing to bucket or overlap: the passes would only cost compile time
     patches, comms = inductor_patches(policy, _blocks(gm, policy))
-    with config_comms.patch(comms):
+    with config_comms.patch(comms), collector_paused():
         return compile_fx(gm, list(inputs), config_patches=patches)
 
 

@@ -19,6 +19,7 @@ from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
+from .collector import collector_paused
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
@@ -82,11 +83,12 @@ class InferenceProgram:
             with torch.no_grad():
                 return self._run(*local_inputs)
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
-                tag_blocks(self.local_graph)
-            cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
-            regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
-                                      overlap=bool(self.buckets)) if self.regional else []
+            with collector_paused():  # cutting the program into regions (backend/collector.py)
+                if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
+                    tag_blocks(self.local_graph)
+                cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
+                regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
+                                          overlap=bool(self.buckets)) if self.regional else []
             if regions:
                 self._run = RegionalProgram(cut, regions, self._compile_region)
             else:

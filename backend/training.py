@@ -21,6 +21,7 @@ from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
+from .collector import collector_paused
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import DTensorGradients, InputReader
 from .outputs import OutputWriter
@@ -99,7 +100,8 @@ class TrainingProgram:
     def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
         """The whole program compiled, or (``regional``, a model with layers) a program that compiles its
         regions on its first call."""
-        regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
+        with collector_paused():  # cutting the programs into regions (backend/collector.py)
+            regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
         if not regions:
             return compile_local(gm, inputs, self.buckets and self.buckets[which])
         return RegionalProgram(self._region_graphs[which], regions, self._compile_region, self.region_cache)
