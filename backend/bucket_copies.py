@@ -71,8 +71,16 @@ def gather_key(node: fx.Node) -> tuple:
     only with others of its dtype."""
     from torch._inductor.fx_passes import bucketing as b
 
-    group = getattr(b, "_resolve_group_name", lambda name: name)(node.args[2])
+    group = _group_name(node.args[2])
     return (group, node.meta["val"].dtype) if b.has_mergeable_all_gather_convert_dtype(node) else (group,)
+
+
+def _group_name(name: Any) -> Any:
+    """A collective's group as a name: torch 2.13 may name it by a node (compile on one rank) and resolves
+    it; 2.11's names are strings already (and it has no ``_resolve_group_name``)."""
+    from torch._inductor.fx_passes import bucketing as b
+
+    return getattr(b, "_resolve_group_name", lambda n: n)(name)
 
 
 def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
@@ -88,9 +96,7 @@ def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.
     _, group_size, group_name = bucket[0].args
     dtypes = [n.meta["val"].dtype for n in bucket]
     dtype = min(dtypes, key=lambda d: d.itemsize)  # the narrowest: every member's bytes are whole units of it
-    # torch 2.13 may name the group by a node (compile on one rank) and resolves it; 2.11's names are strings
-    resolve = getattr(b, "_resolve_group_name", lambda name: name)
-    rank = torch.distributed.get_rank(_resolve_process_group(resolve(group_name)))
+    rank = torch.distributed.get_rank(_resolve_process_group(_group_name(group_name)))
 
     def trace_args(ins: list[fx.Node]) -> tuple:
         return ([n.meta["val"] for n in ins], group_name, group_size, dtype, dtypes, rank)
