@@ -103,14 +103,15 @@ class TrainingProgram:
         with collector_paused():  # cutting the programs into regions (backend/collector.py)
             regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
         if not regions:
-            return compile_local(gm, inputs, self.buckets and self.buckets[which])
+            return compile_local(gm, inputs, self.buckets and self.buckets[which], training=True)
         return RegionalProgram(self._region_graphs[which], regions, self._compile_region, self.region_cache)
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
         """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
         bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
         policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
-        return compile_local(region.graph, inputs, policy) if region.layer else bucketed_uncompiled(region.graph, policy)
+        return (compile_local(region.graph, inputs, policy, training=True) if region.layer
+                else bucketed_uncompiled(region.graph, policy))
 
     def _regions(self) -> tuple[list, list]:
         if self._region_split is None:
