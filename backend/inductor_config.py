@@ -39,7 +39,8 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -47,7 +48,8 @@ import torch.fx as fx
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
 
-__all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "bucketed_uncompiled", "block_bytes", "inductor_patches"]
+__all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "bucketed_uncompiled", "block_bytes",
+           "inductor_patches"]
 
 _c10d = torch.ops._c10d_functional
 # A training step's forward and backward, compiled as AOTAutograd compiles a training graph. fxshard gives
@@ -56,7 +58,7 @@ _c10d = torch.ops._c10d_functional
 # down to its first reader, so the rotations of q and k and the expansion of v (which read the three
 # projections) become three kernels where the training compile fuses them into one (a Llama layer's
 # forward: 7 C++ kernels against DTensor + FSDP2's 5, and about a second more to compile).
-TRAINING_PATCHES = {"reorder_for_locality": False}
+TRAINING_PATCHES: Mapping[str, Any] = MappingProxyType({"reorder_for_locality": False})
 # the collectives compile_local buckets
 BUCKETED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 

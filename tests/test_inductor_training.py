@@ -48,8 +48,9 @@ def test_a_training_program_fuses_the_rotations_and_expansions_into_one_kernel(t
     default, kept for fxshard's inference programs): the pass that pulls each projection down to its
     first reader leaves three. Numerics equal the uncompiled program's either way."""
     torch.manual_seed(0)
-    args = [torch.randn(2, SEQ, DIM), torch.randn(DIM, DIM) / 16, torch.randn(KV_HEADS * HEAD_DIM, DIM) / 16,
-            torch.randn(KV_HEADS * HEAD_DIM, DIM) / 16, torch.randn(1, SEQ, 1, HEAD_DIM), torch.randn(1, SEQ, 1, HEAD_DIM)]
+    kv = KV_HEADS * HEAD_DIM
+    args = [torch.randn(2, SEQ, DIM), torch.randn(DIM, DIM) / 16, torch.randn(kv, DIM) / 16, torch.randn(kv, DIM) / 16,
+            torch.randn(1, SEQ, 1, HEAD_DIM), torch.randn(1, SEQ, 1, HEAD_DIM)]
     gm = make_fx(_attention)(*args)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -159,7 +159,8 @@ def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
     ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
     from fxshard.backend.inductor_config import bucketed_uncompiled
 
-    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, training=False: bucketed_uncompiled(gm, policy))
+    monkeypatch.setattr(training, "compile_local",
+                        lambda gm, inputs, policy, training=False: bucketed_uncompiled(gm, policy))
     return _fsdp_program(mesh, batch=(8, 64), regional=regional)
 
 
