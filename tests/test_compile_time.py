@@ -220,7 +220,8 @@ def test_the_collector_is_paused_while_fxshard_plans_and_on_again_after(fake_mes
     enabled: dict[str, bool] = {}
     options = {"inductor": False, "on_graph": lambda stage, gm: enabled.setdefault(stage, gc.isenabled())}
     assert gc.isenabled()
-    torch.compile(model, backend="fxshard", options=options)(distribute_tensor(torch.randn(4, 8), fake_mesh_4, (Replicate(),)))
+    x = distribute_tensor(torch.randn(4, 8), fake_mesh_4, (Replicate(),))
+    torch.compile(model, backend="fxshard", options=options)(x)
     assert enabled["plan"] is False and enabled["plan_backward"] is False, enabled  # reported from within the stages
     assert gc.isenabled()
     gc.disable()

@@ -83,7 +83,7 @@ def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
     """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
     compiled: list[torch.fx.GraphModule] = []
 
-    def record(gm: torch.fx.GraphModule, inputs, policy, training=False):  # the graph runs as it is: no Inductor
+    def record(gm: torch.fx.GraphModule, inputs, policy, **_):  # the graph runs as it is: no Inductor here
         compiled.append(gm)
         return gm
 
@@ -116,7 +116,7 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
                     if t.untyped_storage().data_ptr() not in own]
         return results
 
-    def recording_region(gm, inputs, policy, training=False):
+    def recording_region(gm, inputs, policy, **_):
         def run(*args):
             if saved:  # the backward's regions (the forward's run before ``saved`` is set)
                 alive_per_region.append(sum(not ref.expired() for ref in saved))
@@ -138,7 +138,7 @@ def test_a_retained_graph_runs_its_backward_again(fake_mesh_4, monkeypatch):
     same gradients again); without it a second backward says the graph is freed, as eager PyTorch does."""
     from train_llama import distribute_parameters
 
-    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, training=False: gm)
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
     torch.manual_seed(0)
     model = Llama(CFG)
     distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
@@ -159,8 +159,7 @@ def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
     ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
     from fxshard.backend.inductor_config import bucketed_uncompiled
 
-    monkeypatch.setattr(training, "compile_local",
-                        lambda gm, inputs, policy, training=False: bucketed_uncompiled(gm, policy))
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: bucketed_uncompiled(gm, policy))
     return _fsdp_program(mesh, batch=(8, 64), regional=regional)
 
 
@@ -250,7 +249,7 @@ def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatc
     the plan gathers for the loss: a gathered value the loss reads (the targets, where the plan gathers
     them in the prologue with the root's parameters) once placed every gradient after it in the
     prologue, which runs uncompiled."""
-    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, training=False: gm)
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
     runner = _fsdp_program(fake_mesh_4, batch=batch, own_targets=True)
     assert _gathers_targets(runner) == gathers_targets
     sizes = [{r.index: len(r.graph.graph.nodes) for r in program.regions if r.layer}
