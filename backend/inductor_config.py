@@ -48,7 +48,7 @@ import torch.fx as fx
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
 
-__all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "bucketed_uncompiled", "block_bytes",
+__all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches"]
 
 _c10d = torch.ops._c10d_functional
@@ -88,7 +88,24 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     if training:
         patches = {**patches, **TRAINING_PATCHES}
     with config_comms.patch(comms), collector_paused():
-        return compile_fx(gm, list(inputs), config_patches=patches)
+        return compile_fx(gm, cacheable_inputs(inputs), config_patches=patches)
+
+
+def cacheable_inputs(inputs: Sequence[Any]) -> list[Any]:
+    """``inputs`` as Inductor's caches take them: fake tensors of a fake mode with a shape environment.
+
+    Given real tensors, ``compile_fx`` makes a fake mode without one, and its FX graph cache and
+    AOTAutograd's cache then bypass every program ("No shape env"): a second run of the same script
+    compiles every region again, where DTensor + ``torch.compile`` loads its kernels from the cache.
+    Static shapes: the programs are specialized to their local shapes as they are. Inputs that are
+    fake already (Dynamo's, through the ``fxshard`` backend) are kept."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if any(isinstance(x, FakeTensor) for x in inputs):
+        return list(inputs)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    return [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
 def bucketed_uncompiled(gm: fx.GraphModule, policy: BucketPolicy | None) -> fx.GraphModule:

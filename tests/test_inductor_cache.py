@@ -1,0 +1,87 @@
+"""fxshard's local programs go through Inductor's FX graph cache and AOTAutograd's cache.
+
+A user who runs a training script a second time finds DTensor + ``torch.compile``'s kernels in
+Inductor's on-disk cache. fxshard hands Inductor its lowered programs with real tensors as example
+inputs, for which ``compile_fx`` made a fake mode without a shape environment, and both caches
+bypassed every program ("No shape env"): every run compiled every region again.
+``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
+from torch._inductor import config
+from torch._inductor.utils import fresh_cache
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import fxshard
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from rank_programs import Blocks, shard_parameters  # noqa: E402
+
+COST = fxshard.CostModel(default_latency=0.0)  # bytes decide: weights are gathered (a bucket a block)
+DIM, HIDDEN, TOKENS = 32, 64, 256
+CACHES = {"force_disable_caches": False, "fx_graph_cache": True, "fx_graph_remote_cache": False}
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A training step of ``model`` through the fxshard backend (bucketed, regional): the output and the
+    gradients, as local tensors."""
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": COST})
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.to_local() for p in model.parameters()]
+    model.zero_grad()
+    return out.to_local(), grads
+
+
+def _compiled_twice(model: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """The step compiled in a fresh Inductor cache, then again with Dynamo reset (as a new process
+    would): the two results, and how many programs the first compile gave Inductor."""
+    with fresh_cache(), config.patch(CACHES), functorch_config.patch(enable_autograd_cache=True):
+        torch._dynamo.reset()
+        counters.clear()
+        first = _step(model, x)
+        compiled = counters["inductor"]["fxgraph_cache_miss"]
+        assert compiled > 0 and counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+        torch._dynamo.reset()
+        counters.clear()
+        second = _step(model, x)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+        assert counters["inductor"]["fxgraph_cache_hit"] == compiled, dict(counters["inductor"])
+        assert counters["aot_autograd"]["autograd_cache_hit"] == compiled, dict(counters["aot_autograd"])
+    torch._dynamo.reset()
+    return first, second
+
+
+def test_an_fsdp_step_compiled_again_is_read_from_inductors_caches(fake_mesh_4):
+    """Every weight Shard(0): a region per block, each with its bucketed gathers and reduce_scatters
+    (the bucketing pass is part of Inductor's config, and of its cache key). The second compile reads
+    every program from the caches. (A fake process group moves no data: no numerics here.)"""
+    torch.manual_seed(0)
+    model = Blocks(DIM, HIDDEN)
+    shard_parameters(model, fake_mesh_4)
+    _compiled_twice(model, distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)]))
+
+
+def test_a_step_read_from_the_caches_computes_what_the_model_does(fake_mesh_4):
+    """Replicated weights and a replicated input (no collective: the fake group's result is exact):
+    both compiles compute the single-device forward and gradients, on fresh random data."""
+    model = Blocks(DIM, HIDDEN)
+    reference = Blocks(DIM, HIDDEN)
+    reference.load_state_dict(model.state_dict())
+    for name, param in list(model.named_parameters()):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        owner.register_parameter(name.rpartition(".")[2],
+                                 torch.nn.Parameter(distribute_tensor(param.detach(), fake_mesh_4, [Replicate()])))
+    x = torch.randn(TOKENS, DIM)
+    first, second = _compiled_twice(model, distribute_tensor(x, fake_mesh_4, [Replicate()]))
+    out = reference(x)
+    out.sum().backward()
+    expected = (out, [p.grad for p in reference.parameters()])
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)
