@@ -124,9 +124,9 @@ def _worker(run: Callable, rank: int, world_size: int, port: int, channel: Any, 
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1  # no pool of compile workers per rank
-    # each rank compiles into its own Inductor cache: no two processes write one cache entry at once
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(tempfile.gettempdir(), f"fxshard-inductor-rank{rank}"))
+    # the ranks share Inductor's on-disk cache, as torchrun's ranks on one node do: an entry is keyed by its
+    # program's code and input shapes (ranks whose local programs differ get entries of their own), and
+    # Inductor writes entries atomically and builds each kernel under a file lock
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logger = logging.getLogger(PROGRESS)
     logger.addHandler(_Forward(channel, rank))
