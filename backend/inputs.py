@@ -147,16 +147,19 @@ def input_layouts(objects: Sequence[Any], mesh: MeshSpec, keys: Sequence[Any] | 
             if key in placements:
                 raise InputError(f"{describe(key)} is already a DTensor with placements {obj.placements}; "
                                  "do not also give it placements")
-            spec = obj._spec
-            explicit = bool(getattr(spec, "shard_order", None)) and \
-                not getattr(spec, "use_strided_shard_as_shard_order", True)
-            layouts[pos] = layout_from_placements(mesh, obj.shape, obj.placements,
-                                                  spec.shard_order if explicit else None)
+            layouts[pos] = dtensor_layout(obj, mesh)
         elif key in placements:
             layouts[pos] = user_layout(describe(key), placements[key], mesh, obj.shape)
         else:
             layouts[pos] = Layout.replicated(mesh, obj.shape)
     return layouts
+
+
+def dtensor_layout(obj: DTensor, mesh: MeshSpec) -> Layout:
+    """A DTensor's layout on ``mesh``: its placements, in its spec's shard order where it gives one."""
+    spec = obj._spec
+    explicit = bool(getattr(spec, "shard_order", None)) and not getattr(spec, "use_strided_shard_as_shard_order", True)
+    return layout_from_placements(mesh, obj.shape, obj.placements, spec.shard_order if explicit else None)
 
 
 class InputReader:

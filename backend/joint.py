@@ -24,10 +24,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from fxshard.costs import CostModel
 from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, graph_module, output_layouts, outputs
-from fxshard.layout import Layout
+from fxshard.layout import Layout, LayoutError
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
 from fxshard.pipeline import shard_graph
@@ -38,6 +39,7 @@ from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
 
 from .buckets import ROOT, block_of
+from .inputs import dtensor_layout
 from .trace import JointSignature, TangentMismatch, TracedProgram, trace_global
 
 aten = torch.ops.aten
@@ -91,17 +93,23 @@ def _joint_program(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: Mesh
 
     A program that returns scalars only (a loss) is traced once: a scalar is Replicate or Partial,
     so its tangent is replicated whatever the plan, and its shape and dtype are Dynamo's example
-    value's (the trace checks them, and says when they differ). Other programs are first traced and
-    planned forward-only, to learn the layouts their outputs leave in.
+    value's (the trace checks them, and says when they differ). So is a program that returns
+    DTensors only (logits): each leaves in the placements Dynamo's example value has, which are
+    what eager DTensor returns (reduced where Partial, as its tangent is). Other programs are first
+    traced and planned forward-only, to learn the layouts their outputs leave in.
     """
     examples = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in outputs(gm)]
-    if examples and all(isinstance(e, torch.Tensor) and e.dim() == 0 for e in examples):
+    scalars = bool(examples) and all(isinstance(e, torch.Tensor) and e.dim() == 0 for e in examples)
+    if scalars or (examples and all(isinstance(e, DTensor) for e in examples)):
         try:
             with stage("trace"):
                 program = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names, tangents=examples)
-            return program, tuple(Layout.replicated(program.mesh, ()) for _ in examples)
-        except TangentMismatch:
-            pass  # an output is not what Dynamo's example value says (a to_local() region): plan the forward
+            if scalars:
+                return program, tuple(Layout.replicated(program.mesh, ()) for _ in examples)
+            return program, tuple(dtensor_layout(e, program.mesh).with_partial(()) for e in examples)
+        except (TangentMismatch, LayoutError):
+            pass  # an output is not what Dynamo's example value says (a to_local() region), or is a DTensor of
+            # another mesh than the program's: plan the forward to learn its layouts
     with stage("trace"):
         forward_only = trace_global(gm, example_inputs, mesh=mesh, layouts=layouts, names=names)
     planned_forward = shard_graph(forward_only.gm, forward_only.mesh, forward_only.input_layouts, strict=strict,

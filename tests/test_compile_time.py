@@ -100,6 +100,49 @@ def test_a_scalar_loss_is_planned_without_a_forward_plan(example_value, traces):
     assert (planned, seen["trace"]) == (reference, traces)
 
 
+def mlp_out(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w1.t()) @ w2.t()
+
+
+def _planned_joint_of_dtensors(mesh, keep_example: bool) -> tuple[str, tuple, Counter, tuple]:
+    """A Megatron MLP whose weights are DTensors and which returns its (Partial) DTensor output: its
+    planned joint graph as text, its output layouts, how often each stage ran, and the placements
+    Dynamo's example value of the output has (eager DTensor's)."""
+    from fxshard.placements import as_mesh_spec
+
+    torch.manual_seed(0)
+    x = distribute_tensor(torch.randn(4, 8), mesh, [Replicate()])
+    w1 = distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]).requires_grad_()
+    w2 = distribute_tensor(torch.randn(8, 16), mesh, [Shard(1)]).requires_grad_()
+    captured = capture(mlp_out, (x, w1, w2))
+    out = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0][0]
+    eager = tuple(out.meta["example_value"].placements)
+    if not keep_example:
+        del out.meta["example_value"]
+    spec = as_mesh_spec(mesh)
+    names = named_inputs(mlp_out, (x, w1, w2), captured.objects)
+    layouts = input_layouts(captured.objects, spec, [k for _, k in names])
+    seen, timer = _count_stages()
+    with timer:
+        plan = plan_training(captured.gm, captured.example_inputs, mesh=spec, layouts=layouts,
+                             names=[n for n, _ in names])
+    return format_graph(plan.joint), plan.output_layouts, seen, eager
+
+
+def test_a_dtensor_output_is_planned_without_a_forward_plan(fake_mesh_4):
+    """A program returning DTensors takes its outputs' layouts from Dynamo's example values (eager
+    DTensor's placements, reduced: this output is Partial, its tangent replicated): one trace and one
+    plan, and the same joint plan as when a forward-only plan is made first to learn them."""
+    from fxshard.layout import Layout
+
+    reference, reference_layouts, reference_seen, eager = _planned_joint_of_dtensors(fake_mesh_4, keep_example=False)
+    planned, layouts, seen, _ = _planned_joint_of_dtensors(fake_mesh_4, keep_example=True)
+    assert [type(p).__name__ for p in eager] == ["Partial"]
+    assert (reference_seen["trace"], seen["trace"]) == (2, 1)
+    assert layouts == reference_layouts == (Layout.replicated(fxshard.MeshSpec(tp=4), (4, 8)),)
+    assert planned == reference
+
+
 def _mesh_and_placements(style: str, model: Llama) -> tuple[fxshard.MeshSpec, dict]:
     if style == "fsdp":
         return fxshard.MeshSpec(dp=4), {**fsdp_placements(model), 0: (Shard(0),)}
