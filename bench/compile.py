@@ -48,6 +48,7 @@ if not WARM:
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import torch  # noqa: E402
+from systems import cpu_seconds  # noqa: E402
 from torch import nn  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -115,15 +116,6 @@ def warm_up() -> None:
     """Imports and Inductor's first compile, paid once before any timing (not by the first row)."""
     torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(4))
     torch._dynamo.reset()
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process and of the compilers it waited for (Inductor's C++ builds): under a
-    shared machine's load, wall time measures the load; CPU time the work."""
-    import resource
-
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def measure(layers: int, regional: bool = True) -> dict:

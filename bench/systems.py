@@ -130,6 +130,16 @@ def case_mesh(case: str, world_size: int, device: str) -> Any:
     return init_device_mesh(device, shape, mesh_dim_names=names)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of the compilers it waited for (Inductor's C++ builds): under a
+    shared machine's load (or four ranks on two cores, waiting for each other and for the cores),
+    wall time measures the load; CPU time the work."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def reported(run: Callable[..., dict], rank: int, case: str, system: str, *args: Any) -> dict:
     """``run(rank, *args)``'s result, or ``{"error": ...}`` where a system cannot run a case (rank 0
     says why on stderr), so that one failing row does not fail the table."""
