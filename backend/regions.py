@@ -244,17 +244,29 @@ def _sink(gm: fx.GraphModule, region: dict[fx.Node, int], runs_before: Callable[
     """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
     moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
     viewed for the next layer's matmul, the embedding gradient's zeros). A layer's collective that only
-    the next region reads moves too (every layer then starts with it), but not the ``first`` region's:
-    the first layer would hold one the others do not (TP's all_reduce of the embedding)."""
+    the next region reads moves too (every layer then starts with it), but not the ``first`` region's,
+    nor the views of its result: the first layer would hold what the others do not (TP's all_reduce of
+    the embedding; sequence parallelism's reduce_scatter of it, whose flat result is viewed back), and
+    be compiled as a program of its own."""
     for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
         readers = {region[u] for u in node.users if u.op != "output"}
-        if _communicates(node) and region[node] == first:
+        if region[node] == first and _follows_collective(node):
             continue
         if len(node.all_input_nodes) <= 1 and len(readers) == 1:
             (reader,) = readers
             if runs_before(region[node], reader):
                 region[node] = reader
     return region
+
+
+def _follows_collective(node: fx.Node) -> bool:
+    """A collective, its wait, or a chain of one-input nodes (views) from one."""
+    while not _communicates(node):
+        ins = node.all_input_nodes
+        if len(ins) != 1 or ins[0].op != "call_function":
+            return False
+        node = ins[0]
+    return True
 
 
 def _assign(gm: fx.GraphModule, sources: Mapping[fx.Node, int], combine: Callable[..., int], first: int,

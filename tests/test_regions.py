@@ -256,3 +256,34 @@ def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatc
              for program in (runner._forward, runner._backward)]
     assert sorted(sizes[0]) == sorted(sizes[1]) == list(range(CFG.n_layers)), sizes
     assert all(sizes[1][k] >= sizes[0][k] for k in sizes[0]), sizes
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, monkeypatch, sequence_parallel):
+    """torchtitan's TP plan (and TP + SP) through ``torch.compile(backend="fxshard")``: every layer's forward
+    is one program, the first layer's too, and every layer's backward another: two region graphs for
+    three layers. (With sequence parallelism the embedding's reduce_scatter leaves a flat buffer viewed
+    back to the residual stream's shape; that view belongs to the prologue, or the first layer would be
+    a program of its own, compiled again.)"""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from models.llama import tensor_parallel_plan
+
+    compiled: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, inputs, policy, **_):  # the graph runs as it is: no Inductor here
+        compiled.append(gm)
+        return gm
+
+    monkeypatch.setattr(training, "compile_local", record)
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(CFG, dim=64, n_heads=8, n_kv_heads=4))  # a kv head or more per rank
+    parallelize_module(model, fake_mesh_4, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
+    step = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel()})
+    tokens = torch.randint(0, CFG.vocab_size, (4, 16))
+    logits = step(tokens)
+    with loss_parallel():
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    torch._dynamo.reset()
+    assert len(compiled) == 2, [len(gm.graph.nodes) for gm in compiled]
