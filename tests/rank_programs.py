@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -197,12 +198,13 @@ class MLPBlock(torch.nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def shard_parameters(model: torch.nn.Module, mesh) -> None:
-    """FSDP as placements: every parameter a Shard(0) DTensor (uneven where its rows do not divide)."""
+def shard_parameters(model: torch.nn.Module, mesh, placements: Sequence[Any] = (Shard(0),)) -> None:
+    """FSDP as placements: every parameter a Shard(0) DTensor (uneven where its rows do not divide);
+    or every parameter in ``placements``."""
     for name, param in list(model.named_parameters()):
         owner = model.get_submodule(name.rpartition(".")[0])
         owner.register_parameter(name.rpartition(".")[2],
-                                 torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+                                 torch.nn.Parameter(distribute_tensor(param.detach(), mesh, list(placements))))
 
 
 def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, hidden: int = 31,

@@ -79,15 +79,22 @@ def _fsdp_program(mesh, layers: int = CFG.n_layers, batch: tuple[int, int] = (4,
     return step.last
 
 
-def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
-    """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
+def _record_compiles(monkeypatch) -> list[torch.fx.GraphModule]:
+    """The region graphs the training program gives ``compile_local`` from now on (each runs as it is: no
+    Inductor here)."""
     compiled: list[torch.fx.GraphModule] = []
 
-    def record(gm: torch.fx.GraphModule, inputs, policy, **_):  # the graph runs as it is: no Inductor here
+    def record(gm: torch.fx.GraphModule, inputs, policy, **_):
         compiled.append(gm)
         return gm
 
     monkeypatch.setattr(training, "compile_local", record)
+    return compiled
+
+
+def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
+    """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
+    compiled = _record_compiles(monkeypatch)
     runner = _fsdp_program(mesh, layers)
     return len(compiled), sum(r.layer for r in runner._forward.regions + runner._backward.regions)
 
@@ -270,13 +277,7 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
 
     from models.llama import tensor_parallel_plan
 
-    compiled: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, inputs, policy, **_):  # the graph runs as it is: no Inductor here
-        compiled.append(gm)
-        return gm
-
-    monkeypatch.setattr(training, "compile_local", record)
+    compiled = _record_compiles(monkeypatch)
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, dim=64, n_heads=8, n_kv_heads=4))  # a kv head or more per rank
     parallelize_module(model, fake_mesh_4, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
