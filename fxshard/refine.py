@@ -41,13 +41,19 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
     (``output_names``: per output, the input it is the gradient of; training programs only): stage 6
     buckets each into one call (``blocks.block_of``; FSDP2's grouping), so twenty small gathers of one
     layer cost one gather's latency, not twenty."""
-    return _priced(gm, _asked(gm), cost_model, output_names)
+    asked = _all_requirements(gm)
+    return _priced(asked, _asked(asked), cost_model, output_names)
 
 
-def _priced(gm: fx.GraphModule, edges: Iterable[tuple[fx.Node, Layout]], cost_model: CostModel | None,
-            output_names: Sequence[str | None]) -> float:
+def _all_requirements(gm: fx.GraphModule) -> list[tuple[fx.Node, list[tuple[fx.Node, Layout]]]]:
+    """Each node with its ``requirements``: read once per pricing (the pricing reads them twice)."""
+    return [(node, requirements(node)) for node in gm.graph.nodes]
+
+
+def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, Layout]],
+            cost_model: CostModel | None, output_names: Sequence[str | None]) -> float:
     rebuilds, bare_model = Rebuilds(cost_model), _without_latency(cost_model)
-    groups = _block_groups(gm, output_names)
+    groups = _block_groups(asked, output_names)
     total, latency = 0.0, {}
     for a, want in edges:
         group = groups.get((a, want))
@@ -66,7 +72,7 @@ def _priced(gm: fx.GraphModule, edges: Iterable[tuple[fx.Node, Layout]], cost_mo
     return total + sum(latency.values())
 
 
-def _block_groups(gm: fx.GraphModule, output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
+def _block_groups(asked: list[tuple[fx.Node, list]], output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
     """The moves stage 6 buckets per block: of a view of an input (``("in", block)``) and into an output
     that is an input's gradient (``("out", block)``). Training programs only (some output is a
     gradient): an inference plan priced so gathers a toy model's weights rather than move its few
@@ -74,13 +80,13 @@ def _block_groups(gm: fx.GraphModule, output_names: Sequence[str | None]) -> dic
     groups: dict[tuple[fx.Node, Layout], tuple] = {}
     if not any(name is not None for name in output_names):
         return groups
-    for node in gm.graph.nodes:
+    for node, required in asked:
         if node.op == "output":
-            for (a, want), name in zip(requirements(node), output_names):
+            for (a, want), name in zip(required, output_names):
                 if name is not None and isinstance(want, Layout):
                     groups[(a, want)] = ("out", block_of(name))
             continue
-        for a, want in requirements(node):
+        for a, want in required:
             root = input_root(a)
             if root is not None and isinstance(want, Layout):
                 groups.setdefault((a, want), ("in", block_of(root.name)))
@@ -199,7 +205,7 @@ def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel
     Both plans priced as stage 3 will make them (``shared_cost``)."""
     _restore(gm, best[1])
     foreseen: dict[fx.Node, set[Layout]] = {}
-    for a, want in _asked(gm):
+    for a, want in _asked(_all_requirements(gm)):
         foreseen.setdefault(a, set()).add(want)
     if not foreseen:
         return best
@@ -214,15 +220,17 @@ def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
                 output_names: Sequence[str | None] = ()) -> float:
     """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
     that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
-    edges = _asked(gm)
-    return _priced(gm, [(a, want) for a, want in edges
-                        if not served_by_source(a, want, lambda n, layout: (n, layout) in edges)], cost_model, output_names)
+    asked = _all_requirements(gm)
+    edges = _asked(asked)
+    return _priced(asked, [(a, want) for a, want in edges
+                           if not served_by_source(a, want, lambda n, layout: (n, layout) in edges)],
+                   cost_model, output_names)
 
 
-def _asked(gm: fx.GraphModule) -> dict[tuple[fx.Node, Layout], None]:
-    """Every (value, layout) a propagated graph's consumers ask for a value in other than its own, once
-    each, in program order."""
-    return {(a, want): None for node in gm.graph.nodes for a, want in requirements(node)
+def _asked(asked: list[tuple[fx.Node, list]]) -> dict[tuple[fx.Node, Layout], None]:
+    """Every (value, layout) the consumers in ``asked`` (``_all_requirements``) want a value in other
+    than its own, once each, in program order."""
+    return {(a, want): None for _, required in asked for a, want in required
             if isinstance(want, Layout) and a.meta[LAYOUT] != want}
 
 

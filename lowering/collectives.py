@@ -24,7 +24,7 @@ from fxshard.ops import REDISTRIBUTE
 from fxshard.plans import Step
 
 from .digits import coordinate_of, in_group, lead_labels, step_digits
-from .localize import propagate_local_shapes
+from .localize import fake_values, propagate_local_shapes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -331,12 +331,6 @@ def _propagate_lowered(gm: fx.GraphModule, new: Sequence[fx.Node], replaced: Seq
     mode = next((v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor)), None)
     if mode is None:
         return False
-    for node in new:
-        if node.op == "get_attr":
-            node.meta["val"] = mode.from_tensor(getattr(gm, node.target))
-        else:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-            with mode:
-                node.meta["val"] = node.target(*args, **kwargs)
+    fake_values(gm, new, mode)
     return all(isinstance(v := x.meta.get("val"), torch.Tensor) and isinstance(old, torch.Tensor)
                and (v.shape, v.stride(), v.dtype) == (old.shape, old.stride(), old.dtype) for x, old in replaced)
