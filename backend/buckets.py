@@ -26,6 +26,7 @@ from fxshard.blocks import ROOT, block_of
 from fxshard.graph import reachable
 
 from .bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
+from .bucket_traces import traces_reused
 
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
 
@@ -137,10 +138,11 @@ def merge_blocks(gm: fx.GraphModule, region: dict[fx.Node, Any]) -> None:
     the block's tag (``BlockBuckets`` then leaves it as it is)."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    for kind, is_kind, _, _ in _kinds():
-        ours = _ours(gm.graph, is_kind)
-        for home in dict.fromkeys(region[n] for n in ours):  # in program order: the same on every rank
-            _merge_blocks(gm.graph, kind, [n for n in ours if region[n] == home], region, home)
+    with traces_reused():  # every layer's buckets are alike: each kind is traced once (bucket_traces.py)
+        for kind, is_kind, _, _ in _kinds():
+            ours = _ours(gm.graph, is_kind)
+            for home in dict.fromkeys(region[n] for n in ours):  # in program order: the same on every rank
+                _merge_blocks(gm.graph, kind, [n for n in ours if region[n] == home], region, home)
     stable_topological_sort(gm.graph)  # a merged collective's users may precede it (Inductor sorts too)
     gm.recompile()
 

@@ -82,13 +82,14 @@ class InferenceProgram:
             self._run = self.local_graph
             with torch.no_grad():
                 return self._run(*local_inputs)
+        # cutting the program into regions (backend/collector.py): fxshard's stage, not Inductor's
+        with torch.no_grad(), self.reporter.timed("regions"), collector_paused():
+            if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
+                tag_blocks(self.local_graph)
+            cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
+            regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
+                                      overlap=bool(self.buckets)) if self.regional else []
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            with collector_paused():  # cutting the program into regions (backend/collector.py)
-                if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
-                    tag_blocks(self.local_graph)
-                cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
-                regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
-                                          overlap=bool(self.buckets)) if self.regional else []
             if regions:
                 self._run = RegionalProgram(cut, regions, self._compile_region)
             else:

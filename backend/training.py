@@ -92,6 +92,9 @@ class TrainingProgram:
             setattr(self, f"_{which}", run)
         if run is not None:
             return list(_as_tuple(_call(run, args)))
+        if self.regional and self._region_split is None:
+            with torch.no_grad(), self.reporter.timed("regions"), collector_paused():  # fxshard's stage, not Inductor's
+                self._regions()
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
             run = self._compiled(getattr(self, f"{which}_graph"), args, which)
             setattr(self, f"_{which}", run)
@@ -100,8 +103,7 @@ class TrainingProgram:
     def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
         """The whole program compiled, or (``regional``, a model with layers) a program that compiles its
         regions on its first call."""
-        with collector_paused():  # cutting the programs into regions (backend/collector.py)
-            regions = self._regions()[0 if which == "forward" else 1] if self.regional else []
+        regions = self._regions()[0 if which == "forward" else 1] if self.regional else []  # cut by _run
         if not regions:
             return compile_local(gm, inputs, self.buckets and self.buckets[which], training=True)
         return RegionalProgram(self._region_graphs[which], regions, self._compile_region, self.region_cache)

@@ -106,6 +106,41 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
     assert five == three < ran_three, (three, five, ran_three)
 
 
+def _traces_and_merges(layers: int, mesh, monkeypatch) -> tuple[int, int]:
+    """(traces Inductor's bucket merges made, buckets merged) for one FSDP training step of ``layers`` layers."""
+    from torch._inductor.fx_passes import bucketing
+
+    from fxshard.backend import buckets
+
+    counts = Counter()
+    original = bucketing._trace
+
+    def trace(fn, inputs):
+        counts["traces"] += 1
+        return original(fn, inputs)
+
+    def counted(merge):
+        def run(graph, bucket, insert_before=None):
+            counts["merges"] += 1
+            return merge(graph, bucket, insert_before=insert_before)
+        return run
+
+    monkeypatch.setattr(bucketing, "_trace", trace)
+    for name in ("merge_all_gathers", "merge_reduce_scatters"):
+        monkeypatch.setattr(buckets, name, counted(getattr(buckets, name)))
+    _record_compiles(monkeypatch)
+    _fsdp_program(mesh, layers, batch=(8, 64))  # parameters gathered, gradients reduce_scattered
+    return counts["traces"], counts["merges"]
+
+
+def test_every_layers_buckets_are_traced_once(fake_mesh_4, monkeypatch):
+    """The layers' buckets are alike: each kind's merge is traced once (backend/bucket_traces.py), so two
+    more layers merge more buckets and trace none more."""
+    (traces_two, merges_two), (traces_four, merges_four) = (_traces_and_merges(n, fake_mesh_4, monkeypatch)
+                                                            for n in (2, 4))
+    assert traces_four == traces_two < merges_two < merges_four, (traces_two, merges_two, traces_four, merges_four)
+
+
 def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_4, monkeypatch):
     """The forward's saved activations are freed layer by layer as the backward's regions read them last,
     as AOTAutograd's backward frees them, not all at once when the step ends (which held every layer's
