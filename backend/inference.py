@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.graph import output_layouts
+from fxshard.graph import code_on_demand, output_layouts
 from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
@@ -83,7 +83,7 @@ class InferenceProgram:
             with torch.no_grad():
                 return self._run(*local_inputs)
         # cutting the program into regions (backend/collector.py): fxshard's stage, not Inductor's
-        with torch.no_grad(), self.reporter.timed("regions"), collector_paused():
+        with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
             if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
                 tag_blocks(self.local_graph)
             cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is

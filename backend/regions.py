@@ -320,13 +320,37 @@ def _region(index: int, nodes: list[fx.Node]) -> Region:
 
 
 def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
-    """What makes two regions one compiled program: their code and their inputs' shapes, strides, dtypes."""
+    """What makes two regions one compiled program: their code (``program_structure``) and their inputs'
+    shapes, strides, dtypes."""
     def meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
         return ("value", repr(x))
 
-    return (region.graph.code, tuple(meta(x) for x in inputs))
+    return (program_structure(region.graph.graph), tuple(meta(x) for x in inputs))
+
+
+def program_structure(graph: fx.Graph) -> tuple:
+    """What a graph's Python code says, without writing it (code is written on demand: fxshard.graph):
+    each node's op, target and arguments, a node named by its position. Equal for two graphs exactly
+    when their code is, for the graphs ``_region`` makes (names by position)."""
+    position: dict[fx.Node, int] = {}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", position[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return (type(a).__name__, repr(a))
+
+    found = []
+    for k, node in enumerate(graph.nodes):
+        position[node] = k
+        found.append((node.op, node.target if node.op == "call_function" else repr(node.target),
+                      arg(node.args), arg(node.kwargs)))
+    return tuple(found)
 
 
 class RegionalProgram:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from fxshard.graph import code_on_demand
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
@@ -93,7 +94,8 @@ class TrainingProgram:
         if run is not None:
             return list(_as_tuple(_call(run, args)))
         if self.regional and self._region_split is None:
-            with torch.no_grad(), self.reporter.timed("regions"), collector_paused():  # fxshard's stage, not Inductor's
+            # fxshard's stage, not Inductor's; graphs write their code when run or read (fxshard.graph)
+            with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
                 self._regions()
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
             run = self._compiled(getattr(self, f"{which}_graph"), args, which)
