@@ -21,7 +21,9 @@ inputs' (gradients flow from the last layer to the first). A node computed from 
 one region that reads it, or the program's first. Nodes keep their order within a region and the
 regions run in order (forward ascending, backward descending): a valid order, since each node's
 region follows its inputs'. Collectives move with their region, in the same order on every rank,
-and stay in the region that makes their input (a layer holds its own, the same in every layer). The
+and stay in the region that makes their input (a layer holds its own, the same in every layer), as do
+the other nodes stage 5 wrote for a redistribution (``LOWERED_MOVE``: a partial sum's copy on one
+rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. The
 root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients' reductions to the
 backward's end: one bucket each, as FSDP2 gathers the root before the first layer. With bucketing, the
 buckets are merged on a copy of the whole program before the cut, and a layer's gathers start a layer
@@ -31,13 +33,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from fxshard.graph import graph_module
+from fxshard.graph import LOWERED_MOVE, graph_module
 
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
@@ -61,6 +63,7 @@ class Region:
     inputs: list[fx.Node]  # the outer program's values it reads, in its placeholders' order
     outputs: list[fx.Node]  # its values read after it, in its output tuple's order
     layer: bool = True  # False for the prologue, the epilogue and a region between two layers
+    body: list[fx.Node] = field(default_factory=list)  # the outer program's nodes it computes, in order
 
 
 def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -87,8 +90,9 @@ def forward_regions(gm: fx.GraphModule, root_gathers_first: bool = True) -> dict
     for p in gm.graph.find_nodes(op="placeholder"):
         late = last_meets is not None and meets.get(p, -1) > last_meets
         index[p] = layers.get(p, last + 1 if late else -1)
+    # what a layer hands the next (a view, a reduction, a conversion) stays in it, as the prologue's stays in
+    # the prologue: every layer, the first too, starts alike (the backward sinks such nodes: _sink)
     region = _cut_before_consumers(gm, _assign(gm, index, max, first=-1, final=last + 1), index, source)
-    region = _sink(gm, region, runs_before=lambda a, b: a < b, first=-1)
     return _root_gathers_first(gm, region) if root_gathers_first else region
 
 
@@ -230,7 +234,7 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
     for node in nodes:
         k, later = region[node], needed[node]
         if later is not None and later > k:
-            if source.get(node) is None or shared(node) or _communicates(node) or \
+            if source.get(node) is None or shared(node) or _communicates(node) or node.meta.get(LOWERED_MOVE) or \
                     any(anchored(x, k) for x in node.all_input_nodes):
                 stayed.add(node)
             else:
@@ -241,13 +245,12 @@ def _cut_before_consumers(gm: fx.GraphModule, region: dict[fx.Node, int], index:
 
 def _sink(gm: fx.GraphModule, region: dict[fx.Node, int], runs_before: Callable[[int, int], bool],
           first: int) -> dict[fx.Node, int]:
-    """A node of one input (a view, a transpose, zeros like a value) that only a later region reads
-    moves into it: the layout a region's reader wants is the reader's business (a layer's gradient
-    viewed for the next layer's matmul, the embedding gradient's zeros). A layer's collective that only
-    the next region reads moves too (every layer then starts with it), but not the ``first`` region's,
-    nor the views of its result: the first layer would hold what the others do not (TP's all_reduce of
-    the embedding; sequence parallelism's reduce_scatter of it, whose flat result is viewed back), and
-    be compiled as a program of its own."""
+    """The backward's: a node of one input (a view, a transpose, zeros like a value) that only a later
+    region reads moves into it: the layout a region's reader wants is the reader's business (a layer's
+    gradient viewed for the next layer's matmul, the embedding gradient's zeros). A layer's collective
+    that only the next region reads moves too (every layer then starts with it), but not the ``first``
+    region's, nor the views of its result: the first layer would hold what the others do not, and be
+    compiled as a program of its own."""
     for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
         readers = {region[u] for u in node.users if u.op != "output"}
         if region[node] == first and _follows_collective(node):
@@ -316,7 +319,7 @@ def _region(index: int, nodes: list[fx.Node]) -> Region:
         env[node] = graph.create_node("call_function", node.target, args, kwargs, name=f"v{k}")
         env[node].meta = {key: v for key, v in node.meta.items() if key not in _NO_META}
     graph.output(tuple(env[o] for o in outputs))
-    return Region(index, graph_module(torch.nn.Module(), graph), inputs, outputs)
+    return Region(index, graph_module(torch.nn.Module(), graph), inputs, outputs, body=nodes)
 
 
 def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
@@ -387,6 +390,9 @@ class RegionalProgram:
             for x in r.inputs:
                 last_read[slot[x]] = k
         kept = {slot[n] for n in output.all_input_nodes}
+        for k, r in enumerate(self.regions):  # a value no one reads (regions._same_outputs) goes at once
+            for o in r.outputs:
+                last_read.setdefault(slot[o], k)
         self.steps = [([slot[x] for x in r.inputs], [slot[o] for o in r.outputs],
                        [s for s, k2 in last_read.items() if k2 == k and s not in kept])
                       for k, r in enumerate(self.regions)]
@@ -494,4 +500,39 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
     regions = split_regions(gm, region, descending)
     for r in regions:
         r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
-    return regions if len(regions) > 1 else []
+    return _same_outputs(regions) if len(regions) > 1 else []
+
+
+def _same_outputs(regions: list[Region]) -> list[Region]:
+    """Layers that compute alike but return different values return them all: one compiled program.
+
+    What a layer returns is what later regions read, and the last layer's reader is the epilogue, not a
+    layer: where the next layer reads a value the epilogue does not (the residual stream before its
+    all_reduce, with FSDP x TP), the last layer's program would differ from the others' by its outputs
+    alone and be compiled apart. Each layer of a group with one body returns the union of the group's
+    outputs; a value no region reads is dropped as soon as its region returns (``RegionalProgram``)."""
+    groups: dict[tuple, list[Region]] = {}
+    for r in regions:
+        if r.layer:
+            groups.setdefault(program_structure(r.graph.graph)[:-1], []).append(r)  # all but the output node
+    for group in groups.values():
+        union = sorted({k for r in group for k in _output_positions(r)})
+        for r in group:
+            if _output_positions(r) != union:
+                _return(r, union)
+    return regions
+
+
+def _output_positions(region: Region) -> list[int]:
+    """Where in the region's body (its computing nodes, in order) each of its outputs is."""
+    position = {o: k for k, o in enumerate(region.body)}
+    return [position[o] for o in region.outputs]
+
+
+def _return(region: Region, positions: list[int]) -> None:
+    """``region`` returns its body's nodes at ``positions``, in that order."""
+    inner = [n for n in region.graph.graph.nodes if n.op == "call_function"]
+    output = next(iter(region.graph.graph.find_nodes(op="output")))
+    output.args = (tuple(inner[k] for k in positions),)
+    region.graph.recompile()
+    region.outputs = [region.body[k] for k in positions]

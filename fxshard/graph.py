@@ -46,6 +46,7 @@ LOCAL_REGION = "fxshard_local_region"
 EAGER_SHAPE = "fxshard_eager_local_shape"
 REGION_EXIT = "fxshard_region_exit"
 CHECKPOINTED = "fxshard_checkpointed"
+LOWERED_MOVE = "fxshard_lowered_move"  # a node stage 5 wrote for a redistribution (regions keep it with its input)
 
 PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py snapshots these)
 

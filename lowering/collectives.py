@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxshard.exchange import exchange_tables
 from fxshard.layout import IDENTITY
-from fxshard.graph import PLAN, copy_graph_module
+from fxshard.graph import LOWERED_MOVE, PLAN, copy_graph_module
 from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.ops import REDISTRIBUTE
 from fxshard.plans import Step
@@ -318,7 +318,10 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
         graph.erase_node(node)
     graph.lint()
     out.recompile()
-    if not _propagate_lowered(out, [n for n in graph.nodes if n not in before], replaced):
+    new = [n for n in graph.nodes if n not in before]
+    for node in new:
+        node.meta[LOWERED_MOVE] = True
+    if not _propagate_lowered(out, new, replaced):
         propagate_local_shapes(out, coordinate, check=True)
     return out
 

@@ -17,14 +17,14 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
 from fxshard.backend import training
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from models.llama import Llama, LlamaConfig, fsdp_placements, megatron_placements  # noqa: E402
+from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
 BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)  # bytes decide FSDP plans at toy sizes
@@ -47,13 +47,16 @@ def reference(model: Llama, x: torch.Tensor, y: torch.Tensor, grad: bool) -> tup
     # megatron-inference the all-reduces inside regions
     pytest.param(fxshard.MeshSpec(tp=4), megatron_placements, True, marks=pytest.mark.slow),
     (fxshard.MeshSpec(tp=4), megatron_placements, False),  # inference: the forward alone
-], ids=["fsdp", "megatron", "megatron-inference"])
+    # FSDP x TP: the last layer returns what the others do, for the next layer, and no one reads it
+    (fxshard.MeshSpec(dp=2, tp=2), fsdp_tp_placements, True),
+], ids=["fsdp", "megatron", "megatron-inference", "fsdp-tp"])
 def test_regional_program_matches_one_device(mesh, placements, grad):
     torch.manual_seed(len(mesh.names) + grad)
     model = Llama(CFG)
     x, y = torch.randint(0, CFG.vocab_size, (4, 16)), torch.randint(0, CFG.vocab_size, (4, 16))
     ref_loss, ref_grads = reference(model, x, y, grad)
-    batch = {0: (Shard(0),), 1: (Shard(0),)} if "dp" in mesh.names else {}
+    sharded = (Shard(0),) + (Replicate(),) * (len(mesh.names) - 1)  # on dp, the mesh's first dim
+    batch = {0: sharded, 1: sharded} if "dp" in mesh.names else {}
     run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements(model) | batch, grad=grad,
                          cost_model=BANDWIDTH_BOUND, regional=True)
     layers = CFG.n_layers * (2 if grad else 1)  # forward and backward
@@ -323,3 +326,27 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
         F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     torch._dynamo.reset()
     assert len(compiled) == 2, [len(gm.graph.nodes) for gm in compiled]
+
+
+def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
+    """FSDP x TP on a 2 x 2 mesh (bench/train.py's fsdp_tp case, three layers): the plan gathers the
+    embedding table whole, so the prologue hands the first layer the residual stream reduced (for its
+    norm) and as partial sums (for its residual add, a copy on one rank); every layer ends by reducing its
+    partial sums for the next norm, which the next layer reads beside the partial sums themselves, and
+    the epilogue does not. Each layer keeps the conversions of its values (stage 5's, ``LOWERED_MOVE``)
+    and the last returns what the others do (``regions._same_outputs``): one forward program for three
+    layers, and one backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from train_llama import distribute_parameters
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    compiled = _record_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=768))
+    distribute_parameters(model, mesh, fsdp_tp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=fxshard.CostModel())
+    tokens = distribute_tensor(torch.randint(0, 2048, (8, 128)), mesh, (Shard(0), Replicate()))
+    step(tokens, tokens).backward()
+    layers = [r.index for program in (step.last._forward, step.last._backward) for r in program.regions if r.layer]
+    assert sorted(layers) == [0, 0, 1, 1, 2, 2] and len(compiled) == 2, (layers, [len(g.graph.nodes) for g in compiled])
+
