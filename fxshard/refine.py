@@ -72,7 +72,8 @@ def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, La
     return total + sum(latency.values())
 
 
-def _block_groups(asked: list[tuple[fx.Node, list]], output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
+def _block_groups(asked: list[tuple[fx.Node, list]],
+                  output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
     """The moves stage 6 buckets per block: of a view of an input (``("in", block)``) and into an output
     that is an input's gradient (``("out", block)``). Training programs only (some output is a
     gradient): an inference plan priced so gathers a toy model's weights rather than move its few
