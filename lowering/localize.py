@@ -11,6 +11,7 @@ wrong thing.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -295,13 +296,13 @@ def propagate_local_shapes(gm: fx.GraphModule, coordinate: Coordinate, check: bo
 
 def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMode) -> None:
     """``meta["val"]`` of each of ``nodes`` (in program order, their arguments' values known) computed
-    in ``mode``. What ``FakeTensorProp`` does for the functional aten graphs stages 4 and 5 write, at
-    about half its cost (a local program is thousands of nodes): no interpreter, and a value is
-    copied (``detach``) only where a later op could change it in place (a mutating op's result)."""
+    in ``mode``. What ``FakeTensorProp`` does for the functional aten graphs stages 4 and 5 write, for
+    a fifth less (an 8-layer training step's two local programs: 0.45 -> 0.36 s): no interpreter, and a
+    value is copied (``detach``) only where a later op could change it in place (a mutating op's result)."""
     with mode:
         for node in nodes:
-            if node.op == "get_attr":
-                node.meta["val"] = mode.from_tensor(getattr(gm, node.target))
+            if node.op == "get_attr":  # a constant, perhaps of a submodule ("sub.name")
+                node.meta["val"] = mode.from_tensor(functools.reduce(getattr, node.target.split("."), gm))
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
             if node.op == "output":
