@@ -25,14 +25,20 @@ def _program() -> fx.GraphModule:
     return fx.GraphModule(root, graph)
 
 
-def test_fake_values_are_fake_tensor_props():
-    """Shapes, strides and dtypes of every node as FakeTensorProp's, a submodule's constant included."""
+def _program_with_fake_values() -> fx.GraphModule:
+    """``_program`` with ``fake_values`` on a (3, 8) input."""
     gm = _program()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     x = gm.graph.find_nodes(op="placeholder")[0]
     with mode:
         x.meta["val"] = torch.empty(3, 8)
     fake_values(gm, [n for n in gm.graph.nodes if n.op != "placeholder"], mode)
+    return gm
+
+
+def test_fake_values_are_fake_tensor_props():
+    """Shapes, strides and dtypes of every node as FakeTensorProp's, a submodule's constant included."""
+    gm = _program_with_fake_values()
     ours = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "call_function" or n.op == "get_attr"}
 
     expected = _program()
@@ -48,11 +54,6 @@ def test_fake_values_are_fake_tensor_props():
 def test_a_mutating_ops_value_is_a_copy():
     """The value of an in-place op is not its input's tensor object: a later in-place op cannot change a
     value recorded before it (the values are what each node computed, as FakeTensorProp snapshots them)."""
-    gm = _program()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    x = gm.graph.find_nodes(op="placeholder")[0]
-    with mode:
-        x.meta["val"] = torch.empty(3, 8)
-    fake_values(gm, [n for n in gm.graph.nodes if n.op != "placeholder"], mode)
+    gm = _program_with_fake_values()
     mm, add = (n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.add_.Tensor))
     assert add.meta["val"] is not mm.meta["val"]
