@@ -20,9 +20,8 @@ __all__ = ["traces_reused"]
 
 
 @contextlib.contextmanager
-def traces_reused() -> Iterator[dict]:
-    """Within the block, Inductor's bucket merges trace each (function, argument signature) once.
-    Yields the traces made (signature -> graph), for tests."""
+def traces_reused() -> Iterator[None]:
+    """Within the block, Inductor's bucket merges trace each (function, argument signature) once."""
     from torch._inductor.fx_passes import bucketing
 
     original: Callable[[Any, Any], fx.GraphModule] = bucketing._trace
@@ -39,7 +38,7 @@ def traces_reused() -> Iterator[dict]:
 
     bucketing._trace = trace
     try:
-        yield traces
+        yield
     finally:
         bucketing._trace = original
 

@@ -82,7 +82,7 @@ class InferenceProgram:
             self._run = self.local_graph
             with torch.no_grad():
                 return self._run(*local_inputs)
-        # cutting the program into regions (backend/collector.py): fxshard's stage, not Inductor's
+        # the cut into regions is fxshard's stage, not Inductor's (no collections meanwhile: backend/collector.py)
         with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
             if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
                 tag_blocks(self.local_graph)
