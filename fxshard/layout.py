@@ -18,6 +18,7 @@ Text notation (``str(layout)``), one bracket per dim, pieces major to minor::
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -69,9 +70,41 @@ class Piece:
         return self.chunked and self.axis is None
 
 
+class _Interned(type):
+    """Layouts are interned: equal layouts are one object, so comparing two is mostly ``is``.
+
+    Propagation, refinement and pricing compare and hash layouts by the hundred thousand (a
+    memo key holds a node's input layouts, a planner cache key a pair) and build the same ones
+    again and again (every layer asks for the same gathers). A construction first looks its
+    arguments up (``_BY_ARGUMENTS``: no canonicalization for a layout built before), then its
+    canonical fields (``_CANONICAL``). Both tables are caches that hold nothing alive: weak values,
+    dropped with the last layout that uses them. A layout unpickled elsewhere is a copy; equality
+    still compares fields where two layouts are not the same object."""
+
+    def __call__(cls, mesh: MeshSpec, shape: Sequence[Any], dims: Sequence[Sequence[Piece]] | None = None,
+                 partial: Iterable[tuple[MeshAxis, str]] | Mapping[MeshAxis, str] = ()) -> "Layout":
+        try:
+            key = (mesh, tuple(shape), None if dims is None else tuple(tuple(p) for p in dims),
+                   tuple(partial.items()) if isinstance(partial, Mapping) else tuple(partial))
+            known = _BY_ARGUMENTS.get(key)
+        except TypeError:  # an unhashable argument (a size given as a list): built, not looked up
+            key, known = None, None
+        if known is not None:
+            return known
+        layout = super().__call__(mesh, shape, dims, partial)._interned()
+        if key is not None:
+            _BY_ARGUMENTS[key] = layout
+        return layout
+
+
+# explicit caches of _Interned (weak values: a layout no one holds leaves them)
+_BY_ARGUMENTS: "weakref.WeakValueDictionary[tuple, Layout]" = weakref.WeakValueDictionary()
+_CANONICAL: "weakref.WeakValueDictionary[tuple, Layout]" = weakref.WeakValueDictionary()
+
+
 @dataclass(frozen=True)
-class Layout:
-    """The factorized layout of one tensor over a mesh; immutable, hashable, canonical."""
+class Layout(metaclass=_Interned):
+    """The factorized layout of one tensor over a mesh; immutable, hashable, canonical, interned."""
 
     mesh: MeshSpec
     shape: tuple[Size, ...]
@@ -106,7 +139,11 @@ class Layout:
         layouts by the thousand, and canonicalizing dims that are canonical is most of a Layout's cost."""
         new = object.__new__(Layout)
         new._set(self.mesh, self.shape, dims, partial)
-        return new
+        return new._interned()
+
+    def _interned(self) -> "Layout":
+        """The one layout equal to this one (this one, if it is the first)."""
+        return _CANONICAL.setdefault((self.mesh, self.shape, self.dims, self.partial), self)
 
     # equality reads the fields, as the dataclass would; the hash is computed once (layouts key the
     # planner's cache and propagation's memo) and is never pickled (str hashes differ between processes)

@@ -269,6 +269,18 @@ SAME_LAYOUT = [
 @pytest.mark.parametrize("one, other", SAME_LAYOUT)
 def test_equal_layouts_built_differently_are_one_value(one, other):
     assert (one, hash(one)) == (other, hash(other))
+    assert one is other  # interned: propagation compares layouts by the hundred thousand
+
+
+def test_derived_layouts_are_interned_and_pickled_layouts_equal():
+    import pickle
+
+    sharded = Layout(M22, (8, 4), [[Piece(2, A)], []])
+    assert sharded.with_dim(0, [Piece(8)]) is Layout.replicated(M22, (8, 4))
+    assert sharded.with_partial([(B, "sum")]) is Layout(M22, (8, 4), [[Piece(2, A)], []], partial={B: "sum"})
+    copy = pickle.loads(pickle.dumps(sharded))  # a copy (another process's hash differs): equal all the same
+    assert (copy, hash(copy)) == (sharded, hash(sharded))
+    assert Layout(M22, [8, 4], [[Piece(2, A)], []]) is sharded  # a list of sizes is looked up as its tuple
 
 
 DIFFERENT_LAYOUT = [
