@@ -26,6 +26,7 @@ from fxshard.costs import CostModel
 from fxshard.placements import as_mesh_spec
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 
+from .block_regions import captured_with_regions, repeated_blocks
 from .capture import capture, fake_stand_in
 from .driver import compile_program
 from .inputs import input_layouts, one_mesh
@@ -83,7 +84,8 @@ class CompiledFunction:
         with reporter.timed("capturing the function with Dynamo"):
             if self.module is not None:
                 with _reparametrize_module(self.module, stand_ins):
-                    captured = capture(self.fn, arg_stand_ins)
+                    captured = captured_with_regions(lambda: capture(self.fn, arg_stand_ins),
+                                                     repeated_blocks(self.module))
             else:
                 captured = capture(self.fn, arg_stand_ins)
         by_id: dict[int, tuple[str, Any]] = {id(t): ("state", n) for n, t in stand_ins.items()}

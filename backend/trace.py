@@ -144,6 +144,8 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._from_local(*args, **kwargs)
         if target is torch.ops.higher_order.tag_activation_checkpoint:
             return self._checkpointed(*args, **kwargs)
+        if target is torch.ops.higher_order.invoke_subgraph:
+            return self._inlined(*args)
         if is_autograd_function(target):
             if mutates_inputs(kwargs):
                 raise TraceError(f"{self._where()}: a custom autograd.Function modifies its inputs in place "
@@ -203,6 +205,13 @@ class _GlobalInterpreter(fx.Interpreter):
         inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
         inner.local_views = self.local_views
         return self._tagged(lambda: inner.run(*operands), {CHECKPOINTED: self._where()})
+
+    def _inlined(self, body: fx.GraphModule, identifier: Any, *operands: Any) -> Any:
+        """A call of a nested compile region (a repeated block Dynamo traced once,
+        ``backend/block_regions.py``): its body read inline, as Dynamo gives it without regions."""
+        inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
+        inner.local_views = self.local_views
+        return inner.run(*operands)
 
     def _where(self) -> str:
         n = getattr(self, "_current", None)

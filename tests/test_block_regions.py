@@ -1,0 +1,108 @@
+"""Repeated blocks captured once (backend/block_regions.py): Dynamo traces a block class's forward
+once and calls its body for every block; stage 1 reads the calls inline, so the traced program is
+the one Dynamo gives without regions. The user's classes are left as they were, blocks that differ
+(Python attributes, buffers, branches) compute what they do, and a block Dynamo cannot take as a
+region (a Python side effect) is captured as before."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+import fxshard
+from fxshard.backend.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
+from fxshard.backend.capture import capture
+from fxshard.backend.inputs import input_layouts, named_inputs
+from fxshard.backend.trace import trace_global
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import Llama, LlamaConfig, fsdp_placements  # noqa: E402
+
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def _calls(captured) -> list[torch.fx.Node]:
+    return [n for n in captured.gm.graph.nodes if n.target is INVOKE]
+
+
+def _traced_code(model: nn.Module, x: torch.Tensor, captured) -> str:
+    mesh = fxshard.MeshSpec(dp=4)
+    names = named_inputs(model, (x,), captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {**fsdp_placements(model), 0: (Shard(0),)})
+    return trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts).gm.code
+
+
+def test_a_repeated_block_is_traced_once_and_read_inline():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    x = torch.randint(0, 64, (8, 16))
+    plain = capture(model, (x,))
+    with blocks_as_regions(repeated_blocks(model)):
+        regions = capture(model, (x,))
+    calls = _calls(regions)
+    assert (len(_calls(plain)), len(calls), len({n.args[1] for n in calls})) == (0, 3, 1)  # one body, 3 calls
+    assert [id(o) for o in regions.objects] == [id(o) for o in plain.objects]  # every layer's own weights
+    assert _traced_code(model, x, regions) == _traced_code(model, x, plain)
+
+
+class _Block(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.linear, self.scale, self.relu = nn.Linear(8, 8), i, i % 2 == 0
+        self.register_buffer("shift", torch.full((8,), float(i)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x) * self.scale + self.shift
+        return y.relu() if self.relu else y
+
+
+class _Stack(nn.Module):
+    def __init__(self, block: type = _Block) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(block(i) for i in range(4))
+
+    def forward(self, x: torch.Tensor, *extra: object) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, *extra)
+        return x
+
+
+def test_blocks_that_differ_compute_what_they_do_and_the_class_is_left_as_it_was():
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(2, 8)
+    forward = _Block.forward
+    captured = captured_with_regions(lambda: capture(model, (x,)), repeated_blocks(model))
+    torch.testing.assert_close(captured.gm(*captured.objects)[0], model(x))
+    assert _Block.forward is forward and not [k for k in vars(forward) if "compile_region" in k]
+    assert not any("forward" in vars(block) for block in model.layers)
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+
+class _CachingBlock(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        y = self.linear(x)
+        cache.values.append(y)  # a Python side effect: no region
+        return y + len(cache.values)
+
+
+def test_a_block_with_a_side_effect_is_captured_as_before():
+    torch.manual_seed(0)
+    model, x = _Stack(_CachingBlock), torch.randn(2, 8)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return model(x, _Cache())
+
+    captured = captured_with_regions(lambda: capture(run, (x,)), repeated_blocks(model))
+    assert not _calls(captured)
+    torch.testing.assert_close(captured.gm(*captured.objects)[0], run(x))
