@@ -22,15 +22,19 @@ from torch import nn
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """The members of ``module``'s ``ModuleList``s (and ``Sequential``s) whose class occurs there twice or
-    more, with the class's own ``forward`` (no instance override)."""
+    more: blocks of the user's own (modules holding modules; torch's classes, ``nn.Linear`` in a
+    ``Sequential``, are left alone: marking one marks it everywhere), with the class's ``forward``
+    (no instance override)."""
     blocks: list[nn.Module] = []
     for container in module.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         members = list(container)
         for block in members:
-            if (sum(type(other) is type(block) for other in members) > 1 and "forward" not in vars(block)
-                    and isinstance(getattr(type(block), "forward", None), types.FunctionType)):
+            cls = type(block)
+            if (sum(type(other) is cls for other in members) > 1 and not cls.__module__.startswith("torch.")
+                    and any(True for _ in block.children()) and "forward" not in vars(block)
+                    and isinstance(getattr(cls, "forward", None), types.FunctionType)):
                 blocks.append(block)
     return blocks
 
@@ -68,5 +72,4 @@ def captured_with_regions(capture: Callable[[], Any], blocks: Sequence[nn.Module
         with blocks_as_regions(blocks):
             return capture()
     except Exception:  # noqa: BLE001 (any refusal of a region: the plain capture raises what is wrong)
-        torch._dynamo.reset()  # nothing of the refused capture may serve the next one
-        return capture()
+        return capture()  # nothing of the refused one serves it (``capture``: a fresh code object each time)

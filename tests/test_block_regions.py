@@ -16,10 +16,11 @@ import fxshard
 from fxshard.backend.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
 from fxshard.backend.capture import capture
 from fxshard.backend.inputs import input_layouts, named_inputs
-from fxshard.backend.trace import trace_global
+from fxshard.backend.trace import _GlobalInterpreter, trace_global
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import Llama, LlamaConfig, fsdp_placements  # noqa: E402
+from train_llama import distribute_parameters  # noqa: E402
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
 
@@ -106,3 +107,39 @@ def test_a_block_with_a_side_effect_is_captured_as_before():
     captured = captured_with_regions(lambda: capture(run, (x,)), repeated_blocks(model))
     assert not _calls(captured)
     torch.testing.assert_close(captured.gm(*captured.objects)[0], run(x))
+
+
+def test_fxshard_compile_reads_every_layer_as_a_call_of_one_region(fake_mesh_4, monkeypatch):
+    """fxshard.compile captures a model's layers as regions (stage 1 reads one body per layer call)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    bodies: list[str] = []
+    read = _GlobalInterpreter._inlined
+    monkeypatch.setattr(_GlobalInterpreter, "_inlined",
+                        lambda self, body, identifier, *operands: bodies.append(identifier) or read(
+                            self, body, identifier, *operands))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
+    tokens, targets = (distribute_tensor(torch.randint(0, 64, (8, 16)), fake_mesh_4, (Shard(0),)) for _ in range(2))
+    fxshard.compile(model.loss, inductor=False)(tokens, targets).backward()
+    assert len(bodies) == 3 and len(set(bodies)) == 1, bodies
+
+
+def test_a_capture_dynamo_refuses_with_regions_is_made_without_them():
+    model = _Stack()
+    forward = _Block.forward
+
+    def capture_refusing_regions() -> str:
+        if _Block.forward is not forward:
+            raise RuntimeError("Dynamo refuses the region")
+        return "captured without regions"
+
+    assert captured_with_regions(capture_refusing_regions, repeated_blocks(model)) == "captured without regions"
+    assert _Block.forward is forward
+
+
+def test_only_the_users_repeated_blocks_are_regions():
+    """torch's own classes are never marked (nn.Linear is every model's), nor a class occurring once."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), _Stack(), _Block(9))
+    assert repeated_blocks(model) == list(model[3].layers)
