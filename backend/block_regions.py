@@ -2,13 +2,16 @@
 
 A Llama's layers are one class called n times, and Dynamo inlines every call: capturing
 bench/compile.py's 8-layer Llama traces the layer's Python eight times (0.82 s, 0.47 s with
-regions). Marked with ``torch.compiler.nested_compile_region`` while fxshard.compile captures
-(a wrapper of the class's ``forward`` set on each block instance, removed afterwards: the
-user's classes and functions are left as they were), Dynamo traces the first call and reuses
-its graph for every later call its guards accept, as ``invoke_subgraph`` calls of one body;
-stage 1 reads each call's body inline (``backend/trace.py``), so the traced program is the one
-Dynamo gives without regions. Dynamo refuses some regions (a block that changes Python state,
-as a KV cache's update does): ``captured_with_regions`` then captures again without them.
+regions). With the class's ``forward`` a ``torch.compiler.nested_compile_region`` while
+fxshard.compile captures (a wrapper of it: marking sets attributes on the function; the class
+gets its own ``forward`` back after), Dynamo traces the first call and reuses its graph for
+every later call its guards accept (a block whose Python attributes differ is traced again), as
+``invoke_subgraph`` calls of one body; stage 1 reads each call's body inline
+(``backend/trace.py``), so the traced program is the one Dynamo gives without regions. The class
+is marked, not each block: marked per instance (a bound method), torch 2.13's Dynamo passed the
+first block's weights to every call. Dynamo inlines a block with a Python side effect (a cache
+list appended to) as before; where it refuses the regions, ``captured_with_regions`` captures
+again without them.
 """
 from __future__ import annotations
 
