@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -143,3 +144,26 @@ def test_only_the_users_repeated_blocks_are_regions():
     """torch's own classes are never marked (nn.Linear is every model's), nor a class occurring once."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), _Stack(), _Block(9))
     assert repeated_blocks(model) == list(model[3].layers)
+
+
+def test_a_hugging_face_model_with_its_kv_cache_captures_as_without_regions():
+    """Hugging Face decoder layers as regions, called as users call them (the cache on by default):
+    a prefill and a decode step, the cache made and read inside the function; one body per shape."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    def prefill_and_decode(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = model(ids)
+        step = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+        return (out.logits, step, *[layer.keys for layer in out.past_key_values.layers])
+
+    ids = torch.randint(0, 128, (2, 16))
+    with blocks_as_regions(repeated_blocks(model)):
+        captured = capture(prefill_and_decode, (ids,))
+    calls = _calls(captured)
+    assert (len(calls), len({n.args[1] for n in calls})) == (6, 2)
+    for got, want in zip(captured.gm(*captured.objects), prefill_and_decode(ids), strict=True):
+        torch.testing.assert_close(got, want)
