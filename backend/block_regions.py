@@ -15,6 +15,7 @@ again without them.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
 from typing import Any, Callable, Iterator, Sequence
@@ -32,10 +33,10 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     for container in module.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        members = list(container)
-        for block in members:
+        count = collections.Counter(type(member) for member in container)
+        for block in container:
             cls = type(block)
-            if (sum(type(other) is cls for other in members) > 1 and not cls.__module__.startswith("torch.")
+            if (count[cls] > 1 and not cls.__module__.startswith("torch.")
                     and any(True for _ in block.children()) and "forward" not in vars(block)
                     and isinstance(getattr(cls, "forward", None), types.FunctionType)):
                 blocks.append(block)

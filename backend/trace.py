@@ -202,16 +202,18 @@ class _GlobalInterpreter(fx.Interpreter):
         API calls it holds (``redistribute``, ``fxshard.constrain`` on DTensors) are unknown methods;
         checkpoint's recomputation is the training split's job (``CHECKPOINTED`` nodes are recomputed).
         """
-        inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
-        inner.local_views = self.local_views
-        return self._tagged(lambda: inner.run(*operands), {CHECKPOINTED: self._where()})
+        return self._tagged(lambda: self._nested(body).run(*operands), {CHECKPOINTED: self._where()})
 
     def _inlined(self, body: fx.GraphModule, identifier: Any, *operands: Any) -> Any:
         """A call of a nested compile region (a repeated block Dynamo traced once,
         ``backend/block_regions.py``): its body read inline, as Dynamo gives it without regions."""
+        return self._nested(body).run(*operands)
+
+    def _nested(self, body: fx.GraphModule) -> "_GlobalInterpreter":
+        """An interpreter of a higher-order op's body sharing this one's pins and local views."""
         inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
         inner.local_views = self.local_views
-        return inner.run(*operands)
+        return inner
 
     def _where(self) -> str:
         n = getattr(self, "_current", None)
