@@ -27,6 +27,7 @@ from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
 from . import inputs
+from .block_joint import Templates, stamp
 from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
 from .dynamo_compat import dtensor_prim, prim_arguments
 from .inputs import find_device_mesh, from_local_arguments, is_from_local
@@ -121,6 +122,7 @@ class _GlobalInterpreter(fx.Interpreter):
         self.known = known  # tensor -> layout fixed by an input or a pin
         self.local_views = TensorMap()  # tensor -> layout it is the to_local() of (DERIVED: computed from one)
         self.coordinate = coordinate  # the rank whose shapes Dynamo's example values hold
+        self.templates: Templates | None = None  # a joint trace's stamped blocks (block_joint.py)
 
     def _pin(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
         placements = tuple(placements)
@@ -206,13 +208,20 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _inlined(self, body: fx.GraphModule, identifier: Any, *operands: Any) -> Any:
         """A call of a nested compile region (a repeated block Dynamo traced once,
-        ``backend/block_regions.py``): its body read inline, as Dynamo gives it without regions."""
+        ``backend/block_regions.py``): its body read inline, as Dynamo gives it without regions, or in
+        a joint trace stamped out from its joint traced once (``backend/block_joint.py``)."""
+        if self.templates is not None and not any(isinstance(x, torch.Tensor) and x in self.local_views
+                                                  for x in operands):
+            out = self.templates.call(body, operands)
+            if out is not None:
+                return out
         return self._nested(body).run(*operands)
 
     def _nested(self, body: fx.GraphModule) -> "_GlobalInterpreter":
         """An interpreter of a higher-order op's body sharing this one's pins and local views."""
         inner = _GlobalInterpreter(body, self.mesh, self.known, self.coordinate)
         inner.local_views = self.local_views
+        inner.templates = self.templates
         return inner
 
     def _where(self) -> str:
@@ -322,6 +331,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     n_inputs = len(example_inputs)
     coordinate = _tracing_coordinate(device_mesh, mesh)
     output_views: list[Any] = []
+    templates = None if tangents is None else Templates(
+        lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate), decomposition_table(training=True))
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
@@ -332,6 +343,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         for pos, c in constants.items():
             env[pos] = c
         interp = _GlobalInterpreter(gm, mesh, known, coordinate)
+        interp.templates = templates
         with torch.set_grad_enabled(tangents is not None):
             out = interp.run(*env)
         flat = out if isinstance(out, (tuple, list)) else (out,)
@@ -358,6 +370,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         pretty += list(tangent_names)
         tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
         joint = JointSignature(len(tangent_fakes), grad_inputs, tangent_names)
+        if templates.used:
+            stamp(traced)
     eliminate_common_subexpressions(traced)
     fold_one_hot_sums(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]

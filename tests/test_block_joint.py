@@ -1,0 +1,206 @@
+"""A repeated block's joint traced once and stamped out per call (backend/block_joint.py): the joint
+program is the one the inline trace gives, node for node; training through it matches one device;
+a block the template cannot stand for (a pin inside it) is read inline."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import fxshard
+from fxshard.backend import block_joint
+from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
+from fxshard.backend.capture import capture
+from fxshard.backend.inputs import input_layouts, named_inputs
+from fxshard.backend.simulate import simulate_ranks
+from fxshard.backend.trace import trace_global
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements  # noqa: E402
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def _structure(gm: torch.fx.GraphModule) -> list[tuple]:
+    """The program with its nodes named by position: what it computes, not what the tracer called it."""
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", position[a])
+        if isinstance(a, (tuple, list)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, arg(x)) for k, x in a.items())
+        return a
+    return [(n.op, str(n.target) if n.op != "placeholder" else None, arg(n.args), arg(n.kwargs))
+            for n in gm.graph.nodes]
+
+
+def _joint(model: nn.Module, args: tuple, placements: dict, mesh: fxshard.MeshSpec, regions: bool):
+    if regions:
+        with blocks_as_regions(repeated_blocks(model)):
+            captured = capture(model.loss, args)
+    else:
+        captured = capture(model.loss, args)
+    names = named_inputs(model.loss, args, captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names], placements)
+    tangents = [torch.ones(())]
+    return trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts, tangents=tangents).gm
+
+
+def _counting_templates(monkeypatch) -> list:
+    traced: list = []
+    trace = block_joint.trace_template
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        template = trace(*args, **kwargs)
+        traced.append(template)
+        return template
+    monkeypatch.setattr(block_joint, "trace_template", counting)
+    return traced
+
+
+def test_a_joint_stamped_from_one_template_is_the_joint_traced_inline(monkeypatch):
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    args = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    mesh = fxshard.MeshSpec(dp=4)
+    placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
+    traced = _counting_templates(monkeypatch)
+    stamped = _joint(model, args, placements, mesh, regions=True)
+    assert len(traced) == 1 and traced[0] is not None  # one body, three calls, one template
+    assert not [n for n in stamped.graph.nodes if n.target in (block_joint.BLOCK_FORWARD, block_joint.BLOCK_BACKWARD)]
+    inline = _joint(model, args, placements, mesh, regions=False)
+    assert _structure(stamped) == _structure(inline)
+
+
+@pytest.mark.parametrize("mesh, placements", [
+    (fxshard.MeshSpec(dp=4), fsdp_placements),
+    (fxshard.MeshSpec(dp=2, tp=2), fsdp_tp_placements),
+], ids=["fsdp", "fsdp-tp"])
+def test_training_through_stamped_blocks_matches_one_device(mesh, placements, monkeypatch):
+    torch.manual_seed(len(mesh.names))
+    model = Llama(CFG)
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    loss = model.loss(x, y)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    sharded = (Shard(0),) + (Replicate(),) * (len(mesh.names) - 1)
+    traced = _counting_templates(monkeypatch)
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements(model) | {0: sharded, 1: sharded},
+                             grad=True, cost_model=fxshard.CostModel(default_latency=0.0))
+    assert [t is not None for t in traced] == [True]
+    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-4, atol=1e-6)
+
+
+class _TwoOutputs(nn.Module):
+    """A block returning a value only the last block's caller reads: the others' get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.proj(x)) + x
+        return h, (h * h).mean(-1)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, pinned: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_PinnedBlock() if pinned else _TwoOutputs() for _ in range(3))
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x, aux = layer(x)
+        return x.sum() + aux.sum()
+
+
+class _PinnedBlock(_TwoOutputs):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = super().forward(x)
+        return fxshard.constrain(h, (Replicate(),)), aux
+
+
+def test_outputs_without_gradients_train_as_one_device(monkeypatch):
+    torch.manual_seed(0)
+    model = _Blocks()
+    x = torch.randn(16, 8)
+    loss = model.loss(x)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    traced = _counting_templates(monkeypatch)
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(model.loss, x, mesh=fxshard.MeshSpec(dp=2), placements={0: (Shard(0),)}, grad=True)
+    assert [t is not None for t in traced] == [True]
+    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_holding_a_pin_is_read_inline(monkeypatch):
+    torch.manual_seed(0)
+    model = _Blocks(pinned=True)
+    x = torch.randn(16, 8)
+    loss = model.loss(x)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    mesh = fxshard.MeshSpec(dp=2)
+    traced = _counting_templates(monkeypatch)
+    with blocks_as_regions(repeated_blocks(model)):
+        captured = capture(model.loss, (x,))
+        run = simulate_ranks(model.loss, x, mesh=mesh, placements={0: (Shard(0),)}, grad=True)
+    assert traced == [None]  # tried once, read inline at every call
+    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
+    assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
+    names = named_inputs(model.loss, (x,), captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {0: (Shard(0),)})
+    joint = trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts, tangents=[torch.ones(())])
+    assert sum(n.target is fxshard.ops.CONSTRAIN for n in joint.gm.graph.nodes) == 3  # each layer's pin
+
+
+class _Accumulating(nn.Module):
+    """A block writing into its operand (a running sum of its outputs' values, kept in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        total.add_(h.detach())
+        return h
+
+
+class _AccumulatingBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Accumulating() for _ in range(3))
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros_like(x)
+        for layer in self.layers:
+            x = layer(x, total)
+        return x.sum() + (total * x).sum()
+
+
+def test_a_block_writing_into_an_operand_trains_as_one_device(monkeypatch):
+    torch.manual_seed(0)
+    model = _AccumulatingBlocks()
+    x = torch.randn(16, 8)
+    loss = model.loss(x)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    traced = _counting_templates(monkeypatch)
+    with blocks_as_regions(repeated_blocks(model)):
+        captured = capture(model.loss, (x,))
+        run = simulate_ranks(model.loss, x, mesh=fxshard.MeshSpec(dp=2), placements={0: (Shard(0),)}, grad=True)
+    assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
+    assert traced == [None]  # its write goes into the program around it: read inline
+    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
