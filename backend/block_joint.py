@@ -19,6 +19,7 @@ traced inline as before (``Templates.template`` returns None).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -45,7 +46,7 @@ class BlockTemplate:
     (operand positions); ``differentiable``: the outputs that take a gradient (a tangent each).
     """
 
-    graph: fx.Graph
+    module: fx.GraphModule  # holds the constants the body's trace made (get_attr)
     primals: list[fx.Node]
     tangents: list[fx.Node]
     forward: list[fx.Node]
@@ -212,8 +213,7 @@ def trace_template(interpret: Callable[[fx.GraphModule], Any], body: fx.GraphMod
         return None
     if _holds_program_facts(gm.graph) or _has_entries(state["interpreter"].local_views):
         return None
-    return _split(gm.graph, shape["boundary"], shape["tangents"], shape["differentiable"],
-                  grad_inputs)
+    return _split(gm, shape["boundary"], shape["tangents"], shape["differentiable"], grad_inputs)
 
 
 class _NotStamped(Exception):
@@ -239,21 +239,22 @@ def _mutates(node: fx.Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
-def _split(graph: fx.Graph, boundary: int, tangents: list[fx.Node],
+def _split(gm: fx.GraphModule, boundary: int, tangents: list[fx.Node],
            differentiable: tuple[int, ...], grad_inputs: tuple[int, ...]) -> BlockTemplate:
     """The traced joint cut where its backward starts (``boundary``: the nodes traced when the forward
     returned); ``tangents``: the nodes standing for the output gradients."""
-    nodes = list(graph.nodes)
+    nodes = list(gm.graph.nodes)
     primals = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
-    forward = [n for n in nodes[:boundary] if n.op == "call_function"]
-    backward = [n for n in nodes[boundary:] if n.op == "call_function" and n not in tangents]
+    computing = ("call_function", "get_attr")
+    forward = [n for n in nodes[:boundary] if n.op in computing]
+    backward = [n for n in nodes[boundary:] if n.op in computing and n not in tangents]
     returned = list(output.args[0])
     outs, grads = returned[:len(returned) - len(grad_inputs)], returned[len(returned) - len(grad_inputs):]
     in_forward = set(forward)
     residuals = list(dict.fromkeys(a for n in backward for a in n.all_input_nodes if a in in_forward))
     residuals += [g for g in grads if g in in_forward and g not in residuals]  # a gradient the forward made
-    template = BlockTemplate(graph, primals, tangents, forward, backward, outs, residuals, grads,
+    template = BlockTemplate(gm, primals, tangents, forward, backward, outs, residuals, grads,
                              grad_inputs, differentiable)
     template.metas = {"forward": [_meta(n.meta["val"]) for n in outs + residuals],
                       "grads": [_meta(n.meta["val"]) for n in grads]}
@@ -271,14 +272,14 @@ def stamp(gm: fx.GraphModule) -> None:
         template = _LIVE[number]
         if node.target is BLOCK_FORWARD:
             env = dict(zip(template.primals, values))
-            made = _copied(graph, node, template.forward, env)
+            made = _copied(gm, node, template, template.forward, env)
             results = [made[n] for n in template.outputs + template.residuals]
         else:
             n_in, n_res = len(template.primals), len(template.residuals)
             env = dict(zip(template.primals, values[:n_in]))
             env.update(zip(template.residuals, values[n_in:n_in + n_res]))
             env.update(zip(template.tangents, values[n_in + n_res:]))
-            made = _copied(graph, node, template.backward, env)
+            made = _copied(gm, node, template, template.backward, env)
             results = [made[n] for n in template.grads]
         for user in list(node.users):
             if user.target is not operator.getitem:
@@ -289,9 +290,21 @@ def stamp(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _copied(graph: fx.Graph, at: fx.Node, nodes: Sequence[fx.Node], env: dict[fx.Node, Any]) -> dict[fx.Node, Any]:
+def _copied(gm: fx.GraphModule, at: fx.Node, template: BlockTemplate, nodes: Sequence[fx.Node],
+            env: dict[fx.Node, Any]) -> dict[fx.Node, Any]:
+    """``nodes`` of ``template`` copied into ``gm`` before ``at`` (``env``: template node -> its copy);
+    a constant the template holds is held by ``gm`` too, once, under a name of its own."""
+    graph = gm.graph
     with graph.inserting_before(at):
         for n in nodes:
-            if n not in env:
+            if n in env:
+                continue
+            if n.op == "get_attr":
+                name = f"_fxshard_block{template.number}_{n.target.replace('.', '_')}"
+                if not hasattr(gm, name):  # an attribute, as make_fx keeps the constants it lifts
+                    setattr(gm, name, functools.reduce(getattr, n.target.split("."), template.module))
+                env[n] = graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+            else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
     return env

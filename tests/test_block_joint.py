@@ -1,6 +1,7 @@
 """A repeated block's joint traced once and stamped out per call (backend/block_joint.py): the joint
-program is the one the inline trace gives, node for node; training through it matches one device;
-a block the template cannot stand for (a pin inside it) is read inline."""
+program is the one the inline trace gives, node for node; training through it matches one device (our
+Llama under FSDP and FSDP x TP, Hugging Face's architectures under Megatron TP); a block the template
+cannot stand for (a pin inside it, a write into an operand) is read inline."""
 from __future__ import annotations
 
 import os
@@ -204,3 +205,44 @@ def test_a_block_writing_into_an_operand_trains_as_one_device(monkeypatch):
     assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
     assert traced == [None]  # its write goes into the program around it: read inline
     torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
+
+
+# Hugging Face's architectures trained through their layers' templates under Megatron TP (tests/zoo.py):
+# llama (a decoder called with its defaults) and bart (encoder and decoder: two bodies) by default, the
+# others with --slow. T5's layers Dynamo refuses as regions (an aliasing output): fxshard.compile
+# captures it without them (block_regions.captured_with_regions).
+ZOO_DEFAULT = {"llama", "bart"}
+
+
+def _zoo_cases() -> list:
+    try:
+        from zoo import ZOO
+    except ImportError:  # transformers is the models extra
+        return []
+    return [name if name in ZOO_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+            for name in ZOO if name != "t5"]
+
+
+@pytest.mark.parametrize("name", _zoo_cases())
+def test_hugging_face_layers_train_through_their_templates(name, monkeypatch):
+    import types
+
+    pytest.importorskip("transformers")
+    from zoo import ZOO
+
+    arch = ZOO[name]
+    torch.manual_seed(0)
+    model = arch.build()
+    args = arch.example(2, 8)
+    fn = arch.call(model)
+    loss_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)  # its parameters by name
+    loss = loss_of(*args)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    traced = _counting_templates(monkeypatch)
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(loss_of, *args, mesh=fxshard.MeshSpec(tp=2), placements=arch.plan(model), grad=True)
+    assert traced and None not in traced  # every body stamped
+    got = run.full_grads()
+    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-6)
