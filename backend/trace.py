@@ -331,8 +331,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     n_inputs = len(example_inputs)
     coordinate = _tracing_coordinate(device_mesh, mesh)
     output_views: list[Any] = []
-    templates = None if tangents is None else Templates(
-        lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate), decomposition_table(training=True))
+    stamping: list[Templates | None] = [None if tangents is None else Templates(
+        lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate), decomposition_table(training=True))]
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
@@ -343,7 +343,7 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         for pos, c in constants.items():
             env[pos] = c
         interp = _GlobalInterpreter(gm, mesh, known, coordinate)
-        interp.templates = templates
+        interp.templates = stamping[0]
         with torch.set_grad_enabled(tangents is not None):
             out = interp.run(*env)
         flat = out if isinstance(out, (tuple, list)) else (out,)
@@ -364,14 +364,11 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
             for k in grad_inputs:
                 fakes[k].requires_grad_(True)
             tangent_fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tangents]
-            traced = make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
-                             decomposition_table=decomposition_table(training=True))(*fakes, *tangent_fakes)
+            traced = _joint_traced(run, fakes, tangent_fakes, grad_inputs, stamping)
         tangent_names = tuple(f"tangent_{k}" for k in range(len(tangent_fakes)))
         pretty += list(tangent_names)
         tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
         joint = JointSignature(len(tangent_fakes), grad_inputs, tangent_names)
-        if templates.used:
-            stamp(traced)
     eliminate_common_subexpressions(traced)
     fold_one_hot_sums(traced)
     traced_ph = [n for n in traced.graph.nodes if n.op == "placeholder"]
@@ -390,6 +387,29 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     traced.recompile()
     primal_names = [n.name for n in traced_ph][:len(positions)]
     return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, primal_names, joint, tuple(output_views))
+
+
+def _joint_traced(run: Any, fakes: list[torch.Tensor], tangents: list[torch.Tensor], grad_inputs: tuple[int, ...],
+                  stamping: list[Templates | None]) -> fx.GraphModule:
+    """The joint graph of ``run``, its repeated blocks stamped out of templates (``stamping[0]``,
+    ``block_joint.py``). Should stamping fail where reading the blocks inline does not, the joint is
+    traced again inline (``stamping[0]`` set to None): stamping saves time, it never costs a program."""
+    def traced() -> fx.GraphModule:
+        gm = make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
+                     decomposition_table=decomposition_table(training=True))(*fakes, *tangents)
+        if stamping[0] is not None and stamping[0].used:
+            stamp(gm)
+        return gm
+
+    try:
+        return traced()
+    except TraceError:
+        raise  # the program's own error (or a TangentMismatch for the caller): inline reads it alike
+    except Exception:  # noqa: BLE001
+        if stamping[0] is None or not stamping[0].used:
+            raise
+        stamping[0] = None
+        return traced()
 
 
 def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:

@@ -246,3 +246,22 @@ def test_hugging_face_layers_train_through_their_templates(name, monkeypatch):
     assert traced and None not in traced  # every body stamped
     got = run.full_grads()
     torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-6)
+
+
+def test_a_stamp_that_fails_leaves_the_joint_traced_inline(monkeypatch):
+    """Stamping saves time and never costs a program: should it fail, stage 1 traces the blocks inline."""
+    from fxshard.backend import trace
+
+    def failing(gm: torch.fx.GraphModule) -> None:
+        raise RuntimeError("a stamp gone wrong")
+
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    args = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    mesh = fxshard.MeshSpec(dp=4)
+    placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
+    monkeypatch.setattr(trace, "stamp", failing)
+    joint = _joint(model, args, placements, mesh, regions=True)
+    assert not [n for n in joint.graph.nodes if n.target in (block_joint.BLOCK_FORWARD, block_joint.BLOCK_BACKWARD)]
+    monkeypatch.undo()
+    assert _structure(joint) == _structure(_joint(model, args, placements, mesh, regions=True))
