@@ -67,6 +67,22 @@ def _counting_templates(monkeypatch) -> list:
     return traced
 
 
+def _one_device(model: nn.Module, loss_of: Any, *args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and every gradient on one device (the model's gradients left cleared)."""
+    loss = loss_of(*args)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def _trained_on_two_ranks(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and gradients of ``model.loss(x)``, its layers as regions, on two simulated ranks (x on dp)."""
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(model.loss, x, mesh=fxshard.MeshSpec(dp=2), placements={0: (Shard(0),)}, grad=True)
+    return run.full()[0], run.full_grads()
+
+
 def test_a_joint_stamped_from_one_template_is_the_joint_traced_inline(monkeypatch):
     torch.manual_seed(0)
     model = Llama(CFG)
@@ -89,17 +105,14 @@ def test_training_through_stamped_blocks_matches_one_device(mesh, placements, mo
     torch.manual_seed(len(mesh.names))
     model = Llama(CFG)
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
-    loss = model.loss(x, y)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    want = _one_device(model, model.loss, x, y)
     sharded = (Shard(0),) + (Replicate(),) * (len(mesh.names) - 1)
     traced = _counting_templates(monkeypatch)
     with blocks_as_regions(repeated_blocks(model)):
         run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements(model) | {0: sharded, 1: sharded},
                              grad=True, cost_model=fxshard.CostModel(default_latency=0.0))
     assert [t is not None for t in traced] == [True]
-    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close((run.full()[0], run.full_grads()), want, rtol=1e-4, atol=1e-6)
 
 
 class _TwoOutputs(nn.Module):
@@ -135,30 +148,25 @@ def test_outputs_without_gradients_train_as_one_device(monkeypatch):
     torch.manual_seed(0)
     model = _Blocks()
     x = torch.randn(16, 8)
-    loss = model.loss(x)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want = _one_device(model, model.loss, x)
     traced = _counting_templates(monkeypatch)
-    with blocks_as_regions(repeated_blocks(model)):
-        run = simulate_ranks(model.loss, x, mesh=fxshard.MeshSpec(dp=2), placements={0: (Shard(0),)}, grad=True)
+    got = _trained_on_two_ranks(model, x)
     assert [t is not None for t in traced] == [True]
-    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_block_holding_a_pin_is_read_inline(monkeypatch):
     torch.manual_seed(0)
     model = _Blocks(pinned=True)
     x = torch.randn(16, 8)
-    loss = model.loss(x)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
     mesh = fxshard.MeshSpec(dp=2)
+    want = _one_device(model, model.loss, x)
     traced = _counting_templates(monkeypatch)
+    got = _trained_on_two_ranks(model, x)
+    assert traced == [None]  # tried once, read inline at every call
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with blocks_as_regions(repeated_blocks(model)):
         captured = capture(model.loss, (x,))
-        run = simulate_ranks(model.loss, x, mesh=mesh, placements={0: (Shard(0),)}, grad=True)
-    assert traced == [None]  # tried once, read inline at every call
-    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
     assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
     names = named_inputs(model.loss, (x,), captured.objects)
     layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {0: (Shard(0),)})
@@ -195,16 +203,14 @@ def test_a_block_writing_into_an_operand_trains_as_one_device(monkeypatch):
     torch.manual_seed(0)
     model = _AccumulatingBlocks()
     x = torch.randn(16, 8)
-    loss = model.loss(x)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want = _one_device(model, model.loss, x)
     traced = _counting_templates(monkeypatch)
+    got = _trained_on_two_ranks(model, x)
+    assert traced == [None]  # its write goes into the program around it: read inline
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with blocks_as_regions(repeated_blocks(model)):
         captured = capture(model.loss, (x,))
-        run = simulate_ranks(model.loss, x, mesh=fxshard.MeshSpec(dp=2), placements={0: (Shard(0),)}, grad=True)
     assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
-    assert traced == [None]  # its write goes into the program around it: read inline
-    torch.testing.assert_close((run.full()[0], run.full_grads()), (loss.detach(), want), rtol=1e-5, atol=1e-6)
 
 
 # Hugging Face's architectures trained through their layers' templates under Megatron TP (tests/zoo.py):
@@ -236,16 +242,13 @@ def test_hugging_face_layers_train_through_their_templates(name, monkeypatch):
     args = arch.example(2, 8)
     fn = arch.call(model)
     loss_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)  # its parameters by name
-    loss = loss_of(*args)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    loss, want = _one_device(model, loss_of, *args)
     traced = _counting_templates(monkeypatch)
     with blocks_as_regions(repeated_blocks(model)):
         run = simulate_ranks(loss_of, *args, mesh=fxshard.MeshSpec(tp=2), placements=arch.plan(model), grad=True)
     assert traced and None not in traced  # every body stamped
     got = run.full_grads()
-    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss, want), rtol=1e-4, atol=1e-6)
 
 
 def test_a_stamp_that_fails_leaves_the_joint_traced_inline(monkeypatch):
