@@ -13,14 +13,14 @@ the one the inline trace gives: the same ops on the same values, each layer's ba
 autograd runs it.
 
 A body is stamped only where reading it inline needs nothing of the program around it: tensor
-operands and outputs only, no DTensor API call in it (pins, ``to_local`` regions), no
-activation checkpoint, no nested region, no write into an operand, no operand that is a local shard. Otherwise it is
-traced inline as before (``Templates.template`` returns None).
+operands and outputs only, no DTensor API call in it (pins, ``to_local`` regions), no activation
+checkpoint, no nested region, no write into an operand, no operand that is a local shard. Otherwise
+it is traced inline as before (``Templates.call`` returns None), and should stamping fail anyway,
+stage 1 traces the whole joint again inline (``trace._joint_traced``).
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -56,12 +56,13 @@ class BlockTemplate:
     grads: list[fx.Node]
     grad_inputs: tuple[int, ...]
     differentiable: tuple[int, ...]
-    number: int = 0
+    number: int = 0  # its key in _LIVE (the ops' argument): id(template)
+    index: int = 0  # its place among one trace's templates (names of the constants it lends)
     metas: dict[str, list[_Meta]] = field(default_factory=dict)
 
 
-_LIVE: "weakref.WeakValueDictionary[int, BlockTemplate]" = weakref.WeakValueDictionary()  # cache: number -> template
-_NUMBERS = itertools.count()
+# the templates of the traces under way, for the ops' fake and autograd rules (which get a number only)
+_LIVE: "weakref.WeakValueDictionary[int, BlockTemplate]" = weakref.WeakValueDictionary()
 
 
 def _empty(metas: Sequence[_Meta]) -> list[torch.Tensor]:
@@ -144,7 +145,8 @@ class Templates:
     def call(self, body: fx.GraphModule, operands: Sequence[Any]) -> tuple | None:
         """The outputs of a stamped call of ``body`` (traced as ``fxshard::block_forward``), or None."""
         returned = next(n for n in reversed(body.graph.nodes) if n.op == "output").args[0]
-        if not operands or not all(isinstance(x, torch.Tensor) for x in operands) or not isinstance(returned, (tuple, list)):
+        if (not operands or not all(isinstance(x, torch.Tensor) for x in operands)
+                or not isinstance(returned, (tuple, list))):
             return None
         grads = tuple(_requires_grad(x) and x.dtype.is_floating_point for x in operands)
         key = (body, tuple(_meta(x) for x in operands), grads)
@@ -163,7 +165,7 @@ class Templates:
             template = trace_template(self.interpret, body, [_meta(x) for x in operands], grads,
                                       self.decompositions)
         if template is not None:
-            template.number = next(_NUMBERS)
+            template.number, template.index = id(template), len(self.used)
             _LIVE[template.number] = template
             self.used.append(template)
         return template
@@ -300,7 +302,7 @@ def _copied(gm: fx.GraphModule, at: fx.Node, template: BlockTemplate, nodes: Seq
             if n in env:
                 continue
             if n.op == "get_attr":
-                name = f"_fxshard_block{template.number}_{n.target.replace('.', '_')}"
+                name = f"_fxshard_block{template.index}_{n.target.replace('.', '_')}"
                 if not hasattr(gm, name):  # an attribute, as make_fx keeps the constants it lifts
                     setattr(gm, name, functools.reduce(getattr, n.target.split("."), template.module))
                 env[n] = graph.get_attr(name)
