@@ -174,6 +174,27 @@ def test_a_block_holding_a_pin_is_read_inline(monkeypatch):
     assert sum(n.target is fxshard.ops.CONSTRAIN for n in joint.gm.graph.nodes) == 3  # each layer's pin
 
 
+class _Dropping(_TwoOutputs):
+    """A block drawing a dropout mask: each stamped layer draws its own, in the one device's order."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = super().forward(x)
+        return torch.nn.functional.dropout(h, p=0.5, training=True), aux
+
+
+def test_stamped_layers_draw_the_one_devices_random_values(monkeypatch):
+    torch.manual_seed(0)
+    model = _Blocks()
+    model.layers = nn.ModuleList(_Dropping() for _ in range(3))
+    x = torch.randn(16, 8)
+    torch.manual_seed(1)
+    want = _one_device(model, model.loss, x)
+    traced = _counting_templates(monkeypatch)
+    torch.manual_seed(1)
+    got = _trained_on_two_ranks(model, x)
+    assert [t is not None for t in traced] == [True]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
 class _Accumulating(nn.Module):
     """A block writing into its operand (a running sum of its outputs' values, kept in place)."""
 
