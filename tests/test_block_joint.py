@@ -44,10 +44,7 @@ def _structure(gm: torch.fx.GraphModule) -> list[tuple]:
 
 
 def _joint(model: nn.Module, args: tuple, placements: dict, mesh: fxshard.MeshSpec, regions: bool):
-    if regions:
-        with blocks_as_regions(repeated_blocks(model)):
-            captured = capture(model.loss, args)
-    else:
+    with blocks_as_regions(repeated_blocks(model) if regions else []):
         captured = capture(model.loss, args)
     names = named_inputs(model.loss, args, captured.objects)
     layouts = input_layouts(captured.objects, mesh, [k for _, k in names], placements)
