@@ -16,7 +16,8 @@ A body is stamped only where reading it inline needs nothing of the program arou
 operands and outputs only, no DTensor API call in it (pins, ``to_local`` regions), no activation
 checkpoint, no nested region, no write into an operand, no operand that is a local shard. Otherwise
 it is traced inline as before (``Templates.call`` returns None), and should stamping fail anyway,
-stage 1 traces the whole joint again inline (``trace._joint_traced``).
+stage 1 traces the whole program again inline (``trace._stamped``). A forward-only trace (inference)
+stamps its calls the same way: their templates have no backward.
 """
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def trace_template(interpret: Callable[[fx.GraphModule], Any], body: fx.GraphMod
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def joint(*xs: torch.Tensor) -> tuple:
-        with torch.enable_grad():
+        with torch.set_grad_enabled(bool(grad_inputs)):  # a forward-only trace runs without grad, as stage 1's
             outs = torch.func.functionalize(forward, remove="mutations")(*xs)
         if not all(isinstance(o, torch.Tensor) for o in outs):
             raise _NotStamped

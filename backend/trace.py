@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -331,8 +331,9 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     n_inputs = len(example_inputs)
     coordinate = _tracing_coordinate(device_mesh, mesh)
     output_views: list[Any] = []
-    stamping: list[Templates | None] = [None if tangents is None else Templates(
-        lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate), decomposition_table(training=True))]
+    decompositions = decomposition_table(training=tangents is not None)
+    stamping: list[Templates | None] = [Templates(lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate),
+                                                  decompositions)]
 
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
@@ -356,15 +357,16 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     joint = None
     if tangents is None:
         with fake_mode:
-            traced = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
-                             decomposition_table=decomposition_table())(*fakes)
+            traced = _stamped(lambda: make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
+                                              decomposition_table=decompositions)(*fakes), stamping)
     else:
         grad_inputs = tuple(k for k, g in enumerate(needs_grad) if g)
         with fake_mode:
             for k in grad_inputs:
                 fakes[k].requires_grad_(True)
             tangent_fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tangents]
-            traced = _joint_traced(run, fakes, tangent_fakes, grad_inputs, stamping)
+            traced = _stamped(lambda: make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
+                                              decomposition_table=decompositions)(*fakes, *tangent_fakes), stamping)
         tangent_names = tuple(f"tangent_{k}" for k in range(len(tangent_fakes)))
         pretty += list(tangent_names)
         tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
@@ -389,14 +391,12 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     return TracedProgram(traced, mesh, device_mesh, input_layouts, positions, primal_names, joint, tuple(output_views))
 
 
-def _joint_traced(run: Any, fakes: list[torch.Tensor], tangents: list[torch.Tensor], grad_inputs: tuple[int, ...],
-                  stamping: list[Templates | None]) -> fx.GraphModule:
-    """The joint graph of ``run``, its repeated blocks stamped out of templates (``stamping[0]``,
-    ``block_joint.py``). Should stamping fail where reading the blocks inline does not, the joint is
+def _stamped(trace: Callable[[], fx.GraphModule], stamping: list[Templates | None]) -> fx.GraphModule:
+    """``trace()``'s graph with its repeated blocks stamped out of templates (``stamping[0]``,
+    ``block_joint.py``). Should stamping fail where reading the blocks inline does not, the program is
     traced again inline (``stamping[0]`` set to None): stamping saves time, it never costs a program."""
     def traced() -> fx.GraphModule:
-        gm = make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
-                     decomposition_table=decomposition_table(training=True))(*fakes, *tangents)
+        gm = trace()
         if stamping[0] is not None and stamping[0].used:
             stamp(gm)
         return gm

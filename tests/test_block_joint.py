@@ -18,6 +18,7 @@ from fxshard.backend import block_joint
 from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
 from fxshard.backend.capture import capture
 from fxshard.backend.inputs import input_layouts, named_inputs
+from fxshard.backend.regions import program_structure
 from fxshard.backend.simulate import simulate_ranks
 from fxshard.backend.trace import trace_global
 
@@ -27,28 +28,14 @@ from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def _structure(gm: torch.fx.GraphModule) -> list[tuple]:
-    """The program with its nodes named by position: what it computes, not what the tracer called it."""
-    position = {n: k for k, n in enumerate(gm.graph.nodes)}
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return ("node", position[a])
-        if isinstance(a, (tuple, list)):
-            return tuple(arg(x) for x in a)
-        if isinstance(a, dict):
-            return tuple((k, arg(x)) for k, x in a.items())
-        return a
-    return [(n.op, str(n.target) if n.op != "placeholder" else None, arg(n.args), arg(n.kwargs))
-            for n in gm.graph.nodes]
-
-
-def _joint(model: nn.Module, args: tuple, placements: dict, mesh: fxshard.MeshSpec, regions: bool):
+def _joint(model: nn.Module, args: tuple, placements: dict, mesh: fxshard.MeshSpec, regions: bool,
+           forward_only: bool = False):
+    """Stage 1's joint program of ``model.loss(*args)`` (its forward alone: ``forward_only``)."""
     with blocks_as_regions(repeated_blocks(model) if regions else []):
         captured = capture(model.loss, args)
     names = named_inputs(model.loss, args, captured.objects)
     layouts = input_layouts(captured.objects, mesh, [k for _, k in names], placements)
-    tangents = [torch.ones(())]
+    tangents = None if forward_only else [torch.ones(())]
     return trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts, tangents=tangents).gm
 
 
@@ -80,18 +67,20 @@ def _trained_on_two_ranks(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tens
     return run.full()[0], run.full_grads()
 
 
-def test_a_joint_stamped_from_one_template_is_the_joint_traced_inline(monkeypatch):
+@pytest.mark.parametrize("forward_only", [False, True], ids=["joint", "forward"])
+def test_a_program_stamped_from_one_template_is_the_program_traced_inline(forward_only, monkeypatch):
     torch.manual_seed(0)
     model = Llama(CFG)
     args = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
     mesh = fxshard.MeshSpec(dp=4)
     placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
     traced = _counting_templates(monkeypatch)
-    stamped = _joint(model, args, placements, mesh, regions=True)
+    stamped = _joint(model, args, placements, mesh, regions=True, forward_only=forward_only)
     assert len(traced) == 1 and traced[0] is not None  # one body, three calls, one template
+    assert bool(traced[0].backward) != forward_only
     assert not [n for n in stamped.graph.nodes if n.target in (block_joint.BLOCK_FORWARD, block_joint.BLOCK_BACKWARD)]
-    inline = _joint(model, args, placements, mesh, regions=False)
-    assert _structure(stamped) == _structure(inline)
+    inline = _joint(model, args, placements, mesh, regions=False, forward_only=forward_only)
+    assert program_structure(stamped.graph) == program_structure(inline.graph)
 
 
 @pytest.mark.parametrize("mesh, placements", [
@@ -231,11 +220,11 @@ def test_a_block_writing_into_an_operand_trains_as_one_device(monkeypatch):
     assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in captured.gm.graph.nodes)
 
 
-# Hugging Face's architectures trained through their layers' templates under Megatron TP (tests/zoo.py):
-# llama (a decoder called with its defaults) and bart (encoder and decoder: two bodies) by default, the
-# others with --slow. T5's layers Dynamo refuses as regions (an aliasing output): fxshard.compile
-# captures it without them (block_regions.captured_with_regions).
-ZOO_DEFAULT = {"llama", "bart"}
+# Hugging Face's architectures through their layers' templates under Megatron TP (tests/zoo.py), called as
+# their users call them (decoders with their KV cache), trained and forward only: llama (both) and bart
+# (encoder and decoder: two bodies; trained) by default, the others with --slow. T5's layers Dynamo refuses
+# as regions (an aliasing output): fxshard.compile captures it without them (captured_with_regions).
+ZOO_DEFAULT = {("llama", True), ("llama", False), ("bart", True)}
 
 
 def _zoo_cases() -> list:
@@ -243,12 +232,12 @@ def _zoo_cases() -> list:
         from zoo import ZOO
     except ImportError:  # transformers is the models extra
         return []
-    return [name if name in ZOO_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
-            for name in ZOO if name != "t5"]
+    return [(name, grad) if (name, grad) in ZOO_DEFAULT else pytest.param(name, grad, marks=pytest.mark.slow)
+            for grad in (True, False) for name in ZOO if name != "t5"]
 
 
-@pytest.mark.parametrize("name", _zoo_cases())
-def test_hugging_face_layers_train_through_their_templates(name, monkeypatch):
+@pytest.mark.parametrize("name, grad", _zoo_cases())
+def test_hugging_face_layers_run_through_their_templates(name, grad, monkeypatch):
     import types
 
     pytest.importorskip("transformers")
@@ -259,17 +248,22 @@ def test_hugging_face_layers_train_through_their_templates(name, monkeypatch):
     model = arch.build()
     args = arch.example(2, 8)
     fn = arch.call(model)
-    loss_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)  # its parameters by name
-    loss, want = _one_device(model, loss_of, *args)
+    if grad:
+        run_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)  # its parameters by name
+        want = _one_device(model, run_of, *args)
+    else:
+        run_of = fn
+        with torch.no_grad():
+            want = (fn(*args), {})
     traced = _counting_templates(monkeypatch)
     with blocks_as_regions(repeated_blocks(model)):
-        run = simulate_ranks(loss_of, *args, mesh=fxshard.MeshSpec(tp=2), placements=arch.plan(model), grad=True)
+        run = simulate_ranks(run_of, *args, mesh=fxshard.MeshSpec(tp=2), placements=arch.plan(model), grad=grad)
     assert traced and None not in traced  # every body stamped
-    got = run.full_grads()
-    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss, want), rtol=1e-4, atol=1e-6)
+    got = run.full_grads() if grad else {}
+    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want[1]}), want, rtol=1e-4, atol=1e-5)
 
 
-def test_a_stamp_that_fails_leaves_the_joint_traced_inline(monkeypatch):
+def test_a_stamp_that_fails_leaves_the_program_traced_inline(monkeypatch):
     """Stamping saves time and never costs a program: should it fail, stage 1 traces the blocks inline."""
     from fxshard.backend import trace
 
@@ -285,4 +279,4 @@ def test_a_stamp_that_fails_leaves_the_joint_traced_inline(monkeypatch):
     joint = _joint(model, args, placements, mesh, regions=True)
     assert not [n for n in joint.graph.nodes if n.target in (block_joint.BLOCK_FORWARD, block_joint.BLOCK_BACKWARD)]
     monkeypatch.undo()
-    assert _structure(joint) == _structure(_joint(model, args, placements, mesh, regions=True))
+    assert program_structure(joint.graph) == program_structure(_joint(model, args, placements, mesh, regions=True).graph)

@@ -17,6 +17,7 @@ import fxshard
 from fxshard.backend.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
 from fxshard.backend.capture import capture
 from fxshard.backend.inputs import input_layouts, named_inputs
+from fxshard.backend.regions import program_structure
 from fxshard.backend.trace import _GlobalInterpreter, trace_global
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -30,11 +31,12 @@ def _calls(captured) -> list[torch.fx.Node]:
     return [n for n in captured.gm.graph.nodes if n.target is INVOKE]
 
 
-def _traced_code(model: nn.Module, x: torch.Tensor, captured) -> str:
+def _traced_code(model: nn.Module, x: torch.Tensor, captured) -> tuple:
+    """Stage 1's program, its nodes named by position (a stamped layer's are named apart: block_joint.py)."""
     mesh = fxshard.MeshSpec(dp=4)
     names = named_inputs(model, (x,), captured.objects)
     layouts = input_layouts(captured.objects, mesh, [k for _, k in names], {**fsdp_placements(model), 0: (Shard(0),)})
-    return trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts).gm.code
+    return program_structure(trace_global(captured.gm, captured.example_inputs, mesh=mesh, layouts=layouts).gm.graph)
 
 
 def test_a_repeated_block_is_traced_once_and_read_inline():
