@@ -180,12 +180,11 @@ def trace_template(interpret: Callable[[fx.GraphModule], Any], body: fx.GraphMod
     for x, g in zip(primals, grads):
         x.requires_grad_(g)
     grad_inputs = tuple(k for k, g in enumerate(grads) if g)
-    shape: dict[str, Any] = {}
-    state: dict[str, Any] = {}
+    seen: dict[str, Any] = {}  # what the trace found: its interpreter, where the backward starts, ...
 
     def forward(*xs: torch.Tensor) -> tuple:
         interpreter = interpret(body)
-        state["interpreter"] = interpreter
+        seen["interpreter"] = interpreter
         out = interpreter.run(*xs)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -195,13 +194,13 @@ def trace_template(interpret: Callable[[fx.GraphModule], Any], body: fx.GraphMod
         if not all(isinstance(o, torch.Tensor) for o in outs):
             raise _NotStamped
         nodes = get_proxy_mode().tracer.graph.nodes
-        shape["boundary"] = len(nodes)
+        seen["boundary"] = len(nodes)
         differentiable = [k for k, o in enumerate(outs) if o.requires_grad]
-        shape["differentiable"] = tuple(differentiable)
+        seen["differentiable"] = tuple(differentiable)
         # the output gradients: one node each (stamp maps them to the gradients the call is given)
         tangents = [torch.empty_like(outs[k]) for k in differentiable]
-        shape["tangents"] = list(nodes)[shape["boundary"]:]
-        if len(shape["tangents"]) != len(tangents):
+        seen["tangents"] = list(nodes)[seen["boundary"]:]
+        if len(seen["tangents"]) != len(tangents):
             raise _NotStamped
         wrt = [xs[k] for k in grad_inputs]
         made: Sequence[Any] = [None] * len(wrt)
@@ -214,17 +213,13 @@ def trace_template(interpret: Callable[[fx.GraphModule], Any], body: fx.GraphMod
         gm = make_fx(joint, tracing_mode="real", decomposition_table=decompositions)(*primals)
     except Exception:  # noqa: BLE001 (read inline, the body gives its own error, if it has one)
         return None
-    if _holds_program_facts(gm.graph) or _has_entries(state["interpreter"].local_views):
+    if _holds_program_facts(gm.graph) or len(seen["interpreter"].local_views):
         return None
-    return _split(gm, shape["boundary"], shape["tangents"], shape["differentiable"], grad_inputs)
+    return _split(gm, seen["boundary"], seen["tangents"], seen["differentiable"], grad_inputs)
 
 
 class _NotStamped(Exception):
     """The body returns something other than tensors (or its output gradients are not one node each)."""
-
-
-def _has_entries(tensor_map: Any) -> bool:
-    return bool(getattr(tensor_map, "_items", None))
 
 
 def _holds_program_facts(graph: fx.Graph) -> bool:

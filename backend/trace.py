@@ -99,6 +99,9 @@ class TensorMap:
     def __setitem__(self, t: torch.Tensor, value: Any) -> None:
         self._items[id(t)] = (t, value)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def __getitem__(self, t: torch.Tensor) -> Any:
         if t not in self:
             raise KeyError("tensor not in map")
