@@ -47,6 +47,7 @@ import torch.fx as fx
 
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
+from .inductor_direct import compile_direct, takes_directly
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches"]
@@ -79,7 +80,7 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     leaves the collectives as fxshard lowered them. A program without all_gathers, reduce_scatters or
     all_reduces is compiled without the passes. ``training``: the forward or backward of a training
     step, or a region of one (``TRAINING_PATCHES``)."""
-    from torch._inductor import config_comms
+    from torch._inductor import config, config_comms
     from torch._inductor.compile_fx import compile_fx
 
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
@@ -87,8 +88,12 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     patches, comms = inductor_patches(policy, _blocks(gm, policy))
     if training:
         patches = {**patches, **TRAINING_PATCHES}
+    example_inputs = cacheable_inputs(inputs)
     with config_comms.patch(comms), collector_paused():
-        return compile_fx(gm, cacheable_inputs(inputs), config_patches=patches)
+        if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (inductor_direct.py)
+            with config.patch(patches):
+                return compile_direct(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def cacheable_inputs(inputs: Sequence[Any]) -> list[Any]:

@@ -1,10 +1,11 @@
-"""fxshard's local programs go through Inductor's FX graph cache and AOTAutograd's cache.
+"""fxshard's local programs go through Inductor's FX graph cache.
 
 A user who runs a training script a second time finds DTensor + ``torch.compile``'s kernels in
 Inductor's on-disk cache. fxshard hands Inductor its lowered programs with real tensors as example
 inputs, for which ``compile_fx`` made a fake mode without a shape environment, and both caches
 bypassed every program ("No shape env"): every run compiled every region again.
-``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one.
+``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one. (The programs
+skip AOTAutograd, ``backend/inductor_direct.py``, and so its cache.)
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _compiled_twice(model: torch.nn.Module, x: torch.Tensor) -> tuple:
         second = _step(model, x)
         assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
         assert counters["inductor"]["fxgraph_cache_hit"] == compiled, dict(counters["inductor"])
-        assert counters["aot_autograd"]["autograd_cache_hit"] == compiled, dict(counters["aot_autograd"])
+        # the regions go to Inductor without AOTAutograd (backend/inductor_direct.py): none is traced again
+        assert not counters["aot_autograd"], dict(counters["aot_autograd"])
     torch._dynamo.reset()
     return first, second
 
