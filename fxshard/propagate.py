@@ -25,7 +25,7 @@ from .placements import dtensor_spec_of, layout_from_placements
 from .planner import redistribute_cost
 from .policies import Pin
 from .rebuild import Rebuilds
-from .refine import is_pinned
+from .refine import is_pinned, pin_of
 from .registry import lookup
 from .sources import relabel_chain, served_by_source
 from .strategies import numeric_size
@@ -40,6 +40,7 @@ class _Requested:
 
     def __init__(self, rebuilds: Rebuilds, foreseen: Mapping[fx.Node, Iterable[Layout]] | None = None) -> None:
         self._seen: dict[fx.Node, set[Layout]] = {a: set(wants) for a, wants in (foreseen or {}).items()}
+        self._sorted: dict[fx.Node, tuple[Layout, ...]] = {}  # ``of``, until ``a`` is asked for in another layout
         self._through_sources = foreseen is not None
         self.rebuilds = rebuilds  # what serving a value in a layout costs, rebuilt or moved
 
@@ -47,7 +48,10 @@ class _Requested:
         """``ins``: a node's tensor inputs; ``layouts``: what it requires of them."""
         for a, want in zip(ins, layouts):
             if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
-                self._seen.setdefault(a, set()).add(want)
+                seen = self._seen.setdefault(a, set())
+                if want not in seen:
+                    seen.add(want)
+                    self._sorted.pop(a, None)
 
     def has(self, a: fx.Node, want: Layout) -> bool:
         """Asked for already; with ``foreseen`` requests, also through a source of ``a``'s relabellings."""
@@ -57,7 +61,10 @@ class _Requested:
 
     def of(self, a: fx.Node) -> tuple[Layout, ...]:
         """The layouts ``a`` is moved into already, in a fixed order."""
-        return tuple(sorted(self._seen.get(a, ()), key=str))
+        known = self._sorted.get(a)
+        if known is None:
+            known = self._sorted[a] = tuple(sorted(self._seen.get(a, ()), key=str))
+        return known
 
     def key(self, a: fx.Node, memo: "Decisions") -> Hashable:
         """All ``has(a, ...)`` reads: ``of(a)``; with ``foreseen`` requests, also each relabelling on the way
@@ -81,6 +88,7 @@ class Decisions:
         self.made: dict[tuple, Any] = {}
         self._structures: dict[fx.Node, Hashable] = {}
         self._inputs: dict[fx.Node, list[fx.Node]] = {}
+        self._pins: dict[fx.Node, str | None] = {}
 
     def inputs(self, node: fx.Node) -> list[fx.Node]:
         """``graph.tensor_inputs(node)``, read once per program (the graph does not change between runs)."""
@@ -96,10 +104,20 @@ class Decisions:
             static = self._structures[node] = structure(node, self.inputs(node))
         return static
 
+    def pinned(self, node: fx.Node, pinned: frozenset[str]) -> bool:
+        """``refine.is_pinned``, with what it reads of the graph read once per program."""
+        if not pinned:
+            return False
+        try:
+            pin = self._pins[node]
+        except KeyError:
+            pin = self._pins[node] = pin_of(node)
+        return pin in pinned
+
     def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], requested: _Requested,
             pinned: frozenset[str]) -> tuple:
         return (self.structure_of(node), tuple(layouts), tuple(requested.key(a, self) for a in ins),
-                tuple(is_pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
+                tuple(self.pinned(a, pinned) for a in ins), Pin.REDUCE_SHARED in pinned)
 
 
 def structure(node: fx.Node, ins: Sequence[fx.Node]) -> Hashable:

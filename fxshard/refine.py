@@ -245,7 +245,12 @@ def is_pinned(node: fx.Node, pinned: frozenset[str]) -> bool:
     """Whether moving ``node`` costs the pin penalty: a view of a pinned input, or an activation
     (a value that is no view of an input) when ``Pin.ACTIVATIONS`` is pinned; never a factory (moving
     one moves no data: it is built, or sliced, where it is wanted)."""
-    if not pinned or (node.op == "call_function" and node.target in FACTORIES):
-        return False
+    return bool(pinned) and pin_of(node) in pinned
+
+
+def pin_of(node: fx.Node) -> str | None:
+    """The pin that pins ``node`` (``is_pinned``): its input's name, ``Pin.ACTIVATIONS``, or None (a factory)."""
+    if node.op == "call_function" and node.target in FACTORIES:
+        return None
     root = input_root(node)
-    return root.name in pinned if root is not None else Pin.ACTIVATIONS in pinned
+    return root.name if root is not None else Pin.ACTIVATIONS
