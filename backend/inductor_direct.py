@@ -16,6 +16,8 @@ returns None: the caller compiles it through ``compile_fx``.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Callable, Sequence
 
@@ -72,8 +74,9 @@ _REWRITES: dict[Any, Callable[[fx.Node], tuple[Any, tuple] | None]] = {
 
 def takes_directly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     """Whether ``gm`` is a graph Inductor can take without AOTAutograd: calls of ATen (or custom)
-    operators that mutate nothing, static shapes, tensors in and out."""
-    if not all(isinstance(x, FakeTensor) and not _symbolic(x) for x in example_inputs):
+    operators that mutate nothing, static shapes, tensors in and out; and this torch has the entry
+    points ``compile_direct`` calls."""
+    if not _entry_points() or not all(isinstance(x, FakeTensor) and not _symbolic(x) for x in example_inputs):
         return False
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -88,6 +91,17 @@ def takes_directly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
         elif node.op not in ("placeholder", "get_attr"):
             return False
     return True
+
+
+@functools.cache
+def _entry_points() -> bool:
+    """Whether Inductor's private entry points are there as torch 2.13 has them (elsewhere: ``compile_fx``)."""
+    try:
+        from torch._dynamo.utils import get_inputs_devices  # noqa: F401
+        from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner  # noqa: F401
+    except ImportError:
+        return False
+    return "input_device" in inspect.signature(_recursive_joint_graph_passes).parameters
 
 
 def _symbolic(x: torch.Tensor) -> bool:
