@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fxshard.graph import copy_graph_module
+from fxshard.graph import copy_graph_module, metadata
 from fxshard.lowering.localize import fake_values
 
 __all__ = ["compile_direct", "takes_directly"]
@@ -36,12 +36,8 @@ _IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
 _KEPT = object()  # a decomposition that leaves the call as it is (Inductor lowers the op itself)
 
 
-def _dims(node: fx.Node) -> int:
-    return node.args[0].meta["val"].dim()
-
-
 def _transposed(node: fx.Node, d0: int, d1: int) -> tuple[Any, tuple] | None:
-    ndim = _dims(node)
+    ndim = node.args[0].meta["val"].dim()
     if ndim < 2:
         return None
     order = list(range(ndim))
@@ -151,26 +147,13 @@ def decompose_for_inductor(gm: fx.GraphModule, mode: FakeTensorMode) -> None:
         if rewritten is not None:
             node.target, node.args = rewritten
             continue
-        key = (target, _metadata((node.args, node.kwargs)))
+        key = (target, metadata((node.args, node.kwargs)))
         if key not in traced:
             traced[key] = _decomposition(node, table, mode)
         if traced[key] is not _KEPT:
             _splice(gm, node, traced[key], mode)
     gm.graph.lint()
     gm.recompile()
-
-
-def _metadata(value: Any) -> Any:
-    """What a decomposition may read of its arguments: each tensor's shape, strides, offset, dtype, device."""
-    if isinstance(value, fx.Node):
-        value = value.meta["val"]
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_metadata(v) for v in value))
-    if isinstance(value, dict):
-        return tuple((k, _metadata(v)) for k, v in value.items())
-    return value
 
 
 def _decomposition(node: fx.Node, table: dict, mode: FakeTensorMode) -> Any:

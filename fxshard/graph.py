@@ -68,6 +68,21 @@ def value(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+def metadata(v: Any) -> Any:
+    """What an op's rules and decompositions may read of a value, hashable: a tensor's shape, strides,
+    storage offset, dtype and device (its elements are fake); nodes by their fake value; containers
+    element-wise; other constants by type and value."""
+    if isinstance(v, fx.Node):
+        v = value(v)
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(metadata(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, metadata(x)) for k, x in v.items()))
+    return (type(v), v)
+
+
 def dtype_of(node: fx.Node) -> torch.dtype:
     v = value(node)
     return v.dtype if isinstance(v, torch.Tensor) else torch.float32

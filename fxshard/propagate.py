@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .costs import CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, required_layouts, set_strategy, tensor_inputs, value
+from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, metadata, required_layouts, set_strategy, tensor_inputs, value
 from .layout import Layout, LayoutError
 from .mesh import MeshSpec
 from .op_kinds import Context, UnsupportedOpError
@@ -129,28 +129,19 @@ def structure(node: fx.Node, ins: Sequence[fx.Node]) -> Hashable:
 
     def leaf(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            return ("input", first.setdefault(a, len(first)), _metadata(value(a)))
+            return ("input", first.setdefault(a, len(first)), metadata(a))
         if isinstance(a, (tuple, list)):
             return (type(a), tuple(leaf(x) for x in a))
         if isinstance(a, dict):
             return (type(a), tuple((k, leaf(x)) for k, x in a.items()))
         return (type(a), a)
 
-    key = (node.target, leaf(node.args), leaf(node.kwargs), _metadata(value(node)), tuple(len(a.users) > 1 for a in ins))
+    key = (node.target, leaf(node.args), leaf(node.kwargs), metadata(node), tuple(len(a.users) > 1 for a in ins))
     try:
         hash(key)
     except TypeError:
         return node
     return key
-
-
-def _metadata(v: Any) -> Any:
-    """A value as rules see it: a tensor's shape, strides, dtype and device (its elements are fake)."""
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
-    if isinstance(v, (tuple, list)):
-        return (type(v), tuple(_metadata(x) for x in v))
-    return (type(v), v)
 
 
 def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout] | None = None,
