@@ -16,11 +16,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
-from fxshard.graph import LAYOUT, LOCALIZE, copy_graph_module, metadata
+from fxshard.graph import LAYOUT, LOCALIZE, argument_leaves, copy_graph_module, metadata
 from fxshard.layout import Layout
 from fxshard.localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex, SliceRange,
                                   SplitSizes)
@@ -315,11 +314,12 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
                 continue
             if node.op != "call_function":
                 raise LocalizeError(f"{node.format_node()}: a local program holds only calls of functions")
-            key = repeats.key(node.target, args, kwargs)
-            result = repeats.get(key, args, kwargs)
+            leaves = argument_leaves((args, kwargs))
+            key = repeats.key(node.target, args, kwargs, leaves)
+            result = repeats.get(key, leaves)
             if result is None:
                 result = node.target(*args, **kwargs)
-                repeats.put(key, args, kwargs, result)
+                repeats.put(key, leaves, result)
             schema = getattr(node.target, "_schema", None)
             node.meta["val"] = (_snapshot(result) if schema is not None and schema.is_mutable else result)
 
@@ -335,12 +335,13 @@ class _Repeats:
         self.mode = mode
         self.seen: dict[Any, Any] = {}
 
-    def key(self, target: Any, args: tuple, kwargs: dict) -> Any:
+    def key(self, target: Any, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
+        """``leaves``: ``args`` and ``kwargs``'s (``graph.argument_leaves``)."""
         if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
             return None
         if any(isinstance(a, torch.Tensor) and (not isinstance(a, FakeTensor) or a.constant is not None
                                                  or a.requires_grad)
-               for a in pytree.tree_leaves((args, kwargs))):
+               for a in leaves):
             return None
         key = (target, metadata(args), metadata(kwargs))
         try:
@@ -349,11 +350,10 @@ class _Repeats:
             return None
         return key
 
-    def put(self, key: Any, args: tuple, kwargs: dict, result: Any) -> None:
+    def put(self, key: Any, leaves: list[Any], result: Any) -> None:
         if key is None:
             return
-        storages = [a.untyped_storage()._cdata if isinstance(a, torch.Tensor) else None
-                    for a in pytree.tree_leaves((args, kwargs))]
+        storages = [a.untyped_storage()._cdata if isinstance(a, torch.Tensor) else None for a in leaves]
         specs = []
         for out in result if isinstance(result, (tuple, list)) else (result,):
             if not isinstance(out, FakeTensor) or out.constant is not None or out.requires_grad \
@@ -368,12 +368,11 @@ class _Repeats:
             specs.append((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, out.device, base))
         self.seen[key] = (type(result) if isinstance(result, (tuple, list)) else None, tuple(specs))
 
-    def get(self, key: Any, args: tuple, kwargs: dict) -> Any:
+    def get(self, key: Any, leaves: list[Any]) -> Any:
         entry = self.seen.get(key) if key is not None else None
         if entry is None:
             return None
         container, specs = entry
-        leaves = pytree.tree_leaves((args, kwargs))
         with in_kernel_invocation_manager(self.mode):
             outputs = [self._fresh(leaves, *spec) for spec in specs]
         return container(outputs) if container is not None else outputs[0]
