@@ -354,7 +354,7 @@ class _Repeats:
         if key is None:
             return
         storages = [a.untyped_storage()._cdata if isinstance(a, torch.Tensor) else None for a in leaves]
-        specs = []
+        specs, fresh = [], set()
         for out in result if isinstance(result, (tuple, list)) else (result,):
             if not isinstance(out, FakeTensor) or out.constant is not None or out.requires_grad \
                     or out.is_conj() or out.is_neg() or out.layout != torch.strided \
@@ -362,9 +362,10 @@ class _Repeats:
                 return
             storage = out.untyped_storage()._cdata
             base = storages.index(storage) if storage in storages else None
-            if base is None and (out.storage_offset() != 0 or out.untyped_storage().nbytes()
+            if base is None and (storage in fresh or out.storage_offset() != 0 or out.untyped_storage().nbytes()
                                  != compute_required_storage_length(out.shape, out.stride(), 0) * out.itemsize):
-                return  # a result inside a larger buffer: not what a fresh tensor of its metadata is
+                return  # a result inside a larger buffer, or sharing another's: not a fresh tensor of its metadata
+            fresh.add(storage)
             specs.append((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, out.device, base))
         self.seen[key] = (type(result) if isinstance(result, (tuple, list)) else None, tuple(specs))
 
@@ -373,15 +374,16 @@ class _Repeats:
         if entry is None:
             return None
         container, specs = entry
-        with in_kernel_invocation_manager(self.mode):
-            outputs = [self._fresh(leaves, *spec) for spec in specs]
+        outputs = [self._fresh(leaves, *spec) for spec in specs]
         return container(outputs) if container is not None else outputs[0]
 
     def _fresh(self, leaves: list[Any], shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
                device: torch.device, base: int | None) -> FakeTensor:
-        empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if base is not None:
-            empty.set_(leaves[base].untyped_storage(), offset, shape, stride)
+        """A fake tensor of this metadata, as the fake mode's own cache makes one."""
+        with in_kernel_invocation_manager(self.mode):
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if base is not None:
+                empty.set_(leaves[base].untyped_storage(), offset, shape, stride)
         return FakeTensor(self.mode, empty, device)
 
 
