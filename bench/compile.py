@@ -17,16 +17,19 @@ every rank compiles the same programs, so one rank's compile is the job's.
 - FSDP2: ``fully_shard`` per block and the root, each block compiled by Inductor (``block.compile()``),
   as bench/train.py; its time is its first step.
 
-Each row runs in a fresh process (Inductor keeps compiled kernels in memory, fxshard its plans:
-a deeper model measured after a shallower one would reuse them), after a warm-up (imports,
-Inductor's first compile); besides wall times the table gives the
+Each system's first step runs in a fresh process of its own (Inductor keeps compiled kernels in
+memory, fxshard its plans: a deeper model measured after a shallower one would reuse them; and
+torch initializes much lazily, so the second system measured in a process ran faster: 0.94 and
+0.96 fxshard / FSDP2 with FSDP2 first, 1.05 and 1.08 with fxshard first, at 1 layer), after a
+warm-up (imports, Inductor's first compile); the two processes of a row alternate in which goes
+first. Besides wall times the table gives the
 CPU seconds of each step 1 (this process and the C++ compilers it waited for), which a loaded
 machine inflates less. Inductor's caches are off and it compiles in this process (``compile_threads=1``), so both
 compile from scratch on one core. The machine is shared and noisy: the table records the load.
 
 ``--warm``: what a user sees the second time a script runs. Inductor's caches are on (its defaults: the FX
 graph cache and AOTAutograd's), in a fresh directory for the whole bench; each row runs twice, each time
-in a fresh process, and the second is measured: both systems find their kernels in the caches the first
+in fresh processes, and the second is measured: both systems find their kernels in the caches the first
 run filled (fxshard's own stages, not cached, run again).
 """
 from __future__ import annotations
@@ -118,18 +121,15 @@ def warm_up() -> None:
     torch._dynamo.reset()
 
 
-def measure(layers: int, regional: bool = True) -> dict:
+def measure(layers: int, system: str, regional: bool = True) -> dict:
+    """One system's first step (``fxshard`` or ``fsdp2``) at ``layers`` layers, with the load before and after."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-    row: dict[str, Any] = {"layers": layers, "regional": regional, "warm": WARM, "load_before": os.getloadavg()[0]}
+    load_before = os.getloadavg()[0]
     torch._dynamo.reset()
-    row["fxshard"] = fxshard_compile(layers, mesh, regional)
-    torch._dynamo.reset()
-    row["fsdp2"] = fsdp2_compile(layers, mesh)
-    torch._dynamo.reset()
-    row["load_after"] = os.getloadavg()[0]
-    return row
+    result = fxshard_compile(layers, mesh, regional) if system == "fxshard" else fsdp2_compile(layers, mesh)
+    return {"system": system, "result": result, "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def tables(rows: list[dict]) -> str:
@@ -148,8 +148,8 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def one_row(layers: int, regional: bool = True) -> dict:
-    """One row, in this process: a fake process group, the warm-up, both systems."""
+def one_row(layers: int, system: str, regional: bool = True) -> dict:
+    """One system's part of a row, in this process: a fake process group, the warm-up, its first step."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -159,7 +159,7 @@ def one_row(layers: int, regional: bool = True) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         warm_up()
-        return measure(layers, regional)
+        return measure(layers, system, regional)
     finally:
         dist.destroy_process_group()
 
@@ -170,21 +170,29 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-regional", action="store_true", help="fxshard compiles whole programs")
     parser.add_argument("--warm", action="store_true", help="Inductor's caches on and filled by a first run")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row in this process (the parent's child)
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row's system in this process (a child)
+    parser.add_argument("--system", choices=("fxshard", "fsdp2"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(one_row(args.one, not args.no_regional)))
+        print(json.dumps(one_row(args.one, args.system, not args.no_regional)))
         return
     flags = ["--no-regional"] * args.no_regional + ["--warm"] * args.warm
     with tempfile.TemporaryDirectory(prefix="fxshard-bench-inductor-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache) if args.warm else None
         rows = []
-        for n in args.layers:  # each row in a fresh process: Inductor's in-memory kernels and fxshard's planner
-            # cache would otherwise carry over from the smaller model and flatter the larger one
-            for _ in range(2 if args.warm else 1):  # warm: the first run fills Inductor's caches
-                run = subprocess.run([sys.executable, __file__, "--one", str(n)] + flags, check=True,
-                                     capture_output=True, text=True, env=env)
-            rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        for k, n in enumerate(args.layers):  # each system of each row in a fresh process (module docstring)
+            row: dict[str, Any] = {"layers": n, "regional": not args.no_regional, "warm": args.warm}
+            order = ("fxshard", "fsdp2") if k % 2 == 0 else ("fsdp2", "fxshard")
+            for system in order:
+                for _ in range(2 if args.warm else 1):  # warm: the first run fills Inductor's caches
+                    run = subprocess.run([sys.executable, __file__, "--one", str(n), "--system", system] + flags,
+                                         check=True, capture_output=True, text=True, env=env)
+                part = json.loads(run.stdout.strip().splitlines()[-1])
+                row[system] = part["result"]
+                row.setdefault("load_before", part["load_before"])
+                row["load_after"] = part["load_after"]
+            row["first"] = order[0]
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a row as soon as it is measured
     print(json.dumps(rows, indent=1) if args.json else tables(rows))
 
