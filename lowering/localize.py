@@ -301,7 +301,7 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
     much less: no interpreter; a value is copied (``detach``) only where a later op could change it in
     place (a mutating op's result); and a call repeating an earlier one (the same op on arguments of the
     same metadata: every layer's matmul) gets a fresh value of the earlier result's metadata
-    (``_Repeats``) without dispatching, a fifth of a dispatch."""
+    (``_Repeats``) without dispatching (an 8-layer FSDP step's two local programs: 617 -> 142-233 ms)."""
     repeats = _Repeats(mode)
     with mode:
         for node in nodes:
@@ -326,7 +326,7 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
 
 class _Repeats:
     """The results of the calls of one ``fake_values`` by op and argument metadata (``graph.metadata``),
-    as the metadata of each output: a functional ATen op's result depends on nothing else. An output
+    as the metadata of each output: a non-mutating operator's fake result depends on nothing else. An output
     that shares an argument's storage (a view; ``_unsafe_view``) shares the same argument's storage
     when made again. Ops whose results are not plain fake tensors of static shapes (a scalar, a
     constant) are dispatched each time, as are mutating ops."""
