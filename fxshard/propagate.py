@@ -252,11 +252,13 @@ def _propagate_call(node: fx.Node, ins: list[fx.Node], mesh: MeshSpec, strict: b
         return
     entry = lookup(node, has_tensor_inputs=bool(ins))
     if entry is not None and entry.kind is not None:
+        moves_pinned = memo.pinned if memo is not None else is_pinned  # the memo reads each node's pin once
+
         def move_cost(i: int, dst: Layout) -> float:
             if in_layouts[i] == dst or requested.has(ins[i], dst):
                 return 0.0
             price = requested.rebuilds.serving_cost(ins[i], dst)
-            return price * PIN_PENALTY if is_pinned(ins[i], pinned) else price
+            return price * PIN_PENALTY if moves_pinned(ins[i], pinned) else price
 
         offered = reduce_shared(ins, in_layouts) if Pin.REDUCE_SHARED in pinned else in_layouts
         ctx = Context(mesh, in_layouts, offered, move_cost,
