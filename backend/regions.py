@@ -23,11 +23,14 @@ regions run in order (forward ascending, backward descending): a valid order, si
 region follows its inputs'. Collectives move with their region, in the same order on every rank,
 and stay in the region that makes their input (a layer holds its own, the same in every layer), as do
 the other nodes stage 5 wrote for a redistribution (``LOWERED_MOVE``: a partial sum's copy on one
-rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. The
-root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients' reductions to the
-backward's end: one bucket each, as FSDP2 gathers the root before the first layer. With bucketing, the
-buckets are merged on a copy of the whole program before the cut, and a layer's gathers start a layer
-early, its reductions waited a layer late, in regions between two layers (``prefetch.py``).
+rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. Cutting
+pays only where a compiled layer serves another (layers whose parameters have the same names but for
+the index, and the same global layouts) or a prologue or epilogue runs uncompiled; otherwise (a
+tensor-parallel MLP of two different Linears) each program is compiled whole: one call, not one per
+layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
+reductions to the backward's end: one bucket each, as FSDP2 gathers the root before the first layer.
+With bucketing, the buckets are merged on a copy of the whole program before the cut, and a layer's
+gathers start a layer early, its reductions waited a layer late, in regions between two layers (``prefetch.py``).
 """
 from __future__ import annotations
 
@@ -39,13 +42,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.graph import LOWERED_MOVE, graph_module
+from fxshard.graph import LAYOUT, LOWERED_MOVE, graph_module
 
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
 __all__ = ["Region", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
-           "training_regions", "RegionalProgram", "region_key", "program_copy"]
+           "training_regions", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
@@ -446,8 +449,9 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
 
 
 def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
-    """A forward (inference) program's regions; empty where regions gain nothing (one region, or an
-    op other than a function call, which a region cannot hold). ``merge(gm, region)`` buckets the
+    """A forward (inference) program's regions; empty where regions gain nothing (one region, no two layers
+    alike and nothing left uncompiled: ``_pays``), or an op other than a function call, which a region
+    cannot hold. ``merge(gm, region)`` buckets the
     collectives on the whole program first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer
     early and waits what only leaves the program a layer late (``prefetch.py``)."""
     region, last = forward_regions(gm), _last_layer(gm)
@@ -456,8 +460,8 @@ def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: boo
 
 def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
                      merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
-    """The regions of a training program's forward and backward (each empty where regions gain nothing);
-    ``merge`` and ``overlap`` as for ``program_regions``."""
+    """The regions of a training program's forward and backward (each empty where regions gain nothing, the
+    backward's also where the forward's do); ``merge`` and ``overlap`` as for ``program_regions``."""
     placed = forward_regions(forward, root_gathers_first=False)
     if not placed:
         return [], []
@@ -469,9 +473,12 @@ def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outp
     region = _root_gathers_first(forward, dict(placed))
     last = _last_layer(forward)
     backward_region = backward_regions(backward, saved, epilogue)
-    return (_worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last),
-            _worth_it(backward, _across_cuts(backward, backward_region, last, merge, overlap, descending=True), last,
-                      descending=True))
+    alike = layers_alike(forward)  # the backward's layers are the forward's
+    forward_cut = _worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last, alike=alike)
+    if not forward_cut:  # nor does the backward's cut pay: its epilogue is the tangents' plumbing, no loss
+        return [], []
+    return forward_cut, _worth_it(backward, _across_cuts(backward, backward_region, last, merge, overlap,
+                                                         descending=True), last, descending=True, alike=alike)
 
 
 def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -494,13 +501,40 @@ def _last_layer(gm: fx.GraphModule) -> int:
     return max(layer_of_inputs(gm).values(), default=-1)
 
 
-def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False) -> list[Region]:
+def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False,
+              alike: bool | None = None) -> list[Region]:
+    """The program's regions, or none where cutting gains nothing (``_pays``; ``alike``: ``layers_alike``
+    of the program, or of the forward whose backward this is)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     regions = split_regions(gm, region, descending)
     for r in regions:
         r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
-    return _same_outputs(regions) if len(regions) > 1 else []
+    if len(regions) < 2 or not _pays(regions, layers_alike(gm) if alike is None else alike):
+        return []
+    return _same_outputs(regions)
+
+
+def _pays(regions: Sequence[Region], alike: bool) -> bool:
+    """Whether cutting saves Inductor work: a layer's compiled program serves others (``alike``), or a
+    prologue or epilogue runs uncompiled (the embedding, the loss: compute no compile amortizes).
+    Otherwise (a tensor-parallel MLP's two different Linears) the whole program compiled as one costs
+    no more to compile and less to run: one call instead of one per region, and fusion across the
+    cuts. Both facts come from names and global layouts, so every rank decides alike (the cut decides
+    the buckets, which must be the same on every rank)."""
+    return alike or any(not r.layer and float(r.index).is_integer() for r in regions)
+
+
+def layers_alike(gm: fx.GraphModule) -> bool:
+    """Whether two layers of ``gm`` take alike parameters: the same names but for the layer's index, in the
+    same layouts (global shapes and shardings, not local shapes: those may differ by rank) and dtypes."""
+    params: dict[int, list[tuple]] = {}
+    for p, k in layer_of_inputs(gm).items():
+        val = p.meta.get("val")
+        params.setdefault(k, []).append((p.name[_INDEXED.match(p.name).end():], p.meta.get(LAYOUT),
+                                         getattr(val, "dtype", None)))
+    kinds = [tuple(sorted(v, key=lambda t: t[0])) for v in params.values()]
+    return len(set(kinds)) < len(kinds)
 
 
 def _same_outputs(regions: list[Region]) -> list[Region]:

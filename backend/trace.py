@@ -386,8 +386,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
             unique = f"{name}_{k}"
             k += 1
         used.add(unique)
-        node._rename(unique)
-        node.target = unique
+        node._rename(unique)  # made an identifier where it is none: a Sequential's "0_weight" -> "_0_weight"
+        node.target = node.name  # the program's code names its arguments by their targets
         input_layouts[node.name] = layout
     traced.recompile()
     primal_names = [n.name for n in traced_ph][:len(positions)]

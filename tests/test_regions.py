@@ -350,3 +350,66 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
     layers = [r.index for program in (step.last._forward, step.last._backward) for r in program.regions if r.layer]
     assert sorted(layers) == [0, 0, 1, 1, 2, 2] and len(compiled) == 2, (layers, [len(g.graph.nodes) for g in compiled])
 
+
+
+def _tp_mlp() -> torch.nn.Sequential:
+    """The tensor-parallel tutorial's MLP: two Linears of different shapes, one column-, one row-parallel."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+
+MLP_PLACEMENTS = {"0.weight": (Shard(0),), "0.bias": (Shard(0),), "2.weight": (Shard(1),)}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_model_whose_layers_differ_is_compiled_whole(grad):
+    """Cutting pays where a layer's compiled program serves another, or a prologue or epilogue runs
+    uncompiled. The MLP's two layers differ and nothing is left out of Inductor: no regions, one program
+    each way (one call per step instead of one per layer), the same numbers as one device."""
+    torch.manual_seed(3)
+    model = _tp_mlp()
+    x = torch.randn(4, 8, requires_grad=grad)
+    ref = model(x)
+    ref_grads = torch.autograd.grad(ref.sum(), [x, *model.parameters()]) if grad else ()
+    run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(tp=4), placements=MLP_PLACEMENTS, grad=grad, regional=True)
+    assert run.region_graphs == 0
+    torch.testing.assert_close(run.full()[0], ref.detach(), rtol=1e-5, atol=1e-6)
+    if grad:
+        got = run.full_grads()
+        torch.testing.assert_close([got[k] for k in (0, "0.weight", "0.bias", "2.weight", "2.bias")],
+                                   list(ref_grads), rtol=1e-5, atol=1e-6)
+
+
+def test_layers_are_alike_by_global_layouts_on_every_rank(fake_mesh_4):
+    """``layers_alike`` reads parameter names and global layouts, the same on every rank (the cut decides
+    the buckets, which every rank must issue alike): the MLP's two weights have the same local shape on
+    every rank (8 x 4) but not the same layout; the Llama's layers are alike."""
+    from fxshard.backend.regions import layers_alike
+    from fxshard.backend.simulate import lowered_graphs
+
+    mlp = lowered_graphs(_tp_mlp(), torch.randn(4, 8), device_mesh=fake_mesh_4, placements=MLP_PLACEMENTS)
+    model = Llama(CFG)
+    tokens = torch.randint(0, CFG.vocab_size, (4, 16))
+    llama = lowered_graphs(model.loss, tokens, tokens, device_mesh=fake_mesh_4, placements=megatron_placements(model))
+    assert [layers_alike(g) for g in mlp.values()] == [False] * 4
+    assert [layers_alike(g) for g in llama.values()] == [True] * 4
+
+
+def test_fxshard_compile_of_a_sequential_trains_as_one_program_each_way(fake_mesh_4, monkeypatch):
+    """``fxshard.compile`` of an ``nn.Sequential`` (its parameters named "0.weight": the traced program's
+    arguments are made identifiers, "_0_weight") trains, and, its layers differing, compiles its forward and
+    its backward whole: two programs, no regions."""
+    from fxshard.backend.regions import RegionalProgram
+
+    compiled = _record_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model = _tp_mlp()
+    for name, p in list(model.named_parameters()):
+        index, attr = name.split(".")
+        placements = MLP_PLACEMENTS.get(name, (Replicate(),))
+        setattr(model[int(index)], attr, torch.nn.Parameter(distribute_tensor(p.detach(), fake_mesh_4, placements)))
+    step = fxshard.compile(model)
+    step(torch.randn(4, 8)).sum().backward()
+    assert len(compiled) == 2
+    assert not isinstance(step.last._forward, RegionalProgram) and not isinstance(step.last._backward, RegionalProgram)
+    assert {n: p.grad.placements for n, p in model.named_parameters()} == {
+        n: p.placements for n, p in model.named_parameters()}
