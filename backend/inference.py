@@ -20,7 +20,7 @@ from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
 from .collector import collector_paused
-from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
+from .inductor_config import BucketPolicy, block_bytes, compile_local
 from .inputs import InputReader
 from .outputs import OutputWriter
 from .regions import Region, RegionalProgram, program_copy, program_regions
@@ -72,9 +72,12 @@ class InferenceProgram:
         return self.write_outputs(outs)
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
-        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py)."""
+        """Any region compiled, the prologue and the epilogue too (a training step runs them as their graphs):
+        an inference program runs once per token, where an uncompiled prologue's (embedding, rotary tables,
+        masks) and epilogue's ops cost more per call than the layers' compiled ones (a 2-layer decode step
+        at 0.64x the tokens/s, bench/results/overhead.md)."""
         policy = self.buckets and BucketPolicy(self.buckets.cap, tagged=True)  # tagged before the split
-        return compile_local(region.graph, inputs, policy) if region.layer else bucketed_uncompiled(region.graph, policy)
+        return compile_local(region.graph, inputs, policy)
 
     def _compile_and_run(self, local_inputs: list[torch.Tensor]) -> Any:
         """The first call: Inductor compiles the program (regionally: each region as the call reaches it)."""

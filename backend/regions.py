@@ -5,10 +5,12 @@ weights. So the local forward (backward) is cut into contiguous regions, prologu
 (``layers.N``), epilogue; a region is keyed by its code (nodes renamed by position) and its inputs'
 shapes, strides and dtypes; one region per key goes to ``compile_local`` and every region with that
 key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
-The prologue and the epilogue (embedding, final norm, output projection, loss) run as their graphs,
-without Inductor, as torchtitan compiles only the blocks: each is one region whose compile nothing
-amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md). Their
-collectives are bucketed all the same (``inductor_config.bucketed_uncompiled``).
+In a training step the prologue and the epilogue (embedding, final norm, output projection, loss) run
+as their graphs, without Inductor, as torchtitan compiles only the blocks: each is one region whose
+compile nothing amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md);
+their collectives are bucketed all the same (``inductor_config.bucketed_uncompiled``). An inference
+program compiles them too: it runs once per token, and their ops run uncompiled cost more per call
+than the layers' compiled code (``inference.py``).
 
 Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
 (the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other
@@ -455,7 +457,7 @@ def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: boo
     collectives on the whole program first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer
     early and waits what only leaves the program a layer late (``prefetch.py``)."""
     region, last = forward_regions(gm), _last_layer(gm)
-    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last)
+    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last, ends_compiled=True)
 
 
 def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
@@ -502,27 +504,29 @@ def _last_layer(gm: fx.GraphModule) -> int:
 
 
 def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False,
-              alike: bool | None = None) -> list[Region]:
+              alike: bool | None = None, ends_compiled: bool = False) -> list[Region]:
     """The program's regions, or none where cutting gains nothing (``_pays``; ``alike``: ``layers_alike``
-    of the program, or of the forward whose backward this is)."""
+    of the program, or of the forward whose backward this is; ``ends_compiled``: Inductor compiles the
+    prologue and epilogue too, an inference program's)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     regions = split_regions(gm, region, descending)
     for r in regions:
         r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
-    if len(regions) < 2 or not _pays(regions, layers_alike(gm) if alike is None else alike):
+    if len(regions) < 2 or not _pays(regions, layers_alike(gm) if alike is None else alike, ends_compiled):
         return []
     return _same_outputs(regions)
 
 
-def _pays(regions: Sequence[Region], alike: bool) -> bool:
+def _pays(regions: Sequence[Region], alike: bool, ends_compiled: bool) -> bool:
     """Whether cutting saves Inductor work: a layer's compiled program serves others (``alike``), or a
-    prologue or epilogue runs uncompiled (the embedding, the loss: compute no compile amortizes).
+    prologue or epilogue runs uncompiled (a training step's embedding and loss: compute no compile
+    amortizes; unless ``ends_compiled``).
     Otherwise (a tensor-parallel MLP's two different Linears) the whole program compiled as one costs
     no more to compile and less to run: one call instead of one per region, and fusion across the
     cuts. Both facts come from names and global layouts, so every rank decides alike (the cut decides
     the buckets, which must be the same on every rank)."""
-    return alike or any(not r.layer and float(r.index).is_integer() for r in regions)
+    return alike or not ends_compiled and any(not r.layer and float(r.index).is_integer() for r in regions)
 
 
 def layers_alike(gm: fx.GraphModule) -> bool:
