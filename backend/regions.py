@@ -451,11 +451,11 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
 
 
 def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
-    """A forward (inference) program's regions; empty where regions gain nothing (one region, no two layers
-    alike and nothing left uncompiled: ``_pays``), or an op other than a function call, which a region
-    cannot hold. ``merge(gm, region)`` buckets the
-    collectives on the whole program first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer
-    early and waits what only leaves the program a layer late (``prefetch.py``)."""
+    """A forward (inference) program's regions; empty where regions gain nothing (one region, or no two
+    layers alike: an inference program compiles its ends too, ``_pays``) or an op other than a function
+    call, which a region cannot hold. ``merge(gm, region)`` buckets the collectives on the whole program
+    first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer early and waits what only leaves
+    the program a layer late (``prefetch.py``)."""
     region, last = forward_regions(gm), _last_layer(gm)
     return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last, ends_compiled=True)
 
@@ -519,13 +519,12 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
 
 
 def _pays(regions: Sequence[Region], alike: bool, ends_compiled: bool) -> bool:
-    """Whether cutting saves Inductor work: a layer's compiled program serves others (``alike``), or a
-    prologue or epilogue runs uncompiled (a training step's embedding and loss: compute no compile
-    amortizes; unless ``ends_compiled``).
-    Otherwise (a tensor-parallel MLP's two different Linears) the whole program compiled as one costs
-    no more to compile and less to run: one call instead of one per region, and fusion across the
-    cuts. Both facts come from names and global layouts, so every rank decides alike (the cut decides
-    the buckets, which must be the same on every rank)."""
+    """Whether cutting saves Inductor work: a layer's compiled program serves others (``alike``), or,
+    unless ``ends_compiled``, a prologue or epilogue runs uncompiled (a training step's embedding and
+    loss: compute no compile amortizes). Otherwise (a tensor-parallel MLP's two different Linears) the
+    whole program compiled as one costs no more to compile and less to run: one call instead of one per
+    region, and fusion across the cuts. Both facts come from names and global layouts, so every rank
+    decides alike (the cut decides the buckets, which must be the same on every rank)."""
     return alike or not ends_compiled and any(not r.layer and float(r.index).is_integer() for r in regions)
 
 
