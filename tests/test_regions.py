@@ -353,8 +353,9 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
 
 
 def _tp_mlp() -> torch.nn.Sequential:
-    """The tensor-parallel tutorial's MLP: two Linears of different shapes, one column-, one row-parallel."""
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    """The tensor-parallel tutorial's MLP: two Linears of different shapes, one column-, one row-parallel
+    (on 4 ranks every local weight is 4 x 4 and every local bias 4 long, the two layers' alike)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 MLP_PLACEMENTS = {"0.weight": (Shard(0),), "0.bias": (Shard(0),), "2.weight": (Shard(1),)}
@@ -367,7 +368,7 @@ def test_a_model_whose_layers_differ_is_compiled_whole(grad):
     each way (one call per step instead of one per layer), the same numbers as one device."""
     torch.manual_seed(3)
     model = _tp_mlp()
-    x = torch.randn(4, 8, requires_grad=grad)
+    x = torch.randn(4, 4, requires_grad=grad)
     ref = model(x)
     ref_grads = torch.autograd.grad(ref.sum(), [x, *model.parameters()]) if grad else ()
     run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(tp=4), placements=MLP_PLACEMENTS, grad=grad, regional=True)
@@ -381,12 +382,14 @@ def test_a_model_whose_layers_differ_is_compiled_whole(grad):
 
 def test_layers_are_alike_by_global_layouts_on_every_rank(fake_mesh_4):
     """``layers_alike`` reads parameter names and global layouts, the same on every rank (the cut decides
-    the buckets, which every rank must issue alike): the MLP's two weights have the same local shape on
-    every rank (8 x 4) but not the same layout; the Llama's layers are alike."""
+    the buckets, which every rank must issue alike): the MLP's two layers have parameters of the same local
+    shapes on every rank but not the same layouts; the Llama's layers are alike."""
     from fxshard.backend.regions import layers_alike
     from fxshard.backend.simulate import lowered_graphs
 
-    mlp = lowered_graphs(_tp_mlp(), torch.randn(4, 8), device_mesh=fake_mesh_4, placements=MLP_PLACEMENTS)
+    mlp = lowered_graphs(_tp_mlp(), torch.randn(4, 4), device_mesh=fake_mesh_4, placements=MLP_PLACEMENTS)
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in mlp[(1,)].graph.find_nodes(op="placeholder")}
+    assert shapes["_0_weight"] == shapes["_2_weight"] and shapes["_0_bias"] == shapes["_2_bias"], shapes
     model = Llama(CFG)
     tokens = torch.randint(0, CFG.vocab_size, (4, 16))
     llama = lowered_graphs(model.loss, tokens, tokens, device_mesh=fake_mesh_4, placements=megatron_placements(model))
@@ -408,7 +411,7 @@ def test_fxshard_compile_of_a_sequential_trains_as_one_program_each_way(fake_mes
         placements = MLP_PLACEMENTS.get(name, (Replicate(),))
         setattr(model[int(index)], attr, torch.nn.Parameter(distribute_tensor(p.detach(), fake_mesh_4, placements)))
     step = fxshard.compile(model)
-    step(torch.randn(4, 8)).sum().backward()
+    step(torch.randn(4, 4)).sum().backward()
     assert len(compiled) == 2
     assert not isinstance(step.last._forward, RegionalProgram) and not isinstance(step.last._backward, RegionalProgram)
     assert {n: p.grad.placements for n, p in model.named_parameters()} == {
