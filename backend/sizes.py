@@ -37,17 +37,24 @@ def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Cal
             "torch.compile(..., dynamic=True) with backend='fxshard': fxshard plans communication for concrete "
             "sizes, so it compiles one program per distinct set of input sizes it is called with (checked at each "
             "call, never reused for other sizes). Leave dynamic unset to silence this.", stacklevel=3)
-    return PerSizePrograms(example_inputs, compile_for, graph_id)
+    from .size_generic import affine_sizes_only
+
+    return PerSizePrograms(example_inputs, compile_for, graph_id, affine_sizes=affine_sizes_only(gm))
 
 
 class PerSizePrograms:
     """Calls the program compiled for the sizes of its arguments, compiling one per new set of sizes."""
 
     def __init__(self, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
-                 graph_id: str):
+                 graph_id: str, affine_sizes: bool = False):
         self.compile_for = compile_for
         self.graph_id = graph_id
         self.programs: dict[Hashable, Callable] = {}
+        # one program for the sizes that grow where two programs show the plan does not depend on them
+        # (backend/size_generic.py); ``affine_sizes``: Dynamo's graph computes sizes by sums and products only
+        self.affine_sizes = affine_sizes
+        self.generic: Any = None  # a SizeGenericProgram, once two programs allow one
+        self._recent: list[tuple[Hashable, Callable]] = []  # the last three (sizes, program) compiled
         concrete = _concrete(example_inputs)
         if concrete is not None:  # compile now, as Dynamo expects of a backend; else at the first call
             self._compile(sizes_key(concrete), concrete)
@@ -56,6 +63,10 @@ class PerSizePrograms:
         key = sizes_key(args)
         program = self.programs.get(key)
         if program is None:
+            if self.generic is not None and self.generic.accepts(key):
+                outs = self.generic(key, args)
+                if outs is not None:
+                    return outs
             program = self._compile(key, args)
         return program(*args)
 
@@ -69,6 +80,15 @@ class PerSizePrograms:
                 "compiles again for each new one. Pad inputs to a few fixed sizes (e.g. drop_last=True or padding in "
                 "the DataLoader) to compile less.", stacklevel=3)
         program = self.programs[key] = self.compile_for(inputs)
+        self._recent = [*self._recent[-2:], (key, program)]
+        if self.generic is None and self.affine_sizes:
+            from .size_generic import generalize
+
+            self.generic = generalize(self._recent, self.affine_sizes)
+            if self.generic is not None:
+                log.info("fxshard graph %s: the programs for sizes %s and %s differ only in the sizes of unsharded "
+                         "dims: one program compiled for symbolic sizes serves every later size on their line",
+                         self.graph_id, _sizes_text(self._recent[-2][0]), _sizes_text(key))
         return program
 
 
