@@ -8,7 +8,10 @@ graph with static sizes gets its one program, plus a Dynamo guard on its DTensor
 shapes (``guard_global_shapes``); a graph with dynamic sizes gets a ``PerSizePrograms``, which
 finds the program compiled for the sizes of each call and compiles one (all six stages) for sizes
 it has not seen. So a data-parallel loop whose last batch is short compiles two or three
-programs, and no program ever runs on sizes it was not planned for.
+programs, and no program ever runs on sizes it was not planned for. Where only dims no layout
+shards grow (a dynamic KV cache's length), two or three such programs show the plan does not
+depend on them, and one program compiled for symbolic sizes serves the later sizes
+(``size_generic.py``).
 """
 from __future__ import annotations
 

@@ -168,17 +168,19 @@ def generate():
         sys.path.remove(str(EXAMPLES))
 
 
-@pytest.mark.parametrize("cache, programs", [
-    ("static", 2),
-    pytest.param("dynamic", 3, marks=pytest.mark.slow),  # tests/test_decode.py checks the dynamic cache's layouts
+@pytest.mark.parametrize("cache, new_tokens, programs", [
+    ("static", 3, 2),
+    ("dynamic", 6, 3),
 ])
-def test_generate_on_two_gloo_ranks(generate, cache, programs):
+def test_generate_on_two_gloo_ranks(generate, cache, new_tokens, programs):
     """examples/generate.py: Hugging Face ``generate()`` (greedy, KV cache sharded on kv heads) of the
     compiled model gives the single-device tokens on every rank. A static cache compiles the prefill
-    and one decode step; a dynamic one a decode step per length. Each decode step does Megatron's
+    and one decode step. A dynamic one the prefill and decode steps for the first two lengths, whose programs
+    differ only in the cache's length, unsharded: one program then serves the three later lengths
+    (backend/size_generic.py). Each decode step does Megatron's
     collectives: an all_reduce per attention and per MLP (2 layers), one for the vocab-parallel
     embedding, and the all_gather of the logits; the cache is never gathered."""
-    results = generate.spawn(world_size=2, timeout=900.0, cache=cache, prompt=6, new_tokens=3, repeats=1,
+    results = generate.spawn(world_size=2, timeout=900.0, cache=cache, prompt=6, new_tokens=new_tokens, repeats=1,
                              inductor=False)
     for rank, r in sorted(results.items()):
         assert r["same_tokens"], f"rank {rank}: {r['tokens']}"
