@@ -54,6 +54,13 @@ class InferenceProgram:
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
+        # first calls that run the local program as its FX graph, Inductor compiling at the next: a program
+        # that may serve one call only (backend/sizes.py: a size before one program serves them all)
+        self.uncompiled_calls = 0
+
+    @property
+    def compiled(self) -> bool:
+        return self._run is not None
 
     def __call__(self, *args: Any) -> tuple:
         if not self._warned_grad and torch.is_grad_enabled() and any(
@@ -62,7 +69,11 @@ class InferenceProgram:
             warnings.warn("this fxshard program was compiled while autograd was not recording (no input "
                           "required grad, or under torch.no_grad()): its outputs carry no gradient", stacklevel=2)
         local = self.read_inputs(args, differentiable=False)
-        if self._run is None:
+        if self._run is None and self.uncompiled_calls:
+            self.uncompiled_calls -= 1
+            with torch.no_grad():
+                outs = self.local_graph(*local)
+        elif self._run is None:
             outs = self._compile_and_run(local)
         else:
             with torch.no_grad():

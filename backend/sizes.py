@@ -65,11 +65,12 @@ class PerSizePrograms:
     def __call__(self, *args: Any) -> Any:
         key = sizes_key(args)
         program = self.programs.get(key)
+        if self.generic is not None and not getattr(program, "compiled", program is not None) and \
+                self.generic.accepts(key):
+            outs = self.generic(key, args)
+            if outs is not None:
+                return outs
         if program is None:
-            if self.generic is not None and self.generic.accepts(key):
-                outs = self.generic(key, args)
-                if outs is not None:
-                    return outs
             program = self._compile(key, args)
         return program(*args)
 
@@ -87,6 +88,9 @@ class PerSizePrograms:
         if self.generic is None and self.affine_sizes:
             from .size_generic import generalize
 
+            # while the programs may yet prove one serves every size, Inductor waits for a size's second call
+            if hasattr(program, "uncompiled_calls"):
+                program.uncompiled_calls = 1
             self.generic = generalize(self._recent, self.affine_sizes)
             if self.generic is not None:
                 log.info("fxshard graph %s: the programs for sizes %s and %s differ only in the sizes of unsharded "
