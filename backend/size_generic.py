@@ -18,7 +18,9 @@ that is 0 at both). Then one program, the earlier one's local code, is compiled 
 symbolic sizes of those dims (``SizeGenericProgram``) and serves every later call whose sizes the
 affine relation predicts; its shape guards (what Inductor assumed of the symbols) are checked on
 every call, and a call that fails any check compiles a program of its own as before. Every rank
-takes the same path: the checks read global sizes, the code the same on every rank.
+takes the same path: the checks read global sizes, the code the same on every rank. Until then each
+size's first call runs its local program uncompiled (``sizes.py``): the samples cost stages 1-5,
+not an Inductor compile each.
 """
 from __future__ import annotations
 
