@@ -291,8 +291,8 @@ class SizeGenericProgram:
         self._compiled: Callable | None = None
         self._guards: Callable[[Sequence[torch.Tensor]], bool] | None = None  # Inductor's assumptions hold
 
-    def accepts(self, key: Sequence[Any]) -> bool:
-        return self.line.predicts(flat_key(key))
+    def accepts(self, key: Hashable) -> bool:
+        return key in self.readers or self.line.predicts(flat_key(key))  # a reader: sizes accepted before
 
     def __call__(self, key: Hashable, args: Sequence[Any]) -> tuple | None:
         """The program's outputs on ``args`` (of sizes ``key``), or None where its shape guards fail."""
