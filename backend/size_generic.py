@@ -7,20 +7,23 @@ through does not depend on its length when no layout shards it: no collective, s
 the local program names that length, and every rank holds all of it.
 
 So ``PerSizePrograms`` compares each program it compiles with the one before (``generalize``): two
-inference programs whose local code is the same op for op, argument for argument (the lengths
-appear in no argument), whose values have the same layouts but for the sizes that changed, and
-every dim whose size changed unsharded in both, on every value. The sizes that changed between the
-two calls must also change together, affinely (``Affine``: each one moves with the first by an
-integer slope, the cache length ``n``, a mask's ``n + 1``, a stride's ``64 n``), and Dynamo's graph may
-compute with its symbolic sizes only by sums and products (``affine_sizes_only``: no ``min``, ``//``
-or comparison, whose values two samples could agree on where others do not, a ``max(0, n - window)``
-that is 0 at both). Then one program, the earlier one's local code, is compiled by Inductor for
-symbolic sizes of those dims (``SizeGenericProgram``) and serves every later call whose sizes the
-affine relation predicts; its shape guards (what Inductor assumed of the symbols) are checked on
-every call, and a call that fails any check compiles a program of its own as before. Every rank
-takes the same path: the checks read global sizes, the code the same on every rank. Until then each
-size's first call runs its local program uncompiled (``sizes.py``): the samples cost stages 1-5,
-not an Inductor compile each.
+inference programs whose local code is the same op for op and argument for argument, but for int
+arguments that move with one input's length on a line (a view's or an expand's sizes after a matmul's
+decomposition; ``SizeArguments``, checked at a third program too, since a product of two lengths agrees
+with a line at two points), whose values have the same layouts but for the sizes that changed, and every
+dim whose size changed unsharded in both, on every value. The sizes that changed between the two calls
+must also change together, affinely (``Affine``: each one moves with the first by an integer slope, the
+cache length ``n``, a mask's ``n + 1``, a stride's ``64 n``), and Dynamo's graph may compute with its
+symbolic sizes only by sums and products (``affine_sizes_only``: no ``min``, ``//`` or comparison, whose
+values two samples could agree on where others do not, a ``max(0, n - window)`` that is 0 at both). Then
+one program, the earlier one's local code with its moving arguments read from that input's size, is
+compiled by Inductor for symbolic sizes of those dims, whole (``SizeGenericProgram``), and serves every
+later call whose sizes the affine relation predicts; its shape guards (what Inductor assumed of the
+symbols) are checked on every call, and a call that fails any check compiles a program of its own as
+before. The checks read global sizes and unsharded ones, alike on every rank; and whichever program a
+rank runs, it issues the same collectives, the program for symbolic sizes being the same local code.
+Until then each size's first call runs its local program uncompiled (``sizes.py``): the samples cost
+stages 1-5, not an Inductor compile each.
 """
 from __future__ import annotations
 
