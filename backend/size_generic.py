@@ -77,6 +77,12 @@ def flat_key(key: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
+def whole_slope(change: int, step: int) -> int | None:
+    """``change / step`` where it is an integer, else None (a size that moves by a fraction of the length's move)."""
+    slope, rest = divmod(change, step)
+    return None if rest else slope
+
+
 @dataclass(frozen=True)
 class Affine:
     """Which numbers of a sizes key vary, as ``base[i] + slopes[i] * (key[driver] - base[driver])``."""
@@ -95,13 +101,9 @@ class Affine:
         if not varying or not all(type(a[i]) is int and type(b[i]) is int for i in varying):
             return None
         driver = varying[0]
-        step = b[driver] - a[driver]
-        slopes = []
-        for i in varying:
-            slope, rest = divmod(b[i] - a[i], step)
-            if rest:
-                return None
-            slopes.append((i, slope))
+        slopes = [(i, whole_slope(b[i] - a[i], b[driver] - a[driver])) for i in varying]
+        if any(slope is None for _, slope in slopes):
+            return None
         return cls(tuple(a), driver, tuple(slopes))
 
     def predicts(self, key: Sequence[Any]) -> bool:
@@ -185,13 +187,11 @@ def compare_programs(a: fx.GraphModule, b: fx.GraphModule) -> tuple[dict[str, tu
     dim = dims[source.name][0]
     size_a = int(source.meta["val"].shape[dim])
     size_b = int(next(n for n in nodes_b if n.name == source.name).meta["val"].shape[dim])
-    terms = []
-    for name, leaf, u, v in moved:
-        slope, rest = divmod(v - u, size_b - size_a)
-        if rest:
-            return None
-        terms.append((name, leaf, slope, u - slope * size_a))
-    return dims, SizeArguments(source.name, dim, tuple(terms))
+    slopes = [whole_slope(v - u, size_b - size_a) for _, _, u, v in moved]
+    if any(slope is None for slope in slopes):
+        return None
+    terms = tuple((name, leaf, slope, u - slope * size_a) for (name, leaf, u, _), slope in zip(moved, slopes))
+    return dims, SizeArguments(source.name, dim, terms)
 
 
 def with_size_arguments(gm: fx.GraphModule, sizes: SizeArguments) -> fx.GraphModule:
