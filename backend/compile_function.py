@@ -29,6 +29,7 @@ from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from .block_regions import captured_with_regions, repeated_blocks
 from .capture import capture, fake_stand_in
 from .driver import compile_program
+from .inductor_config import start_compile_workers
 from .inputs import input_layouts, one_mesh
 from .report import StageReporter, label_of
 
@@ -81,6 +82,8 @@ class CompiledFunction:
         stand_ins = {name: fake_stand_in(t, mode, training and t.requires_grad) for name, t in state.items()}
         arg_stand_ins = [fake_stand_in(a, mode, False) if isinstance(a, torch.Tensor) else a for a in args]
         reporter = StageReporter(label=label_of(self.fn))
+        if self.inductor:
+            start_compile_workers()  # coming up while Dynamo captures and fxshard plans
         with reporter.timed("capturing the function with Dynamo"):
             if self.module is not None:
                 with _reparametrize_module(self.module, stand_ins):

@@ -28,6 +28,7 @@ from fxshard.timing import stage
 from . import outputs as outputs_
 from .capture import Captured, capture
 from .collector import collector_paused
+from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
 from .joint import TrainingPlan, plan_training
@@ -118,6 +119,8 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
     ``device_mesh`` defaults to the one of the DTensor inputs."""
     reporter = reporter or StageReporter()
+    if inductor:
+        start_compile_workers()  # up by the time stage 6 compiles (inductor_config.py)
     planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs

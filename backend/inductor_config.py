@@ -50,7 +50,7 @@ from .collector import collector_paused
 from .inductor_direct import compile_direct, takes_directly
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
-           "inductor_patches"]
+           "inductor_patches", "start_compile_workers"]
 
 _c10d = torch.ops._c10d_functional
 # A training step's forward and backward, compiled as AOTAutograd compiles a training graph. fxshard gives
@@ -72,6 +72,22 @@ class BucketPolicy:
     cap: int  # bytes per bucket of the collectives of no block (all_reduces, activations): ``block_bytes``
     output_names: tuple[str | None, ...] = ()  # per output, the input it is the gradient of (a backward)
     tagged: bool = False  # the collectives carry their blocks already: a region of a program ``tag_blocks`` saw
+
+
+def start_compile_workers() -> None:
+    """Start Inductor's pool of compile workers now, so it is ready when stage 6 compiles.
+
+    Inductor compiles a Triton kernel in a worker only once the pool answers; until then each kernel is
+    compiled in this process, one after another. ``torch.compile``'s own backend starts the pool when
+    Dynamo first calls it; fxshard calls Inductor's inner compiler itself, so without this the pool
+    began starting at the first kernel, and a GPU program's first region compiled its kernels serially.
+    Started before the planning stages, the pool comes up while they run. Inductor's own switch decides
+    (no pool without Triton, with one compile thread, or under ``TORCH_WARM_POOL=0``)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: Inductor starts its pool when it first needs it
+        return
+    maybe_warm_pool()
 
 
 def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: BucketPolicy | None,

@@ -15,7 +15,9 @@ One GPU runs no job of several NCCL ranks, so the bench has two parts, each on t
   them up (bench/systems.py): compile time (the first step), step time (median of the later steps,
   synchronized), peak GPU memory, collective calls per step (the c10d ops the profiler records), and
   in fxshard's generated wrapper code the Triton kernels and, for each collective, how many kernels
-  are launched between its start and its wait (0: the wait directly follows it, nothing overlaps).
+  are launched between its start and its wait (0: the wait directly follows it, nothing overlaps);
+  and where the first step's Triton kernels were compiled: in Inductor's worker pool, or in this
+  process, one after another, because the pool was not up yet.
 
 Each case runs in its own process (Inductor's in-memory kernels and fxshard's plan caches would
 otherwise carry over). Inductor's caches are off: both systems compile from scratch.
@@ -23,6 +25,8 @@ otherwise carry over). Inductor's caches are off: both systems compile from scra
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -31,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 
@@ -199,7 +203,8 @@ def speed(case: str, system: str, device: str, small: bool, regional: bool = Tru
             torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
-        _, codes = run_and_get_code(lambda: training_step(0))
+        with where_triton_compiles() as where:
+            _, codes = run_and_get_code(lambda: training_step(0))
         sync()
         compile_s = time.perf_counter() - start
         times = []
@@ -211,7 +216,8 @@ def speed(case: str, system: str, device: str, small: bool, regional: bool = Tru
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         calls = runtime_collectives(lambda: training_step(STEPS))
         out = {"case": case, "system": system, "compile_s": compile_s, "step_s": statistics.median(times),
-               "step_spread_s": [min(times), max(times)], "peak_bytes": peak, "counts": calls}
+               "step_spread_s": [min(times), max(times)], "peak_bytes": peak, "counts": calls,
+               "triton_compiled_in": dict(where)}
         if device == "cuda":
             out.update(device_kernels(lambda: training_step(STEPS + 1)))
         out.update(wrapper_overlap(codes))
@@ -223,6 +229,26 @@ def speed(case: str, system: str, device: str, small: bool, regional: bool = Tru
         return out
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def where_triton_compiles() -> Iterator[collections.Counter]:
+    """Counts of the Triton kernels Inductor compiled in its worker pool ("workers") and in this process
+    ("process": the pool was not up yet) within the block."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    where: collections.Counter = collections.Counter()
+    triton = AsyncCompile.triton
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        where["workers" if AsyncCompile.use_process_pool() else "process"] += 1
+        return triton(self, *args, **kwargs)
+
+    AsyncCompile.triton = counted
+    try:
+        yield where
+    finally:
+        AsyncCompile.triton = triton
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -253,16 +279,18 @@ def tables(device_name: str, numeric_rows: list[dict], speed_rows: list[dict]) -
         else:
             lines.append(f"| {r['case']} | {r['max_rel_error']:.2e} | {r['worst']} | {r['values']} |")
     lines += ["", "| case | system | calls / step | step ms (min-max) | compile s | peak MiB | Triton kernels | "
-              "collectives started in it | waits on an input | waits right after start / waits | launches between (median) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "collectives started in it | waits on an input | waits right after start / waits | launches between (median) | "
+              "Triton compiled in workers / in this process |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in speed_rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['system']} | fails: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['case']} | {r['system']} | fails: {r['error']} | | | | | | | | | |")
             continue
         counts = ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items())) or "0"
         lo, hi = r["step_spread_s"]
         overlap = (f"{r['triton_kernels']} | {r['starts']} | {r['waits_on_inputs']} | "
-                   f"{r['waits_right_after_start']} / {r['waits']} | {r['launches_between_median']}")
+                   f"{r['waits_right_after_start']} / {r['waits']} | {r['launches_between_median']} | "
+                   f"{r['triton_compiled_in'].get('workers', 0)} / {r['triton_compiled_in'].get('process', 0)}")
         lines.append(f"| {r['case']} | {r['system']} | {counts} | {r['step_s'] * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | "
                      f"{r['compile_s']:.1f} | {mib(r['peak_bytes'])} | {overlap} |")
     lines += ["", "| case | step time fxshard / DTensor | compile fxshard / DTensor | peak memory fxshard / DTensor |",

@@ -7,6 +7,7 @@ fresh random data; programs it cannot take (a mutating op, an output that is no 
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._inductor.decomposition import select_decomp_table
@@ -96,3 +97,37 @@ def test_programs_it_cannot_take_go_through_aotautograd():
     assert not takes_directly(_program(lambda x: (x * 2,), [x]), [x])  # real inputs: no fake mode to read
     torch.testing.assert_close(compile_local(single, [x], None)(x), x * 2)
     torch.testing.assert_close(tuple(compile_local(mutates, [x], None)(x)), (x + 1,))
+
+
+class _Stopped(Exception):
+    """Raised in place of planning: the test needs only what ran before it."""
+
+
+@pytest.mark.parametrize("entry", ["fxshard.compile", "backend"])
+@pytest.mark.parametrize("inductor", [True, False])
+def test_inductor_compile_workers_start_before_planning(fake_mesh_4, make_mlp, monkeypatch, entry, inductor):
+    """Inductor compiles Triton kernels in its worker pool only once the pool is up; torch.compile's own
+    backend starts it when Dynamo first calls it. fxshard's entry points start it before stage 1, so it
+    comes up while they plan (on this CPU build Inductor's switch makes the call a no-op: recorded here)."""
+    import fxshard
+    import fxshard.backend.driver as driver
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    events: list[str] = []
+    monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("workers"))
+
+    def plan(*args, **kwargs):
+        events.append("plan")
+        raise _Stopped
+
+    monkeypatch.setattr(driver, "plan_program", plan)
+    torch._dynamo.reset()
+    x = distribute_tensor(torch.randn(8, 8), fake_mesh_4, [Shard(0)])
+    with pytest.raises((_Stopped, torch._dynamo.exc.BackendCompilerFailed), match="_Stopped|^$"):
+        if entry == "fxshard.compile":
+            fxshard.compile(make_mlp(8, 16), device_mesh=fake_mesh_4, inductor=inductor)(x)
+        else:
+            torch.compile(lambda t: t * 2, backend="fxshard", options={"inductor": inductor})(x)
+    torch._dynamo.reset()
+    assert events[-1] == "plan"
+    assert set(events[:-1]) == ({"workers"} if inductor else set()), events
