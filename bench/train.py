@@ -4,6 +4,7 @@
     python bench/train.py --json
     python bench/train.py --no-bucketing   # fxshard's collectives as lowered (backend option bucketing=False)
     python bench/train.py --whole          # fxshard compiles whole programs (backend option regional=False)
+    python bench/train.py --paired         # step times only: both systems in one job, steps alternated
 
 Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by bench/systems.py):
 
@@ -60,6 +61,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
 BATCH, SEQ, STEPS = 8, 128, 6
+PAIRS = 20  # --paired: pairs of alternated steps, one of each system
 CASES = ("tp", "tp_sp", "fsdp", "fsdp_tp")
 
 
@@ -175,6 +177,72 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
             "bytes": nbytes, "first_loss": first_loss}
 
 
+def run_paired(rank: int, world_size: int, device: str, case: str, options: dict | None = None) -> dict:
+    """Both systems' steps in one job, alternated: each system built and compiled in this process on the
+    one mesh, then ``PAIRS`` pairs of steps, fxshard first in even pairs and DTensor first in odd ones.
+
+    Run apart, minutes between them, the two systems' steps meet different machines: this shared 2-core
+    machine's speed drifts by tens of percent from one minute to the next, more than the difference
+    measured. Alternated, both meet the same drift; the ratio of a pair's two steps cancels it. (Compile
+    times are not read here: the second system compiled in a process finds torch initialized.)"""
+    import fxshard  # noqa: F401 (registers the op library on this rank)
+    from models.llama import LlamaConfig
+    from systems import adamw, case_mesh
+
+    config = LlamaConfig(**LLAMA)
+    mesh = case_mesh(case, world_size, device)
+    built = {}
+    for system in ("fxshard", "dtensor"):
+        model, step, _ = _build(case, system, mesh, config, options or {})
+        built[system] = (step, adamw(model))
+
+    def timed(system: str, k: int) -> float:
+        step, optimizer = built[system]
+        tokens, targets = _data(config, k)
+        start = time.perf_counter()
+        step(tokens, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    for system in built:  # compiles, then one step more before any is timed
+        timed(system, 0)
+        timed(system, 1)
+    times: dict[str, list[float]] = {system: [] for system in built}
+    for k in range(PAIRS):
+        for system in (("fxshard", "dtensor") if k % 2 == 0 else ("dtensor", "fxshard")):
+            times[system].append(timed(system, 2 + k))
+    ratios = [f / d for f, d in zip(times["fxshard"], times["dtensor"])]
+    return {"step_s": {s: statistics.median(t) for s, t in times.items()}, "pair_ratio": statistics.median(ratios),
+            "pair_ratios": ratios}
+
+
+def run_paired_rank(rank: int, world_size: int, device: str, case: str, options: dict | None = None) -> dict:
+    from systems import reported
+
+    return reported(run_paired, rank, case, "fxshard and dtensor", world_size, device, case, options)
+
+
+def measure_paired(case: str, options: dict | None = None) -> dict:
+    from ranks import spawn
+
+    results = spawn(run_paired_rank, 4, 900.0, "cpu", case=case, options=options)
+    return {"case": case, **results[0]}
+
+
+def paired_table(rows: list[dict]) -> str:
+    lines = [f"| case | step ms fxshard, DTensor (medians of {PAIRS}) | step time ratio: median of the pairs' ratios "
+             "(their quartiles) |", "|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | fails: {r['error']} | |")
+            continue
+        q = statistics.quantiles(r["pair_ratios"], n=4)
+        lines.append(f"| {r['case']} | {r['step_s']['fxshard'] * 1e3:.0f}, {r['step_s']['dtensor'] * 1e3:.0f} | "
+                     f"**{r['pair_ratio']:.2f}** ({q[0]:.2f}-{q[2]:.2f}) |")
+    return "\n".join(lines)
+
+
 def run_rank(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
     from systems import reported
 
@@ -228,8 +296,14 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES, action="append")
     parser.add_argument("--no-bucketing", action="store_true", help="fxshard's backend option bucketing=False")
     parser.add_argument("--whole", action="store_true", help="fxshard's backend option regional=False")
+    parser.add_argument("--paired", action="store_true", help="step times only, both systems in one job, their "
+                        "steps alternated (run_paired)")
     args = parser.parse_args()
     options = {"bucketing": not args.no_bucketing, "regional": not args.whole}  # fxshard's backend options
+    if args.paired:
+        rows = [measure_paired(case, options) for case in (args.case or CASES)]
+        print(json.dumps(rows, indent=1) if args.json else paired_table(rows))
+        return
     rows = [measure(case, options) for case in (args.case or CASES)]
     print(json.dumps(rows, indent=1) if args.json else table(rows))
 
