@@ -3,6 +3,7 @@
     python bench/gpu.py                         # CUDA; both parts; markdown tables
     python bench/gpu.py --json
     python bench/gpu.py --device cpu --small    # a check of the bench itself where there is no GPU
+    python bench/gpu.py --paired                # step times only: both systems in one process, steps alternated
 
 One GPU runs no job of several NCCL ranks, so the bench has two parts, each on the GPU:
 
@@ -54,6 +55,7 @@ SMALL_LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4
 SMALL_BATCH, SMALL_SEQ = 8, 128
 NUMERICS_LLAMA = dict(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512)
 STEPS = 8
+PAIRS = 20  # --paired: pairs of alternated steps, one of each system
 
 
 def sizes(small: bool) -> tuple[dict, int, int]:
@@ -251,6 +253,73 @@ def where_triton_compiles() -> Iterator[collections.Counter]:
         AsyncCompile.triton = triton
 
 
+def paired(case: str, device: str, small: bool, regional: bool = True) -> dict:
+    """Both systems' steps of one case alternated in one process (rank 0 of a fake group of 4): each
+    system built and compiled, then ``PAIRS`` pairs of steps, fxshard first in even pairs and DTensor
+    first in odd ones; the step ratio is the median of the pairs' ratios. A host-bound step moves with the
+    machine's speed, which drifts between processes minutes apart (runs 7 and 8: the same case's ratio
+    0.56 and 0.90); alternated, both systems meet the same drift. No compile time or peak memory here:
+    the second system compiled in a process finds torch initialized and the first's memory held."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxshard
+    from models.llama import Llama, LlamaConfig
+    from systems import adamw, build, case_mesh
+
+    llama, batch, seq = sizes(small)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        mesh = case_mesh(case, WORLD, device)
+        config = LlamaConfig(**llama)
+        built = {}
+        for system in ("fxshard", "dtensor"):
+            torch.manual_seed(0)
+            model, step, _ = build(case, system, mesh, Llama(config).to(device),
+                                   {"cost_model": fxshard.CostModel(), "regional": regional})
+            built[system] = (step, adamw(model))
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+        def timed(system: str, k: int) -> float:
+            step, optimizer = built[system]
+            g = torch.Generator().manual_seed(k)
+            tokens, targets = (torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device) for _ in range(2))
+            sync()
+            start = time.perf_counter()
+            step(tokens, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+            sync()
+            return time.perf_counter() - start
+
+        for system in built:  # compiles, then one step more before any is timed
+            timed(system, 0)
+            timed(system, 1)
+        times: dict[str, list[float]] = {system: [] for system in built}
+        for k in range(PAIRS):
+            for system in (("fxshard", "dtensor") if k % 2 == 0 else ("dtensor", "fxshard")):
+                times[system].append(timed(system, 2 + k))
+        ratios = [f / d for f, d in zip(times["fxshard"], times["dtensor"])]
+        return {"case": case, "step_s": {s: statistics.median(t) for s, t in times.items()},
+                "pair_ratio": statistics.median(ratios), "pair_ratio_quartiles": statistics.quantiles(ratios, n=4)}
+    finally:
+        dist.destroy_process_group()
+
+
+def paired_table(device_name: str, rows: list[dict]) -> str:
+    lines = [f"device: {device_name}; torch {torch.__version__}; steps alternated in one process ({PAIRS} pairs)", "",
+             "| case | step ms fxshard, DTensor (medians) | step fxshard / DTensor: median of the pairs' ratios "
+             "(quartiles) |", "|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | fails: {r['error']} | |")
+            continue
+        q = r["pair_ratio_quartiles"]
+        lines.append(f"| {r['case']} | {r['step_s']['fxshard'] * 1e3:.1f}, {r['step_s']['dtensor'] * 1e3:.1f} | "
+                     f"**{r['pair_ratio']:.2f}** ({q[0]:.2f}-{q[2]:.2f}) |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 def child(kind: str, args: list[str]) -> dict:
@@ -315,6 +384,8 @@ def main() -> None:
     parser.add_argument("--no-numerics", action="store_true")
     parser.add_argument("--whole", action="store_true", help="fxshard's option regional=False: Inductor compiles "
                         "the whole local program, embedding and output projection included")
+    parser.add_argument("--paired", action="store_true", help="step times only: both systems in one process per "
+                        "case, their steps alternated (paired)")
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)  # a child: numerics CASE | speed CASE SYSTEM
     args = parser.parse_args()
     if args.one:
@@ -322,6 +393,7 @@ def main() -> None:
 
         kind, case, *rest = args.one
         row = numerics(case, args.device) if kind == "numerics" else \
+            paired(case, args.device, args.small, regional=not args.whole) if kind == "paired" else \
             speed(case, rest[0], args.device, args.small, regional=not args.whole)
         print(json.dumps(row))
         return
@@ -329,6 +401,14 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --device cpu (a check of the bench, no GPU figures)")
     flags = ["--device", args.device] + (["--small"] if args.small else []) + (["--whole"] if args.whole else [])
     cases = args.case or CASES
+    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    if args.paired:
+        rows = []
+        for case in cases:
+            rows.append({"case": case, **child("paired", [case, *flags])})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        print(json.dumps({"device": name, "paired": rows}, indent=1) if args.json else paired_table(name, rows))
+        return
     numeric_rows = [] if args.no_numerics else [{"case": c, **child("numerics", [c, *flags])} for c in cases]
     for r in numeric_rows:
         print(json.dumps(r), file=sys.stderr, flush=True)
@@ -337,7 +417,6 @@ def main() -> None:
         for system in args.system or ("fxshard", "dtensor"):
             speed_rows.append({"case": case, "system": system, **child("speed", [case, system, *flags])})
             print(json.dumps(speed_rows[-1]), file=sys.stderr, flush=True)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(json.dumps({"device": name, "numerics": numeric_rows, "speed": speed_rows}, indent=1) if args.json
           else tables(name, numeric_rows, speed_rows))
 

@@ -3,6 +3,9 @@
 # Everything it prints and writes lands in $OUT (default ./gpu_out): pytest.log, gpu.md, gpu.err,
 # code.tgz (Inductor's generated code of every case). Each part runs even if the one before failed.
 #   bash bench/gpu_run.sh            # on the device machine: device.run(command="bash bench/gpu_run.sh")
+# Its step ratios come from processes minutes apart, and a host-bound GPU step drifts with the machine:
+# on the same warm machine, a second call `python3 bench/gpu.py --paired` (about 3 minutes) times both
+# systems' steps alternated in one process per case.
 set -u
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
