@@ -254,18 +254,16 @@ def where_triton_compiles() -> Iterator[collections.Counter]:
 
 
 def paired(case: str, device: str, small: bool, regional: bool = True) -> dict:
-    """Both systems' steps of one case alternated in one process (rank 0 of a fake group of 4): each
-    system built and compiled, then ``PAIRS`` pairs of steps, fxshard first in even pairs and DTensor
-    first in odd ones; the step ratio is the median of the pairs' ratios. A host-bound step moves with the
-    machine's speed, which drifts between processes minutes apart (runs 7 and 8: the same case's ratio
-    0.56 and 0.90); alternated, both systems meet the same drift. No compile time or peak memory here:
-    the second system compiled in a process finds torch initialized and the first's memory held."""
+    """Both systems' steps of one case alternated in one process (rank 0 of a fake group of 4;
+    ``systems.alternated``): a host-bound step moves with the machine's speed, which drifted between
+    processes minutes apart (runs 7 and 8: the same case's ratio 0.56 and 0.90). No compile time or peak
+    memory here: the second system compiled in a process finds torch initialized and the first's memory held."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxshard
     from models.llama import Llama, LlamaConfig
-    from systems import adamw, build, case_mesh
+    from systems import adamw, alternated, build, case_mesh
 
     llama, batch, seq = sizes(small)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
@@ -292,32 +290,16 @@ def paired(case: str, device: str, small: bool, regional: bool = True) -> dict:
             sync()
             return time.perf_counter() - start
 
-        for system in built:  # compiles, then one step more before any is timed
-            timed(system, 0)
-            timed(system, 1)
-        times: dict[str, list[float]] = {system: [] for system in built}
-        for k in range(PAIRS):
-            for system in (("fxshard", "dtensor") if k % 2 == 0 else ("dtensor", "fxshard")):
-                times[system].append(timed(system, 2 + k))
-        ratios = [f / d for f, d in zip(times["fxshard"], times["dtensor"])]
-        return {"case": case, "step_s": {s: statistics.median(t) for s, t in times.items()},
-                "pair_ratio": statistics.median(ratios), "pair_ratio_quartiles": statistics.quantiles(ratios, n=4)}
+        return {"case": case, **alternated(timed, PAIRS)}
     finally:
         dist.destroy_process_group()
 
 
 def paired_table(device_name: str, rows: list[dict]) -> str:
-    lines = [f"device: {device_name}; torch {torch.__version__}; steps alternated in one process ({PAIRS} pairs)", "",
-             "| case | step ms fxshard, DTensor (medians) | step fxshard / DTensor: median of the pairs' ratios "
-             "(quartiles) |", "|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | fails: {r['error']} | |")
-            continue
-        q = r["pair_ratio_quartiles"]
-        lines.append(f"| {r['case']} | {r['step_s']['fxshard'] * 1e3:.1f}, {r['step_s']['dtensor'] * 1e3:.1f} | "
-                     f"**{r['pair_ratio']:.2f}** ({q[0]:.2f}-{q[2]:.2f}) |")
-    return "\n".join(lines)
+    from systems import PAIRED_HEADER, paired_row
+
+    return "\n".join([f"device: {device_name}; torch {torch.__version__}; {PAIRS} pairs of steps alternated in one "
+                      "process per case", "", PAIRED_HEADER, *map(paired_row, rows)])
 
 
 # ---------------------------------------------------------------------------------------------- driver

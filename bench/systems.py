@@ -21,6 +21,7 @@ shards there (bench/memory.py), so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Any, Callable
 
 import torch
@@ -100,6 +101,38 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
         loss.backward()
         return DTensor.from_local(loss.detach(), dp_mesh, (Partial(),), run_check=False)  # the ranks' sum: the mean
     return model, fsdp2_step, None
+
+
+def alternated(timed: Callable[[str, int], float], pairs: int, warm: int = 2) -> dict:
+    """Both systems' steps alternated: ``timed(system, k)`` runs step ``k`` of ``system`` ("fxshard" or
+    "dtensor") and returns its seconds. ``warm`` steps each first (the first compiles), then ``pairs``
+    pairs, fxshard first in even pairs and DTensor first in odd ones. A step's time moves with the
+    machine's speed, which drifts between processes minutes apart by more than the difference measured;
+    alternated, both systems meet the same drift and a pair's ratio cancels it. The step ratio is the
+    median of the pairs' ratios."""
+    for system in ("fxshard", "dtensor"):
+        for k in range(warm):
+            timed(system, k)
+    times: dict[str, list[float]] = {"fxshard": [], "dtensor": []}
+    for k in range(pairs):
+        for system in (("fxshard", "dtensor") if k % 2 == 0 else ("dtensor", "fxshard")):
+            times[system].append(timed(system, warm + k))
+    ratios = [f / d for f, d in zip(times["fxshard"], times["dtensor"])]
+    return {"step_s": {s: statistics.median(t) for s, t in times.items()}, "pair_ratio": statistics.median(ratios),
+            "pair_ratio_quartiles": statistics.quantiles(ratios, n=4)}
+
+
+def paired_row(row: dict) -> str:
+    """A markdown row of ``alternated``'s result (with its ``case``): step medians, ratio, quartiles."""
+    if "error" in row:
+        return f"| {row['case']} | fails: {row['error']} | |"
+    low, _, high = row["pair_ratio_quartiles"]
+    return (f"| {row['case']} | {row['step_s']['fxshard'] * 1e3:.1f}, {row['step_s']['dtensor'] * 1e3:.1f} | "
+            f"**{row['pair_ratio']:.2f}** ({low:.2f}-{high:.2f}) |")
+
+
+PAIRED_HEADER = ("| case | step ms fxshard, DTensor (medians) | step fxshard / DTensor: median of the pairs' ratios "
+                 "(quartiles) |\n|---|---|---|")
 
 
 def adamw(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:

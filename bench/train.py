@@ -178,16 +178,12 @@ def run(rank: int, world_size: int, device: str, case: str, system: str, options
 
 
 def run_paired(rank: int, world_size: int, device: str, case: str, options: dict | None = None) -> dict:
-    """Both systems' steps in one job, alternated: each system built and compiled in this process on the
-    one mesh, then ``PAIRS`` pairs of steps, fxshard first in even pairs and DTensor first in odd ones.
-
-    Run apart, minutes between them, the two systems' steps meet different machines: this shared 2-core
-    machine's speed drifts by tens of percent from one minute to the next, more than the difference
-    measured. Alternated, both meet the same drift; the ratio of a pair's two steps cancels it. (Compile
-    times are not read here: the second system compiled in a process finds torch initialized.)"""
+    """Both systems built and compiled in this job on the one mesh, then their steps alternated
+    (``systems.alternated``: ``PAIRS`` pairs). Compile times are not read here: the second system
+    compiled in a process finds torch initialized."""
     import fxshard  # noqa: F401 (registers the op library on this rank)
     from models.llama import LlamaConfig
-    from systems import adamw, case_mesh
+    from systems import adamw, alternated, case_mesh
 
     config = LlamaConfig(**LLAMA)
     mesh = case_mesh(case, world_size, device)
@@ -205,16 +201,7 @@ def run_paired(rank: int, world_size: int, device: str, case: str, options: dict
         optimizer.zero_grad()
         return time.perf_counter() - start
 
-    for system in built:  # compiles, then one step more before any is timed
-        timed(system, 0)
-        timed(system, 1)
-    times: dict[str, list[float]] = {system: [] for system in built}
-    for k in range(PAIRS):
-        for system in (("fxshard", "dtensor") if k % 2 == 0 else ("dtensor", "fxshard")):
-            times[system].append(timed(system, 2 + k))
-    ratios = [f / d for f, d in zip(times["fxshard"], times["dtensor"])]
-    return {"step_s": {s: statistics.median(t) for s, t in times.items()}, "pair_ratio": statistics.median(ratios),
-            "pair_ratios": ratios}
+    return alternated(timed, PAIRS)
 
 
 def run_paired_rank(rank: int, world_size: int, device: str, case: str, options: dict | None = None) -> dict:
@@ -231,16 +218,10 @@ def measure_paired(case: str, options: dict | None = None) -> dict:
 
 
 def paired_table(rows: list[dict]) -> str:
-    lines = [f"| case | step ms fxshard, DTensor (medians of {PAIRS}) | step time ratio: median of the pairs' ratios "
-             "(their quartiles) |", "|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | fails: {r['error']} | |")
-            continue
-        q = statistics.quantiles(r["pair_ratios"], n=4)
-        lines.append(f"| {r['case']} | {r['step_s']['fxshard'] * 1e3:.0f}, {r['step_s']['dtensor'] * 1e3:.0f} | "
-                     f"**{r['pair_ratio']:.2f}** ({q[0]:.2f}-{q[2]:.2f}) |")
-    return "\n".join(lines)
+    from systems import PAIRED_HEADER, paired_row
+
+    return "\n".join([f"{PAIRS} pairs of steps alternated in one job per case", "", PAIRED_HEADER,
+                      *map(paired_row, rows)])
 
 
 def run_rank(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:

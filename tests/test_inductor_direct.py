@@ -109,12 +109,14 @@ def test_inductor_compile_workers_start_before_planning(fake_mesh_4, make_mlp, m
     """Inductor compiles Triton kernels in its worker pool only once the pool is up; torch.compile's own
     backend starts it when Dynamo first calls it. fxshard's entry points start it before stage 1, so it
     comes up while they plan (on this CPU build Inductor's switch makes the call a no-op: recorded here)."""
-    import fxshard
-    import fxshard.backend.driver as driver
+    import torch._inductor.async_compile as async_compile
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    import fxshard
+    import fxshard.backend.driver as driver
+
     events: list[str] = []
-    monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("workers"))
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: events.append("workers"))
 
     def plan(*args, **kwargs):
         events.append("plan")
