@@ -29,6 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fxshard.graph import copy_graph_module, metadata
 from fxshard.lowering.localize import fake_values
 
+from .prepared_cache import load_prepared, prepared_key, store_prepared
+
 __all__ = ["compile_direct", "takes_directly"]
 
 aten = torch.ops.aten
@@ -112,12 +114,19 @@ def compile_direct(gm: fx.GraphModule, example_inputs: Sequence[FakeTensor]) -> 
 
     program = copy_graph_module(gm)
     mode = example_inputs[0].fake_mode if example_inputs else FakeTensorMode()
-    for placeholder, x in zip(program.graph.find_nodes(op="placeholder"), example_inputs):
-        placeholder.meta["val"] = x
-    fake_values(program, [n for n in program.graph.nodes if n.op != "placeholder"], mode)
-    decompose_for_inductor(program, mode)
-    devices = get_inputs_devices(example_inputs, program)
-    program = _recursive_joint_graph_passes(program, input_device=next(iter(devices), None))
+    key = prepared_key(program, example_inputs)  # a second run reads the prepared program (prepared_cache.py)
+    prepared = load_prepared(key, example_inputs, mode) if key is not None else None
+    if prepared is not None:
+        program = prepared
+    else:
+        for placeholder, x in zip(program.graph.find_nodes(op="placeholder"), example_inputs):
+            placeholder.meta["val"] = x
+        fake_values(program, [n for n in program.graph.nodes if n.op != "placeholder"], mode)
+        decompose_for_inductor(program, mode)
+        devices = get_inputs_devices(example_inputs, program)
+        program = _recursive_joint_graph_passes(program, input_device=next(iter(devices), None))
+        if key is not None:
+            store_prepared(key, program)
     output = program.graph.find_nodes(op="output")[0]
     output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))  # strides as the program's values
     context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(mode)

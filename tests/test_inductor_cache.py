@@ -5,7 +5,8 @@ Inductor's on-disk cache. fxshard hands Inductor its lowered programs with real 
 inputs, for which ``compile_fx`` made a fake mode without a shape environment, and both caches
 bypassed every program ("No shape env"): every run compiled every region again.
 ``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one. (The programs
-skip AOTAutograd, ``backend/inductor_direct.py``, and so its cache.)
+skip AOTAutograd, ``backend/inductor_direct.py``, and so its cache; each program's preparation for
+Inductor is kept instead, ``backend/prepared_cache.py``.)
 """
 from __future__ import annotations
 
@@ -49,11 +50,17 @@ def _compiled_twice(model: torch.nn.Module, x: torch.Tensor) -> tuple:
         first = _step(model, x)
         compiled = counters["inductor"]["fxgraph_cache_miss"]
         assert compiled > 0 and counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+        # each program prepared for Inductor once and kept (backend/prepared_cache.py)
+        assert counters["fxshard"]["prepared_cache_miss"] == compiled, dict(counters["fxshard"])
+        assert counters["fxshard"]["prepared_cache_hit"] == 0, dict(counters["fxshard"])
         torch._dynamo.reset()
         counters.clear()
         second = _step(model, x)
         assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
         assert counters["inductor"]["fxgraph_cache_hit"] == compiled, dict(counters["inductor"])
+        # read back prepared: the same program (code, names) that Inductor's cache keyed the first time
+        assert counters["fxshard"]["prepared_cache_hit"] == compiled, dict(counters["fxshard"])
+        assert counters["fxshard"]["prepared_cache_miss"] == 0, dict(counters["fxshard"])
         # the regions go to Inductor without AOTAutograd (backend/inductor_direct.py): none is traced again
         assert not counters["aot_autograd"], dict(counters["aot_autograd"])
     torch._dynamo.reset()
@@ -84,3 +91,40 @@ def test_a_step_read_from_the_caches_computes_what_the_model_does(fake_mesh_4):
     expected = (out, [p.grad for p in reference.parameters()])
     torch.testing.assert_close(first, expected)
     torch.testing.assert_close(second, expected)
+
+
+class _WithConstant(torch.nn.Module):
+    def __init__(self, constant: torch.Tensor):
+        super().__init__()
+        self.register_buffer("constant", constant)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x * self.constant,)
+
+
+def test_a_prepared_programs_key_reads_what_its_preparation_reads():
+    """backend/prepared_cache.py keeps a program prepared for Inductor under a key of its code, constants
+    and inputs' metadata (not their values), and keeps nothing where Inductor's cache is off or a custom
+    joint pass would run."""
+    import torch.fx as fx
+
+    from fxshard.backend.inductor_config import cacheable_inputs
+    from fxshard.backend.prepared_cache import prepared_key
+
+    ones, twos = fx.symbolic_trace(_WithConstant(torch.ones(8))), fx.symbolic_trace(_WithConstant(torch.full((8,), 2.0)))
+
+    def key(gm: fx.GraphModule, x: torch.Tensor) -> str | None:
+        return prepared_key(gm, cacheable_inputs([x]))
+
+    with config.patch(CACHES):
+        first = key(ones, torch.randn(4, 8))
+        assert first is not None and first == key(ones, torch.randn(4, 8))  # other values, the same program
+        assert first != key(twos, torch.randn(4, 8))  # another constant
+        assert first != key(ones, torch.randn(2, 8))  # another shape
+        assert first != key(ones, torch.randn(8, 4).t())  # other strides
+        with config.patch(joint_custom_pre_pass=lambda graph: None):
+            assert key(ones, torch.randn(4, 8)) is None
+    with config.patch({**CACHES, "fx_graph_cache": False}):
+        assert key(ones, torch.randn(4, 8)) is None
+    with config.patch({**CACHES, "force_disable_caches": True}):
+        assert key(ones, torch.randn(4, 8)) is None

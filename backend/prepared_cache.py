@@ -1,0 +1,127 @@
+"""Programs prepared for Inductor, kept on disk: a script's second run skips each program's preparation.
+
+``compile_direct`` prepares a lowered program for Inductor's inner compiler: every value's fake
+metadata, Inductor's decompositions and its joint-graph passes. Inductor's FX graph cache then finds
+the compiled program by the prepared one's code, but the preparation ran first, every run: 0.3 s of a
+4-layer FSDP step's second run (bench/compile.py --warm), half of it the pattern matcher's set-up, which
+DTensor + FSDP2's second run never pays (AOTAutograd's cache hands over the compiled graph before any
+pass). Here the prepared program is kept under a key of everything its preparation reads: the program's
+code and constants, the example inputs' metadata, the preparation's own code, torch's version and
+Inductor's config. The next run loads it (nodes, names and block tags, ``torch.fx._graph_pickler``),
+computes its fake values again, and Inductor's cache finds the same entry. The store is on exactly when
+Inductor's FX graph cache is, in Inductor's cache directory: clearing that clears this too.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import tempfile
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from fxshard.lowering.localize import fake_values
+
+__all__ = ["prepared_key", "load_prepared", "store_prepared"]
+
+# the code that prepares a program: a change to it makes every entry stale
+_PREPARATION = ("inductor_direct.py", "prepared_cache.py")
+# Inductor's switches whose values the portable config leaves out and the joint passes run
+_JOINT_PASSES = ("joint_custom_pre_pass", "joint_custom_post_pass")
+
+
+def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
+    """The key of ``program`` prepared for these inputs, or None where nothing is kept (Inductor's FX graph
+    cache off, a custom joint pass, a constant or an input this key cannot read)."""
+    from torch._inductor import config
+
+    if config.force_disable_caches or not config.fx_graph_cache or any(getattr(config, k, None) for k in _JOINT_PASSES):
+        return None
+    parts: list[Any] = [torch.__version__, program.code]
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            return None
+        parts.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad))
+    for node in program.graph.nodes:
+        if node.op == "call_module":
+            return None
+        if node.op == "get_attr":
+            value = getattr(program, node.target, None)
+            if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+                return None
+            parts.append((node.target, value.dtype, tuple(value.shape), _digest(value)))
+    here = pathlib.Path(__file__).parent
+    parts += [(name, hashlib.sha256((here / name).read_bytes()).hexdigest()) for name in _PREPARATION]
+    parts.append([(name, _stable(value)) for name, value in sorted(config.save_config_portable().items())])
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _stable(value: Any) -> Any:
+    """A config value as the same text in every process: a function (fxshard's bucket cap) by its name,
+    and a partial by its function and arguments, not by their addresses."""
+    if isinstance(value, functools.partial):
+        return ("partial", _stable(value.func), tuple(map(_stable, value.args)),
+                tuple((k, _stable(v)) for k, v in sorted(value.keywords.items())))
+    if callable(value) and hasattr(value, "__qualname__"):
+        return ("function", value.__module__, value.__qualname__)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_stable, value))
+    if isinstance(value, dict):
+        return tuple((k, _stable(v)) for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
+    return value
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _path(key: str) -> pathlib.Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir()) / "fxshard_prepared" / key
+
+
+def load_prepared(key: str, example_inputs: Sequence[Any], mode: Any) -> fx.GraphModule | None:
+    """The program kept under ``key``, its fake values computed again for ``example_inputs`` (in ``mode``);
+    None where none is kept or it cannot be read."""
+    from torch.fx._graph_pickler import GraphPickler
+
+    path = _path(key)
+    if not path.exists():
+        counters["fxshard"]["prepared_cache_miss"] += 1
+        return None
+    try:
+        program = GraphPickler.loads(path.read_bytes(), mode)
+    except Exception:  # a torn or foreign file: prepared again, and stored over it
+        counters["fxshard"]["prepared_cache_miss"] += 1
+        return None
+    placeholders = program.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(example_inputs):
+        counters["fxshard"]["prepared_cache_miss"] += 1
+        return None
+    for placeholder, x in zip(placeholders, example_inputs):
+        placeholder.meta["val"] = x
+    fake_values(program, [n for n in program.graph.nodes if n.op != "placeholder"], mode)
+    counters["fxshard"]["prepared_cache_hit"] += 1
+    return program
+
+
+def store_prepared(key: str, program: fx.GraphModule) -> None:
+    """Keep ``program`` under ``key``: its graph and the block tags Inductor's bucketing pass reads (the fake
+    values are computed again on loading). Written whole or not at all: ranks may write one key at once."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    try:
+        data = GraphPickler.dumps(program, Options(ops_filter=None, node_metadata_key_filter=lambda k: k == "custom"))
+    except Exception:  # something in it does not pickle: prepared again next time
+        return
+    path = _path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)
