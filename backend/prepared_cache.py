@@ -13,6 +13,7 @@ Inductor's FX graph cache is, in Inductor's cache directory: clearing that clear
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -121,7 +122,11 @@ def store_prepared(key: str, program: fx.GraphModule) -> None:
     except Exception:  # something in it does not pickle: prepared again next time
         return
     path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-        f.write(data)
-    os.replace(f.name, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            f.write(data)
+        os.replace(f.name, path)
+    except OSError:  # a full or read-only disk: nothing kept, the program compiles all the same
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(f.name)

@@ -128,3 +128,25 @@ def test_a_prepared_programs_key_reads_what_its_preparation_reads():
         assert key(ones, torch.randn(4, 8)) is None
     with config.patch({**CACHES, "force_disable_caches": True}):
         assert key(ones, torch.randn(4, 8)) is None
+
+
+def test_a_cache_directory_that_cannot_be_written_keeps_nothing_and_compiles(tmp_path, monkeypatch):
+    """A prepared program that cannot be stored (a read-only or full disk) is not kept; the program is
+    compiled and computes what it computes."""
+    from fxshard.backend import prepared_cache
+    from fxshard.backend.inductor_config import compile_local
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the store's directory would go: mkdir fails
+    monkeypatch.setattr(prepared_cache, "_path", lambda key: blocked / "fxshard_prepared" / key)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    three = torch.full((8,), 3.0)
+    gm = make_fx(lambda x: (x * three,))(torch.randn(4, 8))  # ATen calls: compile_local takes it directly
+    x = torch.randn(4, 8)
+    with fresh_cache(), config.patch(CACHES):
+        counters.clear()
+        out = compile_local(gm, [x], None)(x)
+        assert counters["fxshard"]["prepared_cache_miss"] == 1
+    torch.testing.assert_close(tuple(out), (x * 3.0,))
+    assert not (blocked / "fxshard_prepared").exists()
