@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fxshard.graph import copy_graph_module, metadata
-from fxshard.lowering.localize import fake_values
+from fxshard.lowering.localize import fake_values, program_fake_values
 
 from .prepared_cache import load_prepared, prepared_key, store_prepared
 
@@ -119,9 +119,7 @@ def compile_direct(gm: fx.GraphModule, example_inputs: Sequence[FakeTensor]) -> 
     if prepared is not None:
         program = prepared
     else:
-        for placeholder, x in zip(program.graph.find_nodes(op="placeholder"), example_inputs):
-            placeholder.meta["val"] = x
-        fake_values(program, [n for n in program.graph.nodes if n.op != "placeholder"], mode)
+        program_fake_values(program, example_inputs, mode)
         decompose_for_inductor(program, mode)
         devices = get_inputs_devices(example_inputs, program)
         program = _recursive_joint_graph_passes(program, input_device=next(iter(devices), None))

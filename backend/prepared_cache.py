@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from fxshard.lowering.localize import fake_values
+from fxshard.lowering.localize import program_fake_values
 
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 
@@ -55,10 +55,16 @@ def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
             if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
                 return None
             parts.append((node.target, value.dtype, tuple(value.shape), _digest(value)))
-    here = pathlib.Path(__file__).parent
-    parts += [(name, hashlib.sha256((here / name).read_bytes()).hexdigest()) for name in _PREPARATION]
+    parts.append(_preparation_digest())
     parts.append([(name, _stable(value)) for name, value in sorted(config.save_config_portable().items())])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _preparation_digest() -> str:
+    """The preparation's source, read once per process (an explicit cache: the files do not change under it)."""
+    here = pathlib.Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _PREPARATION)).hexdigest()
 
 
 def _stable(value: Any) -> Any:
@@ -105,9 +111,7 @@ def load_prepared(key: str, example_inputs: Sequence[Any], mode: Any) -> fx.Grap
     if len(placeholders) != len(example_inputs):
         counters["fxshard"]["prepared_cache_miss"] += 1
         return None
-    for placeholder, x in zip(placeholders, example_inputs):
-        placeholder.meta["val"] = x
-    fake_values(program, [n for n in program.graph.nodes if n.op != "placeholder"], mode)
+    program_fake_values(program, example_inputs, mode)
     counters["fxshard"]["prepared_cache_hit"] += 1
     return program
 

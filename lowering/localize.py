@@ -276,11 +276,7 @@ def local_fake_inputs(gm: fx.GraphModule, coordinate: Coordinate, mode: FakeTens
 def propagate_local_shapes(gm: fx.GraphModule, coordinate: Coordinate, check: bool) -> None:
     """Recompute ``meta["val"]`` with local fake tensors; with ``check``, compare against layouts."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = iter(local_fake_inputs(gm, coordinate, mode))
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            node.meta["val"] = next(inputs)
-    fake_values(gm, [n for n in gm.graph.nodes if n.op != "placeholder"], mode)
+    program_fake_values(gm, local_fake_inputs(gm, coordinate, mode), mode)
     if not check:
         return
     for node in gm.graph.nodes:
@@ -293,6 +289,13 @@ def propagate_local_shapes(gm: fx.GraphModule, coordinate: Coordinate, check: bo
                     f"gives {list(want)} at coordinate {coordinate}. fxshard does not know how to localize the "
                     f"arguments of {node.target}: give its entry in the op registry (fxshard.registry.OPS) a "
                     "localization recipe (fxshard/localization.py), or no entry, so that its inputs are replicated.")
+
+
+def program_fake_values(gm: fx.GraphModule, inputs: Sequence[Any], mode: FakeTensorMode) -> None:
+    """Every value's ``meta["val"]``: the placeholders' are ``inputs``, the others computed (``fake_values``)."""
+    for placeholder, x in zip(gm.graph.find_nodes(op="placeholder"), inputs):
+        placeholder.meta["val"] = x
+    fake_values(gm, [n for n in gm.graph.nodes if n.op != "placeholder"], mode)
 
 
 def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMode) -> None:
