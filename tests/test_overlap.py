@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.buckets import BLOCK_KEY, block_buckets, tag_blocks
+from fxshard.backend.buckets import BLOCK_KEY, block_buckets, nodes_made, tag_blocks
 from fxshard.backend.inductor_config import BucketPolicy, block_bytes, inductor_patches
 from fxshard.backend.simulate import fake_world, lowered_graphs
 
@@ -218,6 +218,26 @@ def test_a_collective_that_depends_on_its_bucket_starts_the_next():
     g2 = graph.call_function(gather, (w2, 4, "0"))
     graph.output([graph.call_function(wait, (g,)) for g in (g1, g2)])
     assert block_buckets([g0, g1, g2], lambda n: "layers_0") == [[g1, g2]]
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["graph-module", "bare-graph"])
+def test_nodes_made_are_the_new_nodes_still_in_the_graph(owned):
+    """``nodes_made``: the nodes a merge added and kept, told by the module as they are made, or by comparing
+    a graph no module owns before and after."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    kept = graph.call_function(torch.ops.aten.relu.default, (x,))
+    graph.output(kept)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph) if owned else None
+    graph = module.graph if owned else graph
+    kept = next(n for n in graph.nodes if n.op == "call_function")
+    with nodes_made(graph) as made:
+        with graph.inserting_after(kept):
+            gone = graph.call_function(torch.ops.aten.neg.default, (kept,))
+            new = graph.call_function(torch.ops.aten.exp.default, (kept,))
+        graph.erase_node(gone)
+        assert made == []  # filled on leaving the block
+    assert made == [new]
 
 
 @pytest.mark.parametrize("ranks, same_key", [
