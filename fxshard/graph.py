@@ -95,14 +95,14 @@ def argument_leaves(tree: Any, out: list[Any] | None = None) -> list[Any]:
     """The leaves of a node's arguments (tuples, lists, dicts, in order), as ``pytree.tree_leaves``
     gives them for fx's containers: a plain recursion, several times faster (propagation asks per node)."""
     out = [] if out is None else out
-    if isinstance(tree, (tuple, list)):
-        for x in tree:
-            argument_leaves(x, out)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            argument_leaves(x, out)
-    else:
+    if not isinstance(tree, (tuple, list, dict)):
         out.append(tree)
+        return out
+    for x in tree.values() if isinstance(tree, dict) else tree:
+        if isinstance(x, (tuple, list, dict)):  # recursing into containers only: half the calls
+            argument_leaves(x, out)
+        else:
+            out.append(x)
     return out
 
 
