@@ -34,20 +34,39 @@ from .timing import stage
 
 
 def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
-                 output_names: Sequence[str | None] = ()) -> float:
+                 output_names: Sequence[str | None] = (), arguments: TensorArguments | None = None) -> float:
     """The modeled cost of every redistribution a propagated graph asks for (each edge once; a value
     cheaper to compute again where it is wanted at that price: ``rebuild.Rebuilds``). The moves of one
     block's parameters pay one latency per kind of move, as do the reductions of one block's gradients
     (``output_names``: per output, the input it is the gradient of; training programs only): stage 6
     buckets each into one call (``blocks.block_of``; FSDP2's grouping), so twenty small gathers of one
-    layer cost one gather's latency, not twenty."""
-    asked = _all_requirements(gm)
+    layer cost one gather's latency, not twenty. ``arguments``: the nodes' tensor arguments, read once for
+    the pricings of one refinement."""
+    asked = _all_requirements(gm, arguments)
     return _priced(asked, _asked(asked), cost_model, output_names)
 
 
-def _all_requirements(gm: fx.GraphModule) -> list[tuple[fx.Node, list[tuple[fx.Node, Layout]]]]:
+def _all_requirements(gm: fx.GraphModule, arguments: TensorArguments | None = None,
+                      ) -> list[tuple[fx.Node, list[tuple[fx.Node, Layout]]]]:
     """Each node with its ``requirements``: read once per pricing (the pricing reads them twice)."""
-    return [(node, requirements(node)) for node in gm.graph.nodes]
+    arguments = arguments or TensorArguments()
+    return [(node, arguments.requirements(node)) for node in gm.graph.nodes]
+
+
+class TensorArguments:
+    """Each node's tensor arguments (``graph.tensor_arguments``), read once for all the pricings of one
+    refinement: its propagations change the layouts a node requires of its arguments, never the arguments
+    (refinement prices a 64-layer program's 16k nodes about ten times)."""
+
+    def __init__(self) -> None:
+        self._of: dict[fx.Node, list[fx.Node]] = {}
+
+    def requirements(self, node: fx.Node) -> list[tuple[fx.Node, Layout]]:
+        """``graph.requirements(node)``."""
+        args = self._of.get(node)
+        if args is None:
+            args = self._of[node] = graph.tensor_arguments(node)
+        return requirements(node, args)
 
 
 def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, Layout]],
@@ -104,13 +123,14 @@ def input_root(node: fx.Node) -> fx.Node | None:
     return graph.input_root(node, RELABELS)
 
 
-def moved_inputs(gm: fx.GraphModule) -> dict[str, int]:
+def moved_inputs(gm: fx.GraphModule, arguments: TensorArguments | None = None) -> dict[str, int]:
     """Placeholders some consumer wants (or a view of which it wants) in another layout, with their bytes."""
+    arguments = arguments or TensorArguments()
     moved = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        for a, want in requirements(node):
+        for a, want in arguments.requirements(node):
             root = input_root(a)
             if root is not None and a.meta[LAYOUT] != want:
                 val = root.meta["val"]
@@ -142,23 +162,26 @@ def propagate_with_pins(run: Callable[..., None], gm: fx.GraphModule,
     inputs pinned one by one (each with its kind in the other layers: ``smallest_classes``), all
     of them pinned; then the best one's requests foreseen.
     """
+    arguments = TensorArguments()  # the graph is the same for every pricing below
     with stage("propagate"):
         run(frozenset())
-        best = (planned_cost(gm, cost_model, output_names), _snapshot(gm), frozenset(), moved_inputs(gm))
+        best = (planned_cost(gm, cost_model, output_names, arguments), _snapshot(gm), frozenset(),
+                moved_inputs(gm, arguments))
     with stage("refine"):
-        return _refine(run, gm, cost_model, policy, best, output_names)
+        return _refine(run, gm, cost_model, policy, best, output_names, arguments)
 
 
 def _refine(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None,
-            policy: Refinement, best: tuple, output_names: Sequence[str | None]) -> frozenset[str]:
+            policy: Refinement, best: tuple, output_names: Sequence[str | None],
+            arguments: TensorArguments) -> frozenset[str]:
     """The rounds of ``propagate_with_pins`` after the greedy plan ``best``: (cost, snapshot, pins, moved)."""
     tried: set[frozenset[str]] = {frozenset()}
     if policy.reduce_shared and _has_shared_partial(gm):
         tried.add(frozenset({Pin.REDUCE_SHARED}))
         run(frozenset({Pin.REDUCE_SHARED}))
-        cost = planned_cost(gm, cost_model, output_names)
+        cost = planned_cost(gm, cost_model, output_names, arguments)
         if cost < best[0]:
-            best = (cost, _snapshot(gm), frozenset({Pin.REDUCE_SHARED}), moved_inputs(gm))
+            best = (cost, _snapshot(gm), frozenset({Pin.REDUCE_SHARED}), moved_inputs(gm, arguments))
     for _ in range(policy.rounds):
         _, _, pinned, moved = best
         free = {k: v for k, v in moved.items() if k not in pinned}
@@ -171,13 +194,13 @@ def _refine(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel 
                 continue
             tried.add(pins)
             run(pins)
-            cost = planned_cost(gm, cost_model, output_names)
+            cost = planned_cost(gm, cost_model, output_names, arguments)
             if cost < best[0]:
-                best, improved = (cost, _snapshot(gm), pins, moved_inputs(gm)), True
+                best, improved = (cost, _snapshot(gm), pins, moved_inputs(gm, arguments)), True
         if not improved:
             break
     if policy.foresee:
-        best = _foresee(run, gm, cost_model, best, output_names)
+        best = _foresee(run, gm, cost_model, best, output_names, arguments)
     _restore(gm, best[1])
     return best[2]
 
@@ -199,29 +222,30 @@ def smallest_classes(moved: Mapping[str, int], count: int) -> list[frozenset[str
 
 
 def _foresee(run: Callable[..., None], gm: fx.GraphModule, cost_model: CostModel | None, best: tuple,
-             output_names: Sequence[str | None]) -> tuple:
+             output_names: Sequence[str | None], arguments: TensorArguments) -> tuple:
     """The best plan propagated again with the redistributions it asks for known from the start: an op
     before the consumer asking for one (a weight gradient's matmul before the input gradient's, which
     gathers the output gradient) may read it, or a relabelling of it, instead of moving something else.
     Both plans priced as stage 3 will make them (``shared_cost``)."""
     _restore(gm, best[1])
     foreseen: dict[fx.Node, set[Layout]] = {}
-    for a, want in _asked(_all_requirements(gm)):
+    for a, want in _asked(_all_requirements(gm, arguments)):
         foreseen.setdefault(a, set()).add(want)
     if not foreseen:
         return best
-    before = shared_cost(gm, cost_model, output_names)
+    before = shared_cost(gm, cost_model, output_names, arguments)
     run(best[2], foreseen)
-    if shared_cost(gm, cost_model, output_names) < before:
-        return (planned_cost(gm, cost_model, output_names), _snapshot(gm), best[2], moved_inputs(gm))
+    if shared_cost(gm, cost_model, output_names, arguments) < before:
+        return (planned_cost(gm, cost_model, output_names, arguments), _snapshot(gm), best[2],
+                moved_inputs(gm, arguments))
     return best
 
 
 def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
-                output_names: Sequence[str | None] = ()) -> float:
+                output_names: Sequence[str | None] = (), arguments: TensorArguments | None = None) -> float:
     """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
     that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
-    asked = _all_requirements(gm)
+    asked = _all_requirements(gm, arguments)
     edges = _asked(asked)
     return _priced(asked, [(a, want) for a, want in edges
                            if not served_by_source(a, want, lambda n, layout: (n, layout) in edges)],
