@@ -144,17 +144,18 @@ def test_every_layers_buckets_are_traced_once(fake_mesh_4, monkeypatch):
     assert traces_four == traces_two < merges_two < merges_four, (traces_two, merges_two, traces_four, merges_four)
 
 
-def _regions_work(layers: int, mesh, monkeypatch) -> Counter:
-    """What cutting one FSDP training step of ``layers`` layers into regions walks: the nodes read going
-    through a graph's node list (``visited``), the nodes the block buckets' dependency search reaches
-    (``reached``), and the program inputs handed to Inductor's sort of a merged bucket's region."""
+def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
+    """What compiling one FSDP training step of ``layers`` layers walks (Dynamo's capture, every stage, the cut
+    into regions; Inductor left out): the nodes read going through a graph's node list (``visited``), the
+    nodes the block buckets' dependency search reaches (``reached``), and the program inputs handed to
+    Inductor's sort of a merged bucket's region (``inputs sorted``)."""
     import torch.fx as fx
     from torch._inductor.fx_passes import bucketing
 
     from fxshard.backend import buckets
 
     counts: Counter = Counter()
-    walk, reach, cut = fx.graph._node_list.__iter__, buckets.reachable, training.TrainingProgram._regions
+    walk, reach = fx.graph._node_list.__iter__, buckets.reachable
     sort = getattr(bucketing, "_sort_bucket_region", None)
 
     def walked(node_list):
@@ -171,32 +172,26 @@ def _regions_work(layers: int, mesh, monkeypatch) -> Counter:
         counts["inputs sorted"] += sum(n.op == "placeholder" for n in inputs)
         return sort(graph, new_nodes, inputs)
 
-    def counted_cut(self):
-        if self._region_split is not None:
-            return cut(self)
-        with monkeypatch.context() as patch:
-            patch.setattr(fx.graph._node_list, "__iter__", walked)
-            return cut(self)
-
     with monkeypatch.context() as patch:  # undone before the next depth is counted
         patch.setattr(buckets, "reachable", reached)
         if sort is not None:
             patch.setattr(bucketing, "_sort_bucket_region", sorted_region)
-        patch.setattr(training.TrainingProgram, "_regions", counted_cut)
         _record_compiles(patch)
+        patch.setattr(fx.graph._node_list, "__iter__", walked)
         _fsdp_program(mesh, layers, batch=(8, 64))  # parameters gathered, gradients reduce_scattered
     return counts
 
 
-def test_cutting_a_program_into_regions_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch):
-    """Each bucket's merge reads its own layer's part of the program, not the whole program: two more
-    layers add as many nodes visited from 4 layers to 6 as from 2 to 4. (Comparing the program's nodes
-    before and after each merge, a dependency search from each member to the program's end and Inductor's
-    search for a gather's inputs back to the placeholders made this quadratic: 64 layers' regions took
-    3.2 s, 32 layers' 1.1 s.) Counts, not times."""
-    two, four, six = (_regions_work(n, fake_mesh_4, monkeypatch) for n in (2, 4, 6))
+def test_compiling_a_program_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch):
+    """Every stage reads each layer's part of the program a fixed number of times: two more layers add about
+    as many nodes visited from 4 layers to 6 as from 2 to 4 (2 / 4 / 6 / 8 layers: 64k / 107k / 152k / 197k).
+    The cut into regions was quadratic (64 layers' cut took 3.2 s, 32 layers' 1.1 s): each bucket merge
+    compared the program's nodes before and after it, searched from each member to the program's end for
+    dependencies and had Inductor look back to the placeholders for its inputs; the whole compile visited
+    73k / 138k / 217k nodes. Counts, not times."""
+    two, four, six = (_compile_work(n, fake_mesh_4, monkeypatch) for n in (2, 4, 6))
     for kind in ("visited", "reached"):
-        assert six[kind] - four[kind] <= 1.05 * (four[kind] - two[kind]), (kind, two, four, six)
+        assert six[kind] - four[kind] <= 1.1 * (four[kind] - two[kind]), (kind, two, four, six)
     assert two["inputs sorted"] == four["inputs sorted"] == six["inputs sorted"] == 0, (two, four, six)
 
 
