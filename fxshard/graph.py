@@ -114,19 +114,12 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def requirements(node: fx.Node, arguments: Sequence[fx.Node] | None = None) -> list[tuple[fx.Node, Layout]]:
     """(tensor argument, the layout ``node`` requires of it) pairs of a propagated node; ``arguments``:
-    its ``tensor_arguments``, where the caller has them already."""
+    its ``tensor_inputs`` (an output node's: the values it returns), where the caller has them already."""
     required = required_layouts(node)
     if required is None:
         return []
-    args = tensor_arguments(node) if arguments is None else arguments
+    args = tensor_inputs(node) if arguments is None else arguments
     return list(zip([a for a in args if LAYOUT in a.meta], required))
-
-
-def tensor_arguments(node: fx.Node) -> list[fx.Node]:
-    """The tensor-valued nodes among ``node``'s arguments (an output node's: the values it returns), in
-    order: what a propagated node's required layouts (``requirements``) are of, those with a layout."""
-    return [a for a in argument_leaves((node.args, node.kwargs) if node.op != "output" else node.args)
-            if isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor)]
 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:

@@ -54,7 +54,7 @@ def _all_requirements(gm: fx.GraphModule, arguments: TensorArguments | None = No
 
 
 class TensorArguments:
-    """Each node's tensor arguments (``graph.tensor_arguments``), read once for all the pricings of one
+    """Each node's tensor arguments (``graph.tensor_inputs``), read once for all the pricings of one
     refinement: its propagations change the layouts a node requires of its arguments, never the arguments
     (refinement prices a 64-layer program's 16k nodes about ten times)."""
 
@@ -65,7 +65,7 @@ class TensorArguments:
         """``graph.requirements(node)``."""
         args = self._of.get(node)
         if args is None:
-            args = self._of[node] = graph.tensor_arguments(node)
+            args = self._of[node] = graph.tensor_inputs(node)
         return requirements(node, args)
 
 
