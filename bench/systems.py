@@ -7,6 +7,10 @@ Each system is set up the way its best users run it:
   joint program; DTensor: ``backend="inductor"``) and take the loss outside it under ``loss_parallel()``.
   ``tp_sp``: the same with torchtitan's sequence parallelism (norms and the residual stream sharded on
   the sequence between the blocks: Megatron-LM's all_gather / reduce_scatter pairs).
+- ``tp_loss`` (``tp``): DTensor as in ``tp``; fxshard as in the FSDP rows below, the way its own users
+  write it: the unchanged model, its parameters DTensors with the same shardings as the Megatron plan
+  (``megatron_placements``: column-parallel weights, the embedding and the output projection on the
+  vocabulary dim; norms replicated) and ``fxshard.compile(model.loss)``, the loss planned with the model.
 - ``fsdp`` (``dp``) and ``fsdp_tp`` (``dp`` x ``tp``): DTensor's way is FSDP2 (``fully_shard`` per block
   and the root, on top of the TP plan for 2-D) with each block compiled by Inductor, and torchtitan's
   loss (this rank's loss sum over the global batch's count of valid tokens, all-reduced every step,
@@ -29,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-TP_CASES = ("tp", "tp_sp")  # the cases that run torch.compile(model) on a 1-D tp mesh, loss outside
+TP_CASES = ("tp", "tp_sp", "tp_loss")  # on a 1-D tp mesh; DTensor runs torch.compile(model), loss outside
 IGNORE_INDEX = -100  # cross_entropy's default: targets that count for nothing
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss (a DTensor)
 
@@ -40,9 +44,24 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
     """(model, step, fxshard's compiled function or None) of ``case`` on ``system`` ("fxshard" or
     "dtensor"). ``fxshard_options``: ``fxshard.compile``'s keywords (cost_model, bucketing, ...), also
     given to the backend for ``tp`` with ``tp_options`` (backend-only options such as ``on_graph``)."""
-    from models.llama import fsdp_placements, fsdp_tp_placements, tensor_parallel_plan
+    from models.llama import fsdp_placements, fsdp_tp_placements, megatron_placements, tensor_parallel_plan
     from train_llama import distribute_parameters
 
+    if case == "tp_loss" and system == "fxshard":
+        import fxshard
+
+        megatron = megatron_placements(model)  # the norms, plain under parallelize_module: replicated DTensors
+        distribute_parameters(model, mesh, {name: megatron.get(name, (Replicate(),))
+                                            for name, _ in model.named_parameters()})
+        materialize(model)
+        loss_fn = fxshard.compile(model.loss, **fxshard_options)
+
+        def fx_tp_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            whole = (Replicate(),)  # every tp rank reads the whole batch, as under parallelize_module
+            loss = loss_fn(DTensor.from_local(tokens, mesh, whole), DTensor.from_local(targets, mesh, whole))
+            loss.backward()
+            return loss
+        return model, fx_tp_step, loss_fn
     if case in TP_CASES:
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=case == "tp_sp"))
         materialize(model)

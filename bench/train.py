@@ -13,6 +13,10 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by
   program; DTensor: ``backend="inductor"``) and compute the loss outside it under ``loss_parallel()``.
 - TP + SP (tp=4): the same with torchtitan's sequence parallelism (``SequenceParallel`` norms, the
   residual stream sharded on the sequence between the blocks).
+- TP, fxshard's way (``tp_loss``, tp=4): DTensor's row as TP's; fxshard's as in the FSDP rows, the unchanged
+  model with its parameters DTensors of the Megatron plan's shardings and ``fxshard.compile(model.loss)``:
+  the vocab-parallel loss planned and compiled with the model rather than run by DTensor's
+  ``loss_parallel()`` after it (the same global mean).
 - FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
   on top of the TP plan for 2-D) with each block compiled by Inductor, and torchtitan's loss (the
   rank's loss sum over an all-reduced count of the batch's valid tokens: the global mean, as
@@ -62,7 +66,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
 BATCH, SEQ, STEPS = 8, 128, 6
 PAIRS = 20  # --paired: pairs of alternated steps, one of each system
-CASES = ("tp", "tp_sp", "fsdp", "fsdp_tp")
+CASES = ("tp", "tp_sp", "tp_loss", "fsdp", "fsdp_tp")
 
 
 def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
@@ -118,7 +122,7 @@ def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tup
     model, step, compiled = build(case, system, mesh, Llama(config),
                                   {"cost_model": fxshard.CostModel(), **options},
                                   tp_options=on_graph)
-    return model, step, graphs if case in TP_CASES else compiled
+    return model, step, graphs if case in TP_CASES and compiled is None else compiled
 
 
 def run(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
