@@ -86,7 +86,8 @@ class Decisions:
 
     def __init__(self) -> None:
         self.made: dict[tuple, Any] = {}
-        self._structures: dict[fx.Node, Hashable] = {}
+        self._structures: dict[fx.Node, int] = {}
+        self._numbers: dict[Hashable, int] = {}  # each distinct structure's number
         self._inputs: dict[fx.Node, list[fx.Node]] = {}
         self._pins: dict[fx.Node, str | None] = {}
 
@@ -97,12 +98,14 @@ class Decisions:
             ins = self._inputs[node] = tensor_inputs(node)
         return ins
 
-    def structure_of(self, node: fx.Node) -> Hashable:
-        """``structure(node, ...)``, read once per program."""
-        static = self._structures.get(node)
-        if static is None:
-            static = self._structures[node] = structure(node, self.inputs(node))
-        return static
+    def structure_of(self, node: fx.Node) -> int:
+        """``structure(node, ...)``, read once per program, as a number (equal structures, equal numbers): a
+        decision's key hashes a number rather than the nested tuple, at every node of every propagation."""
+        number = self._structures.get(node)
+        if number is None:
+            number = self._structures[node] = self._numbers.setdefault(structure(node, self.inputs(node)),
+                                                                       len(self._numbers))
+        return number
 
     def pinned(self, node: fx.Node, pinned: frozenset[str]) -> bool:
         """``refine.is_pinned``, with what it reads of the graph read once per program."""
