@@ -32,9 +32,10 @@ from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
 from .joint import TrainingPlan, plan_training
+from .lowered_cache import load_lowered, lowered_key, store_lowered
 from .report import StageReporter, label_of
 from .trace import TracedProgram, trace_global
-from .training import TrainingProgram
+from .training import LoweredTraining, TrainingProgram
 
 
 @dataclass
@@ -117,31 +118,74 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                     inductor: bool = True, bucketing: bool = True, regional: bool = True,
                     reporter: StageReporter | None = None, **plan_options: Any) -> InferenceProgram | TrainingProgram:
     """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
-    ``device_mesh`` defaults to the one of the DTensor inputs."""
+    ``device_mesh`` defaults to the one of the DTensor inputs. Stages 1-5 are skipped where an earlier run
+    kept this rank's lowered programs (``lowered_cache.py``)."""
     reporter = reporter or StageReporter()
     if inductor:
         start_compile_workers()  # up by the time stage 6 compiles (inductor_config.py)
+    device_mesh = device_mesh or find_device_mesh(inputs, gm)
+    options = dict(plan_options, training=training, inductor=inductor, bucketing=bucketing, regional=regional)
+    key = None if reporter.wants_graphs() else lowered_key(gm, inputs, device_mesh, options)
+    run_options = dict(inductor=inductor, bucketing=bucketing, regional=regional, reporter=reporter)
+    if key is not None:
+        with reporter.timed("loading the lowered programs"), collector_paused():
+            kept = load_lowered(key, tuple(int(c) for c in device_mesh.get_coordinate()))
+        if kept is not None:
+            for text in kept.summaries:
+                reporter.say(text)
+            if isinstance(kept.lowered, LoweredTraining):
+                return TrainingProgram(_planner(gm, inputs, plan_options), device_mesh, eager_layouts=kept.eager_layouts,
+                                       lowered=kept.lowered, **run_options)
+            return InferenceProgram(None, device_mesh, kept.lowered.tensor_positions, kept.lowered.input_layouts,
+                                    eager_layouts=kept.eager_layouts, lowered=kept.lowered, **run_options)
     planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
+    runner: Any
     if planned.training is not None:
         with reporter.timing(), code_on_demand(), collector_paused():
-            runner: Any = TrainingProgram(planned.training, device_mesh, inductor=inductor, bucketing=bucketing,
-                                          reporter=reporter, eager_layouts=eager, regional=regional)
+            runner = TrainingProgram(planned.training, device_mesh, eager_layouts=eager, **run_options)
         reporter.stage_summary()
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
-        reporter.summarize(planned.training.forward)
-        reporter.summarize(planned.training.backward)
-        return runner
-    with reporter.timing(), code_on_demand(), collector_paused():
-        runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
-                                  [program.input_layouts[n] for n in program.input_names], inductor=inductor,
-                                  bucketing=bucketing, reporter=reporter, eager_layouts=eager, regional=regional)
-    reporter.stage_summary()
-    reporter("lower", runner.local_graph)
-    reporter.summarize(planned.graph)
+        summaries = [reporter.summarize(planned.training.forward), reporter.summarize(planned.training.backward)]
+    else:
+        with reporter.timing(), code_on_demand(), collector_paused():
+            runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
+                                      [program.input_layouts[n] for n in program.input_names], eager_layouts=eager,
+                                      **run_options)
+        reporter.stage_summary()
+        reporter("lower", runner.local_graph)
+        summaries = [reporter.summarize(planned.graph)]
+    if key is not None:
+        with collector_paused():
+            store_lowered(key, runner.lowered, eager, [text for text in summaries if text])
     return runner
+
+
+def _planner(gm: fx.GraphModule, inputs: Sequence[Any], plan_options: Mapping[str, Any]) -> Callable[[], TrainingPlan]:
+    """What plans a loaded training program again should someone read its plan (``TrainingProgram.plan``):
+    ``fxshard.compile``'s inputs are fake stand-ins, kept; real inputs (the backend's first call) are not kept
+    alive for that, and reading the plan says how to have it."""
+    if any(isinstance(x, torch.Tensor) and not _fake(x) for x in inputs):
+        def unavailable() -> TrainingPlan:
+            raise RuntimeError("this program's lowered forward and backward were loaded from disk, planned by an "
+                               "earlier run (backend/lowered_cache.py), and its planned global graphs are not kept: "
+                               "set FXSHARD_LOWERED_CACHE=0 to plan it in this run")
+        return unavailable
+
+    def plan_again() -> TrainingPlan:
+        planned = plan_program(gm, inputs, training=True, reporter=StageReporter(), **plan_options)
+        assert planned.training is not None
+        return planned.training
+    return plan_again
+
+
+def _fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x._local_tensor if isinstance(x, DTensor) else x, FakeTensor)
 
 
 def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placements: Mapping[Any, Any] | None = None,

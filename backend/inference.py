@@ -6,6 +6,7 @@ no fake-tensor mode of Dynamo's leaks into it.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,22 +28,46 @@ from .regions import Region, RegionalProgram, program_copy, program_regions
 from .report import StageReporter
 
 
+@dataclass
+class LoweredInference:
+    """This rank's lowered program (stages 4-5) and the layouts of its outputs. Kept on disk whole
+    (``lowered_cache.py``): a second run starts here."""
+
+    graph: fx.GraphModule
+    tensor_positions: list[int]  # of each placeholder in the caller's inputs
+    input_layouts: list[Layout]  # of each placeholder
+    output_layouts: tuple[Layout, ...]
+
+
+def lower_inference(planned: fx.GraphModule, coordinate: tuple[int, ...], groups: MeshGroups,
+                    tensor_positions: Sequence[int], input_layouts: Sequence[Layout]) -> LoweredInference:
+    """Stages 4-5 of a planned program for the rank at ``coordinate``."""
+    with stage("localize"):
+        localized = localize(planned, coordinate)
+    with stage("lower"):
+        graph = lower(localized, coordinate, groups)
+    return LoweredInference(graph, list(tensor_positions), list(input_layouts), output_layouts(planned))
+
+
 class InferenceProgram:
     """Calls the compiled local program of this rank on the local shards of the inputs."""
 
-    def __init__(self, planned: fx.GraphModule, device_mesh: Any, tensor_positions: Sequence[int],
+    def __init__(self, planned: fx.GraphModule | None, device_mesh: Any, tensor_positions: Sequence[int],
                  input_layouts: Sequence[Layout], inductor: bool = True, bucketing: bool = True, reporter: StageReporter | None = None,
-                 eager_layouts: Sequence[Any] = (), regional: bool = True):
+                 eager_layouts: Sequence[Any] = (), regional: bool = True, lowered: LoweredInference | None = None):
+        """From the ``planned`` global program (stages 4-5 run here), or from this rank's ``lowered`` one (a
+        second run's, loaded from disk: ``lowered_cache.py``)."""
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        with stage("localize"):
-            localized = localize(planned, coordinate)
-        with stage("lower"):
-            self.local_graph = lower(localized, coordinate, MeshGroups(device_mesh))
-        self.positions = list(tensor_positions)
-        self.input_layouts = list(input_layouts)
-        self.output_layouts = output_layouts(planned)
+        if lowered is None:
+            assert planned is not None, "an InferenceProgram needs its planned or its lowered program"
+            lowered = lower_inference(planned, coordinate, MeshGroups(device_mesh), tensor_positions, input_layouts)
+        self.lowered = lowered
+        self.local_graph = lowered.graph
+        self.positions = list(lowered.tensor_positions)
+        self.input_layouts = list(lowered.input_layouts)
+        self.output_layouts = lowered.output_layouts
         # per output: None (a DTensor) or the layout whose plain block the user's program holds (outputs.py)
         self.eager = list(eager_layouts) or [None] * len(self.output_layouts)
         self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)

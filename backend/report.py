@@ -75,10 +75,17 @@ class StageReporter:
         total = sum(self.times.get(s, 0.0) for s in STAGES)
         progress.info("fxshard graph %s: fxshard's stages took %.2f s (%s)", self.graph_id, total, shown)
 
-    def summarize(self, planned: fx.GraphModule) -> None:
-        """One INFO line per compiled graph: its collectives and memory per rank."""
+    def wants_graphs(self) -> bool:
+        """Whether someone reads the stages' graphs (``on_graph``, ``debug_dir``, DEBUG logs, a structured
+        trace): a program loaded from disk has none to show, so such a program is planned."""
+        return (self.on_graph is not None or self.debug_dir is not None or log.isEnabledFor(logging.DEBUG)
+                or _tracing())
+
+    def summarize(self, planned: fx.GraphModule) -> str:
+        """One INFO line per compiled graph: its collectives and memory per rank. Returns the line's text
+        after the graph's id (empty when INFO is off): a program loaded from disk logs the one kept."""
         if not log.isEnabledFor(logging.INFO):
-            return
+            return ""
         counts: dict[str, int] = {}
         total = 0
         for node in planned.graph.nodes:
@@ -88,8 +95,13 @@ class StageReporter:
                 counts[key] = counts.get(key, 0) + 1
                 total = total + step.bytes_per_rank
         comm = ", ".join(f"{n} x {k}" for k, n in counts.items()) or "none"
-        log.info("fxshard graph %s: communication %s; %s B received per rank; %s", self.graph_id, comm, total,
-                 memory_report(planned))
+        text = f"communication {comm}; {total} B received per rank; {memory_report(planned)}"
+        self.say(text)
+        return text
+
+    def say(self, text: str) -> None:
+        """``text`` on one INFO line, after the graph's id."""
+        log.info("fxshard graph %s: %s", self.graph_id, text)
 
 
 def label_of(fn: Callable) -> str:

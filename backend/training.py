@@ -9,6 +9,7 @@ DTensor with the parameter's placements (the plan computed it in that layout), r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,6 +17,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from fxshard.graph import code_on_demand
+from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
@@ -31,34 +33,65 @@ from .regions import Region, RegionalProgram, program_copy, training_regions
 from .report import StageReporter
 
 
-class TrainingProgram:
-    """Runs this rank's forward under autograd; the backward runs when the loss's does."""
+@dataclass
+class LoweredTraining:
+    """What running a training step needs of its plan: this rank's lowered forward and backward (stages 4-5)
+    and the program's signature. Kept on disk whole (``lowered_cache.py``): a second run starts here."""
 
-    def __init__(self, plan: TrainingPlan, device_mesh: Any, inductor: bool = True, bucketing: bool = True,
-                 reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (), regional: bool = True):
+    forward: fx.GraphModule  # this rank's local forward: primals -> (*outputs, *saved)
+    backward: fx.GraphModule  # (*saved, *tangents) -> gradients of grad_inputs
+    tensor_positions: list[int]  # of each primal in the caller's inputs
+    input_layouts: list[Layout]  # of each primal
+    output_layouts: tuple[Layout, ...]  # of the forward outputs
+    grad_inputs: tuple[int, ...]  # which primals get a gradient, in the backward's output order
+    grad_names: tuple[str, ...]  # their names (the parameters' gradients bucket by block)
+    num_outputs: int
+
+
+def lower_training(plan: TrainingPlan, coordinate: tuple[int, ...], groups: MeshGroups) -> LoweredTraining:
+    """Stages 4-5 of a training plan for the rank at ``coordinate``."""
+    with stage("localize"):
+        forward, backward = localize(plan.forward, coordinate), localize(plan.backward, coordinate)
+    with stage("lower"):
+        forward, backward = lower(forward, coordinate, groups), lower(backward, coordinate, groups)
+    program = plan.program
+    return LoweredTraining(forward, backward, list(program.tensor_positions),
+                           [program.input_layouts[n] for n in program.input_names], tuple(plan.output_layouts),
+                           tuple(plan.grad_inputs), tuple(program.input_names[k] for k in plan.grad_inputs),
+                           plan.num_outputs)
+
+
+class TrainingProgram:
+    """Runs this rank's forward under autograd; the backward runs when the loss's does.
+
+    Built from a ``TrainingPlan`` (stages 4-5 run here), or from its ``lowered`` programs and a function
+    that plans again should anyone read ``plan`` (a second run's programs loaded from disk)."""
+
+    def __init__(self, plan: TrainingPlan | Callable[[], TrainingPlan], device_mesh: Any, inductor: bool = True,
+                 bucketing: bool = True, reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (),
+                 regional: bool = True, lowered: LoweredTraining | None = None):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
-        groups = MeshGroups(device_mesh)
-        self.plan = plan
+        if lowered is None:
+            assert isinstance(plan, TrainingPlan), "a TrainingProgram without its plan needs its lowered programs"
+            lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
+        self._plan = plan
+        self.lowered = lowered
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        with stage("localize"):
-            forward, backward = localize(plan.forward, coordinate), localize(plan.backward, coordinate)
-        with stage("lower"):
-            self.forward_graph = lower(forward, coordinate, groups)
-            self.backward_graph = lower(backward, coordinate, groups)
-        program = plan.program
-        self.positions = list(program.tensor_positions)
-        self.input_layouts = [program.input_layouts[n] for n in program.input_names]
-        self.eager = list(eager_layouts) or [None] * len(plan.output_layouts)  # plain outputs (outputs.py)
+        self.forward_graph, self.backward_graph = lowered.forward, lowered.backward
+        self.num_outputs, self.grad_inputs = lowered.num_outputs, lowered.grad_inputs
+        self.positions = list(lowered.tensor_positions)
+        self.input_layouts = list(lowered.input_layouts)
+        self.eager = list(eager_layouts) or [None] * len(lowered.output_layouts)  # plain outputs (outputs.py)
         self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)
         self.input_gradient = DTensorGradients()
-        self.write_outputs = OutputWriter(plan.output_layouts, device_mesh, self.eager)
+        self.write_outputs = OutputWriter(lowered.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
         # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
         cap = block_bytes(self.forward_graph)
-        grads = tuple(program.input_names[k] for k in plan.grad_inputs)
-        self.buckets = {"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, grads)} if bucketing else None
+        self.buckets = ({"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, lowered.grad_names)}
+                        if bucketing else None)
         # compile each distinct layer once (backend/regions.py); the cache is shared by forward and backward
         self.regional = regional
         self.region_cache: dict = {}
@@ -67,6 +100,14 @@ class TrainingProgram:
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
+
+    @property
+    def plan(self) -> TrainingPlan:
+        """The planned global programs (stages 1-3); planned again on first reading where the lowered
+        programs were loaded from disk."""
+        if not isinstance(self._plan, TrainingPlan):
+            self._plan = self._plan()
+        return self._plan
 
     def __call__(self, *args: Any) -> tuple:
         outs = _TrainingStep.apply(self, *self.read_inputs(args, differentiable=True))
@@ -126,7 +167,7 @@ class TrainingProgram:
             self._region_graphs = {"forward": program_copy(self.forward_graph),
                                    "backward": program_copy(self.backward_graph)}
             self._region_split = training_regions(self._region_graphs["forward"], self._region_graphs["backward"],
-                                                  self.plan.num_outputs, merge=merge_blocks if self.buckets else None,
+                                                  self.num_outputs, merge=merge_blocks if self.buckets else None,
                                                   overlap=bool(self.buckets))
         return self._region_split
 
@@ -139,7 +180,7 @@ class _TrainingStep(torch.autograd.Function):
     def forward(ctx: Any, runner: TrainingProgram, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.gradient_of = [(x._spec, x._local_tensor.stride()) if isinstance(x, DTensor) else None for x in inputs]
         results = runner.run_forward([x._local_tensor if isinstance(x, DTensor) else x for x in inputs])
-        n = runner.plan.num_outputs
+        n = runner.num_outputs
         outs, saved = results[:n], results[n:]
         ctx.runner = runner
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
@@ -159,7 +200,7 @@ class _TrainingStep(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()
         grads = runner.run_backward(args)
         result: list[torch.Tensor | None] = [None] * len(runner.positions)
-        for k, g in zip(runner.plan.grad_inputs, grads):
+        for k, g in zip(runner.grad_inputs, grads):
             result[k] = runner.input_gradient(g, ctx.gradient_of[k])
         return (None, *result)
 

@@ -11,6 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# each test plans what it compiles: a program an earlier test (or run) compiled is not loaded from disk
+# (backend/lowered_cache.py; tests/test_lowered_cache.py turns it on for its own tests)
+os.environ["FXSHARD_LOWERED_CACHE"] = "0"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (FXSHARD_SLOW=1 too)")

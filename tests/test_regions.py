@@ -208,7 +208,7 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
     def recording_forward(self, inputs):
         own = {x.untyped_storage().data_ptr() for x in inputs}  # parameters the forward returns stay alive
         results = run_forward(self, inputs)
-        saved[:] = [StorageWeakRef(t.untyped_storage()) for t in results[self.plan.num_outputs:]
+        saved[:] = [StorageWeakRef(t.untyped_storage()) for t in results[self.num_outputs:]
                     if t.untyped_storage().data_ptr() not in own]
         return results
 

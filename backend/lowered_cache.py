@@ -1,0 +1,230 @@
+"""Each rank's lowered programs kept on disk: a script's second run skips fxshard's stages 1-5.
+
+A second run of a training script captures the same Dynamo graph, for inputs of the same metadata, on
+the same mesh, and fxshard planned it again from scratch every time (1.2-2.1 s at 1-4 layers of
+bench/compile.py's Llama, 5-6x DTensor + FSDP2's whole warm first step, whose AOTAutograd cache hands
+over its compiled blocks at once). What stages 1-5 produce for one rank (its lowered local forward and
+backward, or inference program, and the program's signature: input positions and layouts, output
+layouts, which inputs get gradients) is kept under a key of everything they read:
+
+- the captured program: the code of its graph and of every graph it calls (a nested compile region's
+  body), the values of its tensor constants, whether it ends at a graph break;
+- each input's metadata: type, shape, strides, dtype, device, whether it requires grad, and a DTensor's
+  placements and mesh; non-tensor inputs by value;
+- the planning options (layouts given per input, names, strictness, cost model, training split,
+  Inductor, bucketing, regional) and the device mesh: its shape and names, this rank's coordinate, and
+  its process groups' names (the lowered collectives name them);
+- fxshard's own source (every module of the package) and torch's version: a change to either makes
+  every entry stale.
+
+A program that holds something this key cannot read (a module call, a fake constant, an input of an
+unknown type) is planned every time, as is a program whose stages someone watches (``on_graph``,
+``debug_dir``, DEBUG logs: they see the stages' graphs, which a loaded program never had). The store is
+on when Inductor's FX graph cache is, in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``), as
+``prepared_cache.py``'s: clearing one clears both, ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns both
+off; ``FXSHARD_LOWERED_CACHE=0`` turns this one off alone (the tests do, but for its own: a test compiling
+a program an earlier test compiled would otherwise skip the stages it checks). A loaded program's fake values are computed again from its inputs' local shapes, as stage 4 computes
+them; its planned global graphs are planned again only if someone reads them (``TrainingProgram.plan``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import pathlib
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand, graph_module
+from fxshard.lowering.localize import program_fake_values
+
+from .inference import LoweredInference
+from .prepared_cache import _digest, _stable
+from .training import LoweredTraining
+
+__all__ = ["lowered_key", "load_lowered", "store_lowered"]
+
+_FORMAT = 1  # of the entries: a change to what is kept makes the old ones unreadable, not wrong
+_KEPT_META = (LAYOUT, LOWERED_MOVE)  # what the later stages read of a lowered node besides its fake value
+
+
+@dataclass
+class _Entry:
+    """What is kept: the lowered programs with the placeholders' dtypes and devices (the fake values are not
+    kept), the program's signature, and the INFO lines the planned graphs gave (``StageReporter.summarize``)."""
+
+    lowered: LoweredTraining | LoweredInference
+    placeholders: dict[str, list[tuple[torch.dtype, str]]]  # per graph attribute of ``lowered``
+    eager_layouts: list[Any]
+    summaries: list[str]
+
+
+def lowered_key(gm: fx.GraphModule, inputs: Sequence[Any], device_mesh: Any, options: Mapping[str, Any]) -> str | None:
+    """The key of ``gm``'s lowered programs for this rank, or None where nothing is kept (Inductor's FX graph
+    cache off, or something the key cannot read)."""
+    from torch._inductor import config
+
+    if (config.force_disable_caches or not config.fx_graph_cache or device_mesh is None
+            or os.environ.get("FXSHARD_LOWERED_CACHE", "1") == "0"):
+        return None
+    program = _program_text(gm)
+    described = [_input_text(x) for x in inputs]
+    if program is None or any(d is None for d in described):
+        return None
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    parts = [_FORMAT, torch.__version__, _source_digest(), program, bool(getattr(reason, "graph_break", False)),
+             described, _mesh_text(device_mesh),
+             [(name, _option_text(value)) for name, value in sorted(options.items())]]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _program_text(gm: fx.GraphModule) -> list | None:
+    """The code of ``gm`` and of every graph module in it, and its tensor constants' digests; None where it
+    holds anything else (another module, a fake constant)."""
+    parts: list[Any] = []
+    for name, module in gm.named_modules():
+        if not isinstance(module, fx.GraphModule):
+            return None
+        parts.append((name, module.code))
+        for node in module.graph.find_nodes(op="get_attr"):
+            value = functools.reduce(getattr, node.target.split("."), module)
+            if isinstance(value, fx.GraphModule):
+                continue
+            if not isinstance(value, torch.Tensor) or isinstance(value, (FakeTensor, DTensor)):
+                return None
+            parts.append((name, node.target, value.dtype, tuple(value.shape), _digest(value)))
+    return parts
+
+
+def _input_text(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return ("DTensor", _tensor_text(x), tuple(map(repr, x.placements)), x.device_mesh.mesh.tolist(),
+                x.device_mesh.mesh_dim_names)
+    if isinstance(x, torch.Tensor):
+        return (type(x).__name__, _tensor_text(x))
+    if isinstance(x, DeviceMesh):
+        return ("DeviceMesh", x.device_type, x.mesh.tolist(), x.mesh_dim_names)
+    if x is None or isinstance(x, (bool, int, float, str, torch.SymInt, torch.dtype, torch.device)):
+        return repr(x)
+    return None
+
+
+def _tensor_text(x: torch.Tensor) -> tuple:
+    return (tuple(map(repr, x.shape)), tuple(map(repr, x.stride())), x.dtype, str(x.device), x.requires_grad)
+
+
+def _mesh_text(device_mesh: Any) -> tuple:
+    groups = tuple(device_mesh.get_group(d).group_name for d in range(device_mesh.ndim))
+    return (device_mesh.device_type, device_mesh.mesh.tolist(), device_mesh.mesh_dim_names,
+            tuple(int(c) for c in device_mesh.get_coordinate()), groups)
+
+
+def _option_text(value: Any) -> Any:
+    """An option as the same text in every process (layouts, dataclasses and names by their repr)."""
+    if isinstance(value, Mapping):
+        return tuple((repr(k), _option_text(v)) for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_option_text, value))
+    stable = _stable(value)
+    return stable if isinstance(stable, tuple) else repr(stable)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """fxshard's source, every module of the package, read once per process (an explicit cache)."""
+    digest = hashlib.sha256()
+    for package in ("fxshard", "fxshard.backend", "fxshard.lowering"):  # imported already: this module imports them
+        for path in sorted(pathlib.Path(sys.modules[package].__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _path(key: str) -> pathlib.Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir()) / "fxshard_lowered" / key
+
+
+def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
+    """The entry kept under ``key``, its programs' fake values computed for the rank at ``coordinate``;
+    None where none is kept or it cannot be read."""
+    import pickle
+
+    from torch.fx._graph_pickler import GraphPickler
+
+    path = _path(key)
+    if not path.exists():
+        counters["fxshard"]["lowered_cache_miss"] += 1
+        return None
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        stored = pickle.loads(path.read_bytes())
+        entry: _Entry = stored["entry"]
+        for attribute, data in stored["graphs"].items():
+            loaded = GraphPickler.loads(data, mode)
+            with code_on_demand():  # unpickled, a graph module has no forward: its code written when first run
+                graph = graph_module(loaded, loaded.graph)
+            _fake_values(graph, entry.placeholders[attribute], coordinate, mode)
+            setattr(entry.lowered, attribute, graph)
+    except Exception:  # a torn, foreign or stale file: planned again, and stored over it
+        counters["fxshard"]["lowered_cache_miss"] += 1
+        return None
+    counters["fxshard"]["lowered_cache_hit"] += 1
+    return entry
+
+
+def _fake_values(graph: fx.GraphModule, placeholders: list[tuple[torch.dtype, str]], coordinate: Sequence[int],
+                 mode: FakeTensorMode) -> None:
+    """Every value's fake tensor, from the placeholders' local shapes (their layouts at ``coordinate``), as
+    stage 4 computes them (``localize.local_fake_inputs``)."""
+    nodes = graph.graph.find_nodes(op="placeholder")
+    if len(nodes) != len(placeholders):
+        raise ValueError("the kept program's inputs are not the ones its entry lists")
+    with mode:
+        fakes = [torch.empty([int(s) for s in node.meta[LAYOUT].local_shape(tuple(coordinate))], dtype=dtype,
+                             device=device) for node, (dtype, device) in zip(nodes, placeholders)]
+    program_fake_values(graph, fakes, mode)
+
+
+def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_layouts: Sequence[Any],
+                  summaries: Sequence[str]) -> None:
+    """Keep ``lowered`` under ``key``. Written whole or not at all (ranks write their own keys, and a rank
+    may write one while another process reads it)."""
+    import dataclasses
+    import pickle
+
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    attributes = ("forward", "backward") if isinstance(lowered, LoweredTraining) else ("graph",)
+    graphs = {a: getattr(lowered, a) for a in attributes}
+    if any(_program_text(g) is None for g in graphs.values()):
+        return  # a constant that does not pickle as itself: planned again next time
+    options = Options(ops_filter=None, node_metadata_key_filter=lambda k: k in _KEPT_META)
+    try:
+        data = {a: GraphPickler.dumps(g, options) for a, g in graphs.items()}
+        placeholders = {a: [(n.meta["val"].dtype, str(n.meta["val"].device)) for n in g.graph.find_nodes(op="placeholder")]
+                        for a, g in graphs.items()}
+        bare = dataclasses.replace(lowered, **{a: None for a in attributes})
+        payload = pickle.dumps({"entry": _Entry(bare, placeholders, list(eager_layouts), list(summaries)),
+                                "graphs": data})
+    except Exception:  # something in it does not pickle: planned again next time
+        return
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            f.write(payload)
+        os.replace(f.name, path)
+    except OSError:  # a full or read-only disk: nothing kept, the program runs all the same
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(f.name)

@@ -1,0 +1,211 @@
+"""A second run loads each rank's lowered programs instead of planning again (backend/lowered_cache.py).
+
+The programs loaded must be the ones planned (the same code, signature and numerics), the key must
+change with everything planning reads, and nothing may be loaded where it cannot be trusted (a torn
+file, a program whose stages someone watches).
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor import config
+from torch._inductor.utils import fresh_cache
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import fxshard
+from fxshard.backend.training import TrainingProgram
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from rank_programs import Blocks, shard_parameters  # noqa: E402
+
+CACHES = {"force_disable_caches": False, "fx_graph_cache": True, "fx_graph_remote_cache": False}
+DIM, HIDDEN, TOKENS = 32, 64, 64
+
+
+@pytest.fixture
+def cache_on(monkeypatch):
+    """The cache on (conftest turns it off for every other test), in a fresh Inductor cache directory."""
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    with fresh_cache(), config.patch(CACHES):
+        counters.clear()
+        yield
+    torch._dynamo.reset()
+
+
+def _compile_and_step(model: torch.nn.Module, x: torch.Tensor, **options) -> tuple:
+    """A fresh ``fxshard.compile`` of ``model`` (as a new process would make it: nothing in memory) and one
+    training step: the program, the output and the parameters' gradients, as local tensors."""
+    torch._dynamo.reset()
+    compiled = fxshard.compile(model, inductor=False, **options)
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.to_local().clone() for p in model.parameters()]
+    model.zero_grad()
+    return compiled.last, out.to_local(), grads
+
+
+def _sharded_blocks(mesh, placements=(Shard(0),)) -> Blocks:
+    torch.manual_seed(0)
+    model = Blocks(DIM, HIDDEN)
+    shard_parameters(model, mesh, placements)
+    return model
+
+
+def test_a_second_compile_loads_the_programs_the_first_lowered(fake_mesh_4, cache_on):
+    """FSDP's Blocks: the second compile plans nothing (no stage runs) and runs the same forward and backward
+    programs, node for node, with the same signature; its plan is planned again only when read."""
+    model = _sharded_blocks(fake_mesh_4)
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    cold, _, _ = _compile_and_step(model, x)
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 1}, dict(counters["fxshard"])
+    assert "trace" in cold.reporter.times
+    counters.clear()
+    warm, _, _ = _compile_and_step(model, x)
+    assert dict(counters["fxshard"]) == {"lowered_cache_hit": 1}, dict(counters["fxshard"])
+    assert isinstance(warm, TrainingProgram) and warm is not cold
+    assert not {"trace", "propagate", "refine", "plan", "localize", "lower"} & set(warm.reporter.times)
+    assert warm.forward_graph.code == cold.forward_graph.code
+    assert warm.backward_graph.code == cold.backward_graph.code
+    for a, b in zip(warm.forward_graph.graph.nodes, cold.forward_graph.graph.nodes):  # fake values recomputed
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(vb, torch.Tensor):
+            assert (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype), a.format_node()
+    assert (warm.positions, warm.input_layouts, warm.num_outputs, warm.grad_inputs) == \
+        (cold.positions, cold.input_layouts, cold.num_outputs, cold.grad_inputs)
+    assert warm.lowered.output_layouts == cold.lowered.output_layouts
+    assert warm.buckets == cold.buckets
+    # the planned global programs, for whoever reads them: planned again, the same plan
+    assert warm.plan.forward.code == cold.plan.forward.code
+
+
+def test_a_program_loaded_computes_what_the_model_does(fake_mesh_4, cache_on):
+    """Replicated weights and input (the fake group's result is exact): the cold and the loaded program both
+    compute the single-device output and gradients, on fresh random data."""
+    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
+    reference = Blocks(DIM, HIDDEN)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    data = torch.randn(TOKENS, DIM)
+    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    _, out_cold, grads_cold = _compile_and_step(model, x)
+    _, out_warm, grads_warm = _compile_and_step(model, x)
+    assert counters["fxshard"]["lowered_cache_hit"] == 1, dict(counters["fxshard"])
+    out = reference(data)
+    out.sum().backward()
+    expected = (out, [p.grad for p in reference.parameters()])
+    torch.testing.assert_close((out_cold, grads_cold), expected)
+    torch.testing.assert_close((out_warm, grads_warm), expected)
+
+
+def test_an_inference_program_is_loaded_too(fake_mesh_4, cache_on):
+    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
+    data = torch.randn(TOKENS, DIM)
+    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    outs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = fxshard.compile(model, inductor=False)
+            outs.append(compiled(x).to_local())
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 1, "lowered_cache_hit": 1}, dict(counters["fxshard"])
+    with torch.no_grad():
+        expected = Blocks(DIM, HIDDEN)
+        expected.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        torch.testing.assert_close(outs, [expected(data)] * 2)
+
+
+def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on):
+    """What planning reads is in the key: a cost model, the weights' placements, the input's shape."""
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    _compile_and_step(_sharded_blocks(fake_mesh_4), x)
+    _compile_and_step(_sharded_blocks(fake_mesh_4), x, cost_model=fxshard.CostModel(default_latency=0.0))
+    _compile_and_step(_sharded_blocks(fake_mesh_4, (Replicate(),)), x)
+    _compile_and_step(_sharded_blocks(fake_mesh_4), distribute_tensor(torch.randn(2 * TOKENS, DIM), fake_mesh_4,
+                                                                      [Shard(0)]))
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 4}, dict(counters["fxshard"])
+    _compile_and_step(_sharded_blocks(fake_mesh_4, (Replicate(),)), x)
+    assert counters["fxshard"]["lowered_cache_hit"] == 1, dict(counters["fxshard"])
+
+
+def test_the_key_reads_the_program_its_constants_and_the_switches(fake_mesh_4, monkeypatch):
+    """The key changes with the program's code and its constants' values; nothing is kept with Inductor's
+    caches off, with ``FXSHARD_LOWERED_CACHE=0``, or for a program holding a module the key cannot read."""
+    from fxshard.backend.lowered_cache import lowered_key
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, constant: torch.Tensor):
+            super().__init__()
+            self.register_buffer("constant", constant)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.constant
+
+    ones, twos = fx.symbolic_trace(Scaled(torch.ones(8))), fx.symbolic_trace(Scaled(torch.full((8,), 2.0)))
+    plus = fx.symbolic_trace(lambda x: x + 1)
+    x = distribute_tensor(torch.randn(4, 8), fake_mesh_4, [Replicate()])
+    options = {"training": False}
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    with config.patch(CACHES):
+        first = lowered_key(ones, [x], fake_mesh_4, options)
+        assert first is not None and first == lowered_key(ones, [x], fake_mesh_4, options)
+        assert first != lowered_key(twos, [x], fake_mesh_4, options)
+        assert first != lowered_key(plus, [x], fake_mesh_4, options)
+        assert first != lowered_key(ones, [x], fake_mesh_4, {"training": True})
+        assert first != lowered_key(ones, [distribute_tensor(torch.randn(4, 8), fake_mesh_4, [Shard(0)])],
+                                    fake_mesh_4, options)
+        assert lowered_key(fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8))), [x], fake_mesh_4,
+                           options) is None  # a module call: its code is not in the graph's
+        monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "0")
+        assert lowered_key(ones, [x], fake_mesh_4, options) is None
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    with config.patch({**CACHES, "force_disable_caches": True}):
+        assert lowered_key(ones, [x], fake_mesh_4, options) is None
+
+
+def test_a_torn_entry_is_planned_again_and_stored_over(fake_mesh_4, cache_on):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    model = _sharded_blocks(fake_mesh_4)
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    cold, _, _ = _compile_and_step(model, x)
+    (entry,) = (pathlib.Path(cache_dir()) / "fxshard_lowered").iterdir()
+    entry.write_bytes(entry.read_bytes()[:100])
+    torn, _, _ = _compile_and_step(model, x)
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 2}, dict(counters["fxshard"])
+    assert "trace" in torn.reporter.times and torn.backward_graph.code == cold.backward_graph.code
+    warm, _, _ = _compile_and_step(model, x)
+    assert counters["fxshard"]["lowered_cache_hit"] == 1 and warm.backward_graph.code == cold.backward_graph.code
+
+
+def test_a_program_whose_stages_are_watched_is_planned(fake_mesh_4, cache_on):
+    """``on_graph`` sees every stage's graph, which a loaded program never had: the backend plans it every time."""
+    model = _sharded_blocks(fake_mesh_4)
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    for _ in range(2):
+        seen: list[str] = []
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fxshard",
+                                 options={"inductor": False, "on_graph": lambda stage, gm: seen.append(stage)})
+        compiled(x).sum().backward()
+        assert "plan" in seen and "lower" in seen, seen
+    assert not counters["fxshard"], dict(counters["fxshard"])
+    torch.compile(model, backend="fxshard", options={"inductor": False})(x).sum().backward()
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 1}, dict(counters["fxshard"])
+
+
+def test_a_loaded_programs_plan_is_planned_again_from_fake_inputs_only():
+    """``TrainingProgram.plan`` of a loaded program plans again from ``fxshard.compile``'s fake stand-ins; the
+    backend's real inputs are not kept alive for that, and reading the plan says how to have it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxshard.backend.driver import _planner
+
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(RuntimeError, match="FXSHARD_LOWERED_CACHE=0"):
+        _planner(gm, [torch.randn(4)], {})()
+    fake = FakeTensorMode().from_tensor(torch.randn(4))
+    assert _planner(gm, [fake], {}).__name__ == "plan_again"
