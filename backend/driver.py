@@ -148,7 +148,8 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
         reporter.stage_summary()
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
-        summaries = [reporter.summarize(planned.training.forward), reporter.summarize(planned.training.backward)]
+        summaries = [reporter.summarize(g, keep=key is not None)
+                     for g in (planned.training.forward, planned.training.backward)]
     else:
         with reporter.timing(), code_on_demand(), collector_paused():
             runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
@@ -156,7 +157,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                                       **run_options)
         reporter.stage_summary()
         reporter("lower", runner.local_graph)
-        summaries = [reporter.summarize(planned.graph)]
+        summaries = [reporter.summarize(planned.graph, keep=key is not None)]
     if key is not None:
         with collector_paused():
             store_lowered(key, runner.lowered, eager, [text for text in summaries if text])

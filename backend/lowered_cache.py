@@ -29,10 +29,12 @@ them; its planned global graphs are planned again only if someone reads them (``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
 import pathlib
+import pickle
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,9 +47,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand, graph_module
+from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
 
+from .graph_records import graph_from_records, graph_records
 from .inference import LoweredInference
 from .prepared_cache import _digest, _stable
 from .training import LoweredTraining
@@ -95,15 +98,26 @@ def _program_text(gm: fx.GraphModule) -> list | None:
     for name, module in gm.named_modules():
         if not isinstance(module, fx.GraphModule):
             return None
+        constants = _constants(module)
+        if constants is None:
+            return None
         parts.append((name, module.code))
-        for node in module.graph.find_nodes(op="get_attr"):
-            value = functools.reduce(getattr, node.target.split("."), module)
-            if isinstance(value, fx.GraphModule):
-                continue
-            if not isinstance(value, torch.Tensor) or isinstance(value, (FakeTensor, DTensor)):
-                return None
-            parts.append((name, node.target, value.dtype, tuple(value.shape), _digest(value)))
+        parts += [(name, target, value.dtype, tuple(value.shape), _digest(value)) for target, value in constants]
     return parts
+
+
+def _constants(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]] | None:
+    """The tensors ``gm``'s ``get_attr`` nodes read (graph modules aside), or None where one is not a real
+    tensor (a fake one has no value to keep or digest)."""
+    constants = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = functools.reduce(getattr, node.target.split("."), gm)
+        if isinstance(value, fx.GraphModule):
+            continue
+        if not isinstance(value, torch.Tensor) or isinstance(value, (FakeTensor, DTensor)):
+            return None
+        constants.append((node.target, value))
+    return constants
 
 
 def _input_text(x: Any) -> Any:
@@ -158,10 +172,6 @@ def _path(key: str) -> pathlib.Path:
 def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
     """The entry kept under ``key``, its programs' fake values computed for the rank at ``coordinate``;
     None where none is kept or it cannot be read."""
-    import pickle
-
-    from torch.fx._graph_pickler import GraphPickler
-
     path = _path(key)
     if not path.exists():
         counters["fxshard"]["lowered_cache_miss"] += 1
@@ -170,10 +180,9 @@ def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
     try:
         stored = pickle.loads(path.read_bytes())
         entry: _Entry = stored["entry"]
-        for attribute, data in stored["graphs"].items():
-            loaded = GraphPickler.loads(data, mode)
-            with code_on_demand():  # unpickled, a graph module has no forward: its code written when first run
-                graph = graph_module(loaded, loaded.graph)
+        for attribute, (records, attributes) in stored["graphs"].items():
+            with code_on_demand():  # its code written when first run or read, as every stage's graphs
+                graph = graph_from_records(records, attributes)
             _fake_values(graph, entry.placeholders[attribute], coordinate, mode)
             setattr(entry.lowered, attribute, graph)
     except Exception:  # a torn, foreign or stale file: planned again, and stored over it
@@ -200,23 +209,17 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
                   summaries: Sequence[str]) -> None:
     """Keep ``lowered`` under ``key``. Written whole or not at all (ranks write their own keys, and a rank
     may write one while another process reads it)."""
-    import dataclasses
-    import pickle
-
-    from torch.fx._graph_pickler import GraphPickler, Options
-
     attributes = ("forward", "backward") if isinstance(lowered, LoweredTraining) else ("graph",)
     graphs = {a: getattr(lowered, a) for a in attributes}
-    if any(_program_text(g) is None for g in graphs.values()):
-        return  # a constant that does not pickle as itself: planned again next time
-    options = Options(ops_filter=None, node_metadata_key_filter=lambda k: k in _KEPT_META)
+    if any(_constants(g) is None or list(g.children()) for g in graphs.values()):
+        return  # a constant that does not pickle as itself, or a module: planned again next time
     try:
-        data = {a: GraphPickler.dumps(g, options) for a, g in graphs.items()}
+        records = {a: graph_records(g, _KEPT_META) for a, g in graphs.items()}
         placeholders = {a: [(n.meta["val"].dtype, str(n.meta["val"].device)) for n in g.graph.find_nodes(op="placeholder")]
                         for a, g in graphs.items()}
         bare = dataclasses.replace(lowered, **{a: None for a in attributes})
         payload = pickle.dumps({"entry": _Entry(bare, placeholders, list(eager_layouts), list(summaries)),
-                                "graphs": data})
+                                "graphs": records}, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # something in it does not pickle: planned again next time
         return
     path = _path(key)

@@ -81,10 +81,11 @@ class StageReporter:
         return (self.on_graph is not None or self.debug_dir is not None or log.isEnabledFor(logging.DEBUG)
                 or _tracing())
 
-    def summarize(self, planned: fx.GraphModule) -> str:
+    def summarize(self, planned: fx.GraphModule, keep: bool = False) -> str:
         """One INFO line per compiled graph: its collectives and memory per rank. Returns the line's text
-        after the graph's id (empty when INFO is off): a program loaded from disk logs the one kept."""
-        if not log.isEnabledFor(logging.INFO):
+        after the graph's id, computed where INFO is on or ``keep`` asks for it (a program kept on disk
+        keeps its lines, for a later run that loads it to log), else empty."""
+        if not (keep or log.isEnabledFor(logging.INFO)):
             return ""
         counts: dict[str, int] = {}
         total = 0

@@ -209,3 +209,31 @@ def test_a_loaded_programs_plan_is_planned_again_from_fake_inputs_only():
         _planner(gm, [torch.randn(4)], {})()
     fake = FakeTensorMode().from_tensor(torch.randn(4))
     assert _planner(gm, [fake], {}).__name__ == "plan_again"
+
+
+def test_a_graph_kept_as_records_comes_back_the_same():
+    """``graph_records``: every node (names, operators, arguments and keyword arguments, getitem of a
+    multi-output op), the metadata asked for, and tensor constants by value, through ``pickle``."""
+    import pickle
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxshard.backend.graph_records import graph_from_records, graph_records
+
+    three = torch.full((8,), 3.0)
+
+    def program(x: torch.Tensor, n: torch.Tensor) -> tuple:
+        values, indices = torch.topk(x * three, 2, dim=-1)
+        return (values.sum(dim=0, keepdim=True), indices, torch.nn.functional.gelu(x, approximate="tanh") + n)
+
+    x, n = torch.randn(4, 8), torch.randn(8)
+    gm = make_fx(program)(x, n)
+    gm.graph._codegen = fx.graph.CodeGen()  # positional inputs, as a lowered program's (no pytree flattening)
+    gm.recompile()
+    for k, node in enumerate(gm.graph.nodes):
+        node.meta.update({"kept": k, "dropped": k})
+    assert gm.graph.find_nodes(op="get_attr")  # the constant
+    back = graph_from_records(*pickle.loads(pickle.dumps(graph_records(gm, ["kept"]))))
+    assert back.code == gm.code
+    assert [n.meta for n in back.graph.nodes] == [{"kept": k} for k in range(len(gm.graph.nodes))]
+    torch.testing.assert_close(back(x, n), gm(x, n))
