@@ -8,7 +8,8 @@ backward, or inference program, and the program's signature: input positions and
 layouts, which inputs get gradients) is kept under a key of everything they read:
 
 - the captured program: the code of its graph and of every graph it calls (a nested compile region's
-  body), the values of its tensor constants, whether it ends at a graph break;
+  body), the values of its tensor constants, the bytecode of the user's Python functions it calls
+  (``allow_in_graph``), whether it ends at a graph break;
 - each input's metadata: type, shape, strides, dtype, device, whether it requires grad, and a DTensor's
   placements and mesh; non-tensor inputs by value;
 - the planning options (layouts given per input, names, strictness, cost model, training split,
@@ -37,6 +38,7 @@ import pathlib
 import pickle
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -103,7 +105,27 @@ def _program_text(gm: fx.GraphModule) -> list | None:
             return None
         parts.append((name, module.code))
         parts += [(name, target, value.dtype, tuple(value.shape), _digest(value)) for target, value in constants]
+        for node in module.graph.nodes:
+            if (node.op == "call_function" and isinstance(node.target, types.FunctionType)
+                    and (node.target.__module__ or "").partition(".")[0] != "torch"):
+                function = _function_text(node.target)  # the graph names it; its body is the user's
+                if function is None:
+                    return None
+                parts.append(function)
     return parts
+
+
+def _function_text(fn: types.FunctionType) -> tuple | None:
+    """A user's Python function the graph calls (``allow_in_graph``), by its bytecode, constants, defaults and
+    the plain values its closure holds; None where the closure holds anything else."""
+    def code_text(code: types.CodeType) -> tuple:
+        return (code.co_code, code.co_names,
+                tuple(code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts))
+
+    cells = [cell.cell_contents for cell in fn.__closure__ or ()]
+    if not all(c is None or isinstance(c, (bool, int, float, str)) for c in cells):
+        return None
+    return (fn.__module__, fn.__qualname__, code_text(fn.__code__), repr(fn.__defaults__), repr(cells))
 
 
 def _constants(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]] | None:

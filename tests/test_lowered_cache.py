@@ -166,6 +166,41 @@ def test_the_key_reads_the_program_its_constants_and_the_switches(fake_mesh_4, m
         assert lowered_key(ones, [x], fake_mesh_4, options) is None
 
 
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _tripled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_the_key_reads_the_body_of_a_python_function_the_program_calls(fake_mesh_4, monkeypatch):
+    """A graph calls a user's function by name (``allow_in_graph``): its code is the same when the function's
+    body changes, the key is not; a closure over something other than plain values keeps nothing."""
+    from fxshard.backend.lowered_cache import lowered_key
+
+    def calling(fn) -> fx.GraphModule:
+        graph = fx.Graph()
+        graph.output(graph.call_function(fn, (graph.placeholder("x"),)))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    x = distribute_tensor(torch.randn(4, 8), fake_mesh_4, [Replicate()])
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    with config.patch(CACHES):
+        doubled = calling(_doubled)
+        edited = calling(_doubled)
+        monkeypatch.setattr(_doubled, "__code__", _tripled.__code__)  # the same name, another body
+        assert doubled.code == edited.code
+        assert lowered_key(edited, [x], fake_mesh_4, {}) != lowered_key(calling(_tripled), [x], fake_mesh_4, {})
+        monkeypatch.undo()
+        monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+        before = lowered_key(doubled, [x], fake_mesh_4, {})
+        monkeypatch.setattr(_doubled, "__code__", _tripled.__code__)
+        assert lowered_key(doubled, [x], fake_mesh_4, {}) != before
+        scale = torch.ones(1)
+        assert lowered_key(calling(lambda t: t * scale), [x], fake_mesh_4, {}) is None
+
+
 def test_a_torn_entry_is_planned_again_and_stored_over(fake_mesh_4, cache_on):
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
