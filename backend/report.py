@@ -120,9 +120,16 @@ def dynamo_compile_id() -> str:
 
 
 def _tracing() -> bool:
-    from torch._logging._internal import trace_log
+    """Whether a structured trace is written (``TORCH_TRACE``: what tlparse reads): the trace log's file handler
+    has a directory. torch gives the trace log that handler in every process, without a directory where
+    ``TORCH_TRACE`` is unset, and it removes itself at its first record; until then it traces nothing and
+    must not count (a program would format every stage's graph for it, and would not be loaded from disk:
+    ``lowered_cache.py``). Handlers others attach to every logger (pytest's log capture) do not count either."""
+    from torch._logging import _internal
 
-    return trace_log.handlers != [] and trace_log.isEnabledFor(logging.DEBUG)
+    lazy = getattr(_internal, "LazyTraceHandler", None)
+    return lazy is not None and _internal.trace_log.isEnabledFor(logging.DEBUG) and any(
+        isinstance(h, lazy) and h.root_dir is not None for h in _internal.trace_log.handlers)
 
 
 def _trace(name: str, text: str) -> None:
