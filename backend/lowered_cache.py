@@ -29,7 +29,6 @@ them; its planned global graphs are planned again only if someone reads them (``
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -37,7 +36,6 @@ import os
 import pathlib
 import pickle
 import sys
-import tempfile
 import types
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -52,9 +50,9 @@ from torch.distributed.tensor import DTensor
 from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
 
+from .cache_files import cache_path, stable, tensor_digest, write_whole
 from .graph_records import graph_from_records, graph_records
 from .inference import LoweredInference
-from .prepared_cache import _digest, _stable
 from .training import LoweredTraining
 
 __all__ = ["lowered_key", "load_lowered", "store_lowered"]
@@ -104,7 +102,7 @@ def _program_text(gm: fx.GraphModule) -> list | None:
         if constants is None:
             return None
         parts.append((name, module.code))
-        parts += [(name, target, value.dtype, tuple(value.shape), _digest(value)) for target, value in constants]
+        parts += [(name, target, value.dtype, tuple(value.shape), tensor_digest(value)) for target, value in constants]
         for node in module.graph.nodes:
             if (node.op == "call_function" and isinstance(node.target, types.FunctionType)
                     and (node.target.__module__ or "").partition(".")[0] != "torch"):
@@ -171,8 +169,8 @@ def _option_text(value: Any) -> Any:
         return tuple((repr(k), _option_text(v)) for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
     if isinstance(value, (list, tuple)):
         return tuple(map(_option_text, value))
-    stable = _stable(value)
-    return stable if isinstance(stable, tuple) else repr(stable)
+    kept = stable(value)
+    return kept if isinstance(kept, tuple) else repr(kept)
 
 
 @functools.cache
@@ -186,9 +184,7 @@ def _source_digest() -> str:
 
 
 def _path(key: str) -> pathlib.Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return pathlib.Path(cache_dir()) / "fxshard_lowered" / key
+    return cache_path("fxshard_lowered", key)
 
 
 def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
@@ -244,12 +240,4 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
                                 "graphs": records}, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # something in it does not pickle: planned again next time
         return
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-            f.write(payload)
-        os.replace(f.name, path)
-    except OSError:  # a full or read-only disk: nothing kept, the program runs all the same
-        with contextlib.suppress(OSError, NameError):
-            os.unlink(f.name)
+    write_whole(_path(key), payload)

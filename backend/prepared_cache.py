@@ -13,12 +13,9 @@ Inductor's FX graph cache is, in Inductor's cache directory: clearing that clear
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import os
 import pathlib
-import tempfile
 from typing import Any, Sequence
 
 import torch
@@ -26,6 +23,8 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from fxshard.lowering.localize import program_fake_values
+
+from .cache_files import cache_path, stable, tensor_digest, write_whole
 
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 
@@ -54,9 +53,9 @@ def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
             value = getattr(program, node.target, None)
             if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
                 return None
-            parts.append((node.target, value.dtype, tuple(value.shape), _digest(value)))
+            parts.append((node.target, value.dtype, tuple(value.shape), tensor_digest(value)))
     parts.append(_preparation_digest())
-    parts.append([(name, _stable(value)) for name, value in sorted(config.save_config_portable().items())])
+    parts.append([(name, stable(value)) for name, value in sorted(config.save_config_portable().items())])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -67,30 +66,8 @@ def _preparation_digest() -> str:
     return hashlib.sha256(b"".join((here / name).read_bytes() for name in _PREPARATION)).hexdigest()
 
 
-def _stable(value: Any) -> Any:
-    """A config value as the same text in every process: a function (fxshard's bucket cap) by its name,
-    and a partial by its function and arguments, not by their addresses."""
-    if isinstance(value, functools.partial):
-        return ("partial", _stable(value.func), tuple(map(_stable, value.args)),
-                tuple((k, _stable(v)) for k, v in sorted(value.keywords.items())))
-    if callable(value) and hasattr(value, "__qualname__"):
-        return ("function", value.__module__, value.__qualname__)
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(_stable, value))
-    if isinstance(value, dict):
-        return tuple((k, _stable(v)) for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
-    return value
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
-
-
 def _path(key: str) -> pathlib.Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return pathlib.Path(cache_dir()) / "fxshard_prepared" / key
+    return cache_path("fxshard_prepared", key)
 
 
 def load_prepared(key: str, example_inputs: Sequence[Any], mode: Any) -> fx.GraphModule | None:
@@ -125,12 +102,4 @@ def store_prepared(key: str, program: fx.GraphModule) -> None:
         data = GraphPickler.dumps(program, Options(ops_filter=None, node_metadata_key_filter=lambda k: k == "custom"))
     except Exception:  # something in it does not pickle: prepared again next time
         return
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-            f.write(data)
-        os.replace(f.name, path)
-    except OSError:  # a full or read-only disk: nothing kept, the program compiles all the same
-        with contextlib.suppress(OSError, NameError):
-            os.unlink(f.name)
+    write_whole(_path(key), data)
