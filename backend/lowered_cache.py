@@ -114,16 +114,26 @@ def _program_text(gm: fx.GraphModule) -> list | None:
 
 
 def _function_text(fn: types.FunctionType) -> tuple | None:
-    """A user's Python function the graph calls (``allow_in_graph``), by its bytecode, constants, defaults and
-    the plain values its closure holds; None where the closure holds anything else."""
+    """A user's Python function the graph calls (``allow_in_graph``), by its bytecode, constants, defaults, the
+    plain values its closure holds and the plain module globals it reads (``SCALE = 2.0``); None where the
+    closure holds anything else. Functions it calls in turn are read by name only."""
     def code_text(code: types.CodeType) -> tuple:
         return (code.co_code, code.co_names,
                 tuple(code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts))
 
+    def names(code: types.CodeType) -> set[str]:
+        return set(code.co_names).union(*(names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
     cells = [cell.cell_contents for cell in fn.__closure__ or ()]
-    if not all(c is None or isinstance(c, (bool, int, float, str)) for c in cells):
+    if not all(_plain(c) for c in cells):
         return None
-    return (fn.__module__, fn.__qualname__, code_text(fn.__code__), repr(fn.__defaults__), repr(cells))
+    read = sorted((name, repr(fn.__globals__[name])) for name in names(fn.__code__)
+                  if name in fn.__globals__ and _plain(fn.__globals__[name]))
+    return (fn.__module__, fn.__qualname__, code_text(fn.__code__), repr(fn.__defaults__), repr(cells), read)
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _constants(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]] | None:

@@ -166,8 +166,15 @@ def test_the_key_reads_the_program_its_constants_and_the_switches(fake_mesh_4, m
         assert lowered_key(ones, [x], fake_mesh_4, options) is None
 
 
+SCALE = 2.0
+
+
 def _doubled(x: torch.Tensor) -> torch.Tensor:
     return x * 2
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE
 
 
 def _tripled(x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +204,9 @@ def test_the_key_reads_the_body_of_a_python_function_the_program_calls(fake_mesh
         before = lowered_key(doubled, [x], fake_mesh_4, {})
         monkeypatch.setattr(_doubled, "__code__", _tripled.__code__)
         assert lowered_key(doubled, [x], fake_mesh_4, {}) != before
+        scaled = lowered_key(calling(_scaled), [x], fake_mesh_4, {})
+        monkeypatch.setitem(globals(), "SCALE", 3.0)  # a module constant the function reads
+        assert lowered_key(calling(_scaled), [x], fake_mesh_4, {}) != scaled
         scale = torch.ones(1)
         assert lowered_key(calling(lambda t: t * scale), [x], fake_mesh_4, {}) is None
 
