@@ -32,7 +32,7 @@ from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
 from .joint import TrainingPlan, plan_training
-from .lowered_cache import load_lowered, lowered_key, store_lowered
+from .lowered_cache import load_lowered, lowered_key, read_lowered_graphs, store_lowered, store_regions
 from .report import StageReporter, label_of
 from .trace import TracedProgram, trace_global
 from .training import LoweredTraining, TrainingProgram
@@ -134,8 +134,12 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
             for text in kept.summaries:
                 reporter.say(text)
             if isinstance(kept.lowered, LoweredTraining):
-                return TrainingProgram(_planner(gm, inputs, plan_options), device_mesh, eager_layouts=kept.eager_layouts,
-                                       lowered=kept.lowered, **run_options)
+                runner = TrainingProgram(_planner(gm, inputs, plan_options), device_mesh,
+                                         eager_layouts=kept.eager_layouts, lowered=kept.lowered, kept=kept.regions,
+                                         **run_options)
+                coordinate = runner.coordinate
+                runner.read_lowered = lambda: read_lowered_graphs(key, coordinate)  # only the regions were read
+                return runner
             return InferenceProgram(None, device_mesh, kept.lowered.tensor_positions, kept.lowered.input_layouts,
                                     eager_layouts=kept.eager_layouts, lowered=kept.lowered, **run_options)
     planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
@@ -159,8 +163,11 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
         reporter("lower", runner.local_graph)
         summaries = [reporter.summarize(planned.graph, keep=key is not None)]
     if key is not None:
+        kept_summaries = [text for text in summaries if text]
         with collector_paused():
-            store_lowered(key, runner.lowered, eager, [text for text in summaries if text])
+            store_lowered(key, runner.lowered, eager, kept_summaries)
+        if isinstance(runner, TrainingProgram):  # its regions too, once the first call has cut them
+            runner.on_regions = lambda regions: store_regions(key, runner.lowered, eager, kept_summaries, regions)
     return runner
 
 

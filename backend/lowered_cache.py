@@ -53,9 +53,10 @@ from fxshard.lowering.localize import program_fake_values
 from .cache_files import cache_path, stable, tensor_digest, write_whole
 from .graph_records import graph_from_records, graph_records
 from .inference import LoweredInference
-from .training import LoweredTraining
+from .regions import Region, program_structure
+from .training import KeptRegions, LoweredTraining
 
-__all__ = ["lowered_key", "load_lowered", "store_lowered"]
+__all__ = ["lowered_key", "load_lowered", "read_lowered_graphs", "store_lowered", "store_regions"]
 
 _FORMAT = 1  # of the entries: a change to what is kept makes the old ones unreadable, not wrong
 _KEPT_META = (LAYOUT, LOWERED_MOVE)  # what the later stages read of a lowered node besides its fake value
@@ -70,6 +71,7 @@ class _Entry:
     placeholders: dict[str, list[tuple[torch.dtype, str]]]  # per graph attribute of ``lowered``
     eager_layouts: list[Any]
     summaries: list[str]
+    regions: KeptRegions | None = None  # a training step's regions, where kept (``store_regions``)
 
 
 def lowered_key(gm: fx.GraphModule, inputs: Sequence[Any], device_mesh: Any, options: Mapping[str, Any]) -> str | None:
@@ -199,10 +201,23 @@ def _path(key: str) -> pathlib.Path:
 
 def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
     """The entry kept under ``key``, its programs' fake values computed for the rank at ``coordinate``;
-    None where none is kept or it cannot be read."""
+    None where none is kept or it cannot be read. A training step whose regions were kept comes back as
+    those (``regions``; its lowered programs are not read, nor cut again)."""
+    if _regions_path(key).exists():
+        entry = _load_regions(key)
+        if entry is not None:
+            counters["fxshard"]["lowered_cache_hit"] += 1
+            counters["fxshard"]["regions_cache_hit"] += 1
+            return entry
+    entry = _read_lowered(key, coordinate)
+    counters["fxshard"]["lowered_cache_miss" if entry is None else "lowered_cache_hit"] += 1
+    return entry
+
+
+def _read_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
+    """The lowered programs' entry (``store_lowered``), or None where none is kept or it cannot be read."""
     path = _path(key)
     if not path.exists():
-        counters["fxshard"]["lowered_cache_miss"] += 1
         return None
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
@@ -214,10 +229,18 @@ def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
             _fake_values(graph, entry.placeholders[attribute], coordinate, mode)
             setattr(entry.lowered, attribute, graph)
     except Exception:  # a torn, foreign or stale file: planned again, and stored over it
-        counters["fxshard"]["lowered_cache_miss"] += 1
         return None
-    counters["fxshard"]["lowered_cache_hit"] += 1
     return entry
+
+
+def read_lowered_graphs(key: str, coordinate: Sequence[int]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The lowered forward and backward kept under ``key``, for a training program whose regions alone were
+    loaded (``TrainingProgram.forward_graph``, read)."""
+    entry = _read_lowered(key, coordinate)
+    if entry is None or not isinstance(entry.lowered, LoweredTraining):
+        raise RuntimeError("this training program's regions were loaded from disk, and its lowered programs "
+                           f"cannot be read from {_path(key)}; set FXSHARD_LOWERED_CACHE=0 to plan it in this run")
+    return entry.lowered.forward, entry.lowered.backward
 
 
 def _fake_values(graph: fx.GraphModule, placeholders: list[tuple[torch.dtype, str]], coordinate: Sequence[int],
@@ -251,3 +274,73 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
     except Exception:  # something in it does not pickle: planned again next time
         return
     write_whole(_path(key), payload)
+
+
+def _regions_path(key: str) -> pathlib.Path:
+    return cache_path("fxshard_lowered", key + ".regions")
+
+
+# what the stages after the cut read of a region's node besides its fake value: the block tags bucketing reads
+_REGION_META = ("custom",) + _KEPT_META
+
+
+def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[Any], summaries: Sequence[str],
+                  kept: KeptRegions) -> None:
+    """Keep a training step's regions under ``key`` beside its lowered programs (``store_lowered``): each
+    program's schedule, and one graph per distinct layer region (the regions a key shares compile to one
+    program: ``regions.region_key``) or per other region (prologue, epilogue, between two layers: small,
+    and bucketing rewrites them when they first run). A second run loads these instead of cutting again."""
+    graphs: list[tuple] = []
+    shared: dict[tuple, int] = {}
+    regions: dict[str, list[tuple[float, bool, int]]] = {}
+    try:
+        for which, listed in kept.regions.items():
+            regions[which] = []
+            for region in listed:
+                inputs = [_value_meta(n) for n in region.graph.graph.find_nodes(op="placeholder")]
+                same = (program_structure(region.graph.graph), tuple(inputs)) if region.layer else None
+                number = shared.get(same) if same is not None else None
+                if number is None:
+                    if _constants(region.graph) is None or list(region.graph.children()):
+                        return  # a constant that does not pickle as itself, or a module: cut again next time
+                    number = len(graphs)
+                    graphs.append((graph_records(region.graph, _REGION_META), inputs))
+                    if same is not None:
+                        shared[same] = number
+                regions[which].append((region.index, region.layer, number))
+        bare = dataclasses.replace(lowered, forward=None, backward=None)
+        payload = pickle.dumps({"entry": _Entry(bare, {}, list(eager_layouts), list(summaries)),
+                                "schedules": kept.schedules, "regions": regions, "graphs": graphs, "cap": kept.cap},
+                               protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # something in it does not pickle: cut again next time
+        return
+    write_whole(_regions_path(key), payload)
+
+
+def _value_meta(node: fx.Node) -> tuple:
+    val = node.meta["val"]
+    return (tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, str(val.device))
+
+
+def _load_regions(key: str) -> _Entry | None:
+    """The entry ``store_regions`` kept, each region graph's fake values computed from its inputs' metadata."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        stored = pickle.loads(_regions_path(key).read_bytes())
+        graphs = []
+        for records, inputs in stored["graphs"]:
+            with code_on_demand():
+                graph = graph_from_records(*records)
+            with mode:
+                fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                         for shape, stride, dtype, device in inputs]
+            program_fake_values(graph, fakes, mode)
+            graphs.append((graph, program_structure(graph.graph)))
+        regions = {which: [Region(index, graphs[number][0], [], [], layer, structure=graphs[number][1])
+                           for index, layer, number in listed]
+                   for which, listed in stored["regions"].items()}
+        entry: _Entry = stored["entry"]
+        entry.regions = KeptRegions(stored["schedules"], regions, stored["cap"])
+    except Exception:  # a torn, foreign or stale file: the lowered programs are read, and cut again
+        return None
+    return entry

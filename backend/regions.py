@@ -69,6 +69,9 @@ class Region:
     outputs: list[fx.Node]  # its values read after it, in its output tuple's order
     layer: bool = True  # False for the prologue, the epilogue and a region between two layers
     body: list[fx.Node] = field(default_factory=list)  # the outer program's nodes it computes, in order
+    # ``program_structure(graph.graph)`` where known before the graph may change (regions loaded from disk
+    # share one graph per key, which bucketing an uncompiled region rewrites): what ``region_key`` reads
+    structure: tuple | None = None
 
 
 def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -335,7 +338,8 @@ def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
             return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
         return ("value", repr(x))
 
-    return (program_structure(region.graph.graph), tuple(meta(x) for x in inputs))
+    structure = region.structure if region.structure is not None else program_structure(region.graph.graph)
+    return (structure, tuple(meta(x) for x in inputs))
 
 
 def program_structure(graph: fx.Graph) -> tuple:
@@ -361,47 +365,67 @@ def program_structure(graph: fx.Graph) -> tuple:
     return tuple(found)
 
 
+@dataclass
+class Schedule:
+    """How a regional program runs its regions: a slot per outer value (the program's inputs, its constants,
+    each region's outputs), the slots each region reads and writes and those freed after it, and the
+    program's result as slots. What ``RegionalProgram`` needs of the outer program, and all it needs."""
+
+    num_inputs: int
+    num_slots: int
+    attrs: list[tuple[int, Any]]  # (slot, value) of each constant the program reads (get_attr)
+    steps: list[tuple[list[int], list[int], list[int]]]  # per region: slots read, written, freed after it
+    result: Any  # the program's output structure, each value a ``_Slot``
+
+
+def region_schedule(gm: fx.GraphModule, regions: Sequence[Region]) -> Schedule:
+    """Every outer value's slot, which slots each region reads and writes, and when each is freed."""
+    slot: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            slot[node] = len(slot)
+    attrs = [(slot[n], getattr(gm, n.target)) for n in gm.graph.find_nodes(op="get_attr")]
+    num_inputs = len(gm.graph.find_nodes(op="placeholder"))
+    for r in regions:
+        for o in r.outputs:
+            slot[o] = len(slot)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    last_read: dict[int, int] = {}
+    for k, r in enumerate(regions):
+        for x in r.inputs:
+            last_read[slot[x]] = k
+    kept = {slot[n] for n in output.all_input_nodes}
+    for k, r in enumerate(regions):  # a value no one reads (regions._same_outputs) goes at once
+        for o in r.outputs:
+            last_read.setdefault(slot[o], k)
+    steps = [([slot[x] for x in r.inputs], [slot[o] for o in r.outputs],
+              [s for s, k2 in last_read.items() if k2 == k and s not in kept])
+             for k, r in enumerate(regions)]
+    return Schedule(num_inputs, len(slot), attrs, steps, fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n])))
+
+
 class RegionalProgram:
     """Runs a program region by region; ``compile_region(region, inputs)`` is called once per key.
 
     ``cache`` (key -> compiled region) may be shared by programs (a training step's forward and
-    backward). The first call compiles each region as it reaches it, with its real inputs.
+    backward). The first call compiles each region as it reaches it, with its real inputs. The program is
+    the outer graph ``gm`` cut into ``regions``, or (``schedule``: regions loaded from disk) its schedule.
     """
 
-    def __init__(self, gm: fx.GraphModule, regions: Sequence[Region],
-                 compile_region: Callable[[Region, list[Any]], Callable], cache: dict | None = None):
+    def __init__(self, gm: fx.GraphModule | None, regions: Sequence[Region],
+                 compile_region: Callable[[Region, list[Any]], Callable], cache: dict | None = None,
+                 schedule: Schedule | None = None):
         self.gm = gm
         self.regions = list(regions)
         self.compile_region = compile_region
         self.cache = cache if cache is not None else {}
         self.compiled: list[Callable | None] = [None] * len(self.regions)
-        self._plan_slots()
-
-    def _plan_slots(self) -> None:
-        """Every outer value's slot, which slots each region reads and writes, and when each is freed."""
-        slot: dict[fx.Node, int] = {}
-        for node in self.gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
-                slot[node] = len(slot)
-        self.attrs = [(slot[n], n.target) for n in self.gm.graph.find_nodes(op="get_attr")]
-        self.num_inputs = len(self.gm.graph.find_nodes(op="placeholder"))
-        for r in self.regions:
-            for o in r.outputs:
-                slot[o] = len(slot)
-        self.num_slots = len(slot)
-        output = next(iter(self.gm.graph.find_nodes(op="output")))
-        last_read: dict[int, int] = {}
-        for k, r in enumerate(self.regions):
-            for x in r.inputs:
-                last_read[slot[x]] = k
-        kept = {slot[n] for n in output.all_input_nodes}
-        for k, r in enumerate(self.regions):  # a value no one reads (regions._same_outputs) goes at once
-            for o in r.outputs:
-                last_read.setdefault(slot[o], k)
-        self.steps = [([slot[x] for x in r.inputs], [slot[o] for o in r.outputs],
-                       [s for s, k2 in last_read.items() if k2 == k and s not in kept])
-                      for k, r in enumerate(self.regions)]
-        self.result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
+        if schedule is None:
+            assert gm is not None, "a regional program needs its outer graph or its schedule"
+            schedule = region_schedule(gm, self.regions)
+        self.schedule = schedule
+        self.num_inputs, self.num_slots = schedule.num_inputs, schedule.num_slots
+        self.attrs, self.steps, self.result = schedule.attrs, schedule.steps, schedule.result
 
     def __call__(self, *args: Any) -> Any:
         return self.call_boxed(list(args))
@@ -410,7 +434,7 @@ class RegionalProgram:
         """As ``__call__``, taking the list ``args`` over (Inductor's boxed calling convention): the list is
         emptied, so an input no later region reads is freed once its last reader has run, not when the
         whole program returns (a backward's saved activations, layer by layer)."""
-        attrs = [getattr(self.gm, target) for _, target in self.attrs]
+        attrs = [value for _, value in self.attrs]
         return self.walk(args, attrs, lambda k, inputs: (self.compiled[k] or self.compiled_region(k, inputs))(*inputs))
 
     def walk(self, args: Sequence[Any], attrs: Sequence[Any], call: Callable[[int, list[Any]], Sequence[Any]]) -> Any:

@@ -138,7 +138,7 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
     if any(p.steps != programs[0].steps for p in programs):
         raise RuntimeError("the ranks' local programs have different regions; they are not SPMD")
     args = [tuple(inputs[r][i] for r in range(ranks)) for i in range(len(inputs[0]))]
-    attrs = [tuple(getattr(p.gm, p.attrs[j][1]) for p in programs) for j in range(len(programs[0].attrs))]
+    attrs = [tuple(p.attrs[j][1] for p in programs) for j in range(len(programs[0].attrs))]
 
     def call(k: int, values: list[Any]) -> list[tuple]:
         per_rank = [[v[r] for v in values] for r in range(ranks)]

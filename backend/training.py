@@ -29,7 +29,7 @@ from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, com
 from .inputs import DTensorGradients, InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
-from .regions import Region, RegionalProgram, program_copy, training_regions
+from .regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
 from .report import StageReporter
 
 
@@ -61,6 +61,16 @@ def lower_training(plan: TrainingPlan, coordinate: tuple[int, ...], groups: Mesh
                            plan.num_outputs)
 
 
+@dataclass
+class KeptRegions:
+    """A training step's regions as a second run needs them (``lowered_cache.py`` keeps them): each program's
+    schedule and regions (their graphs) and the bucket cap."""
+
+    schedules: dict[str, Schedule]  # "forward", "backward"
+    regions: dict[str, list[Region]]
+    cap: int
+
+
 class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does.
 
@@ -69,7 +79,7 @@ class TrainingProgram:
 
     def __init__(self, plan: TrainingPlan | Callable[[], TrainingPlan], device_mesh: Any, inductor: bool = True,
                  bucketing: bool = True, reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (),
-                 regional: bool = True, lowered: LoweredTraining | None = None):
+                 regional: bool = True, lowered: LoweredTraining | None = None, kept: KeptRegions | None = None):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
         if lowered is None:
             assert isinstance(plan, TrainingPlan), "a TrainingProgram without its plan needs its lowered programs"
@@ -78,7 +88,8 @@ class TrainingProgram:
         self.lowered = lowered
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        self.forward_graph, self.backward_graph = lowered.forward, lowered.backward
+        # reads the lowered programs where only the regions were loaded (a second run), should anyone ask
+        self.read_lowered: Callable[[], tuple[fx.GraphModule, fx.GraphModule]] | None = None
         self.num_outputs, self.grad_inputs = lowered.num_outputs, lowered.grad_inputs
         self.positions = list(lowered.tensor_positions)
         self.input_layouts = list(lowered.input_layouts)
@@ -89,7 +100,7 @@ class TrainingProgram:
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
         # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
-        cap = block_bytes(self.forward_graph)
+        cap = kept.cap if kept is not None else block_bytes(self.forward_graph)
         self.buckets = ({"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, lowered.grad_names)}
                         if bucketing else None)
         # compile each distinct layer once (backend/regions.py); the cache is shared by forward and backward
@@ -97,9 +108,34 @@ class TrainingProgram:
         self.region_cache: dict = {}
         self._region_split: tuple[list, list] | None = None
         self._region_graphs: dict[str, fx.GraphModule] = {}  # the programs the regions cut (copies: _regions)
+        self._schedules: dict[str, Schedule] = {}  # how each runs its regions, where they were loaded from disk
+        if kept is not None:  # a second run's regions (lowered_cache.py): no lowered program to cut
+            self._region_split = (kept.regions["forward"], kept.regions["backward"])
+            self._schedules = dict(kept.schedules)
+        # called with the regions once cut (what lowered_cache.py keeps for a second run)
+        self.on_regions: Callable[[KeptRegions], None] | None = None
         self.reporter = reporter or StageReporter()
         self._forward: Callable | None = None
         self._backward: Callable | None = None
+
+    @property
+    def forward_graph(self) -> fx.GraphModule:
+        """This rank's lowered forward (stage 5)."""
+        return self._lowered_graphs()[0]
+
+    @property
+    def backward_graph(self) -> fx.GraphModule:
+        """This rank's lowered backward (stage 5)."""
+        return self._lowered_graphs()[1]
+
+    def _lowered_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        lowered = self.lowered
+        if lowered.forward is None:  # a second run loaded the regions alone (lowered_cache.py)
+            if self.read_lowered is None:
+                raise RuntimeError("this training program's regions were loaded from disk without its lowered "
+                                   "programs; set FXSHARD_LOWERED_CACHE=0 to plan and lower it in this run")
+            lowered.forward, lowered.backward = self.read_lowered()
+        return lowered.forward, lowered.backward
 
     @property
     def plan(self) -> TrainingPlan:
@@ -139,17 +175,19 @@ class TrainingProgram:
             with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
                 self._regions()
         with torch.no_grad(), self.reporter.timed(f"compiling the local {which} with Inductor"):
-            run = self._compiled(getattr(self, f"{which}_graph"), args, which)
+            run = self._compiled(args, which)
             setattr(self, f"_{which}", run)
             return list(_as_tuple(_call(run, args)))
 
-    def _compiled(self, gm: fx.GraphModule, inputs: list[torch.Tensor], which: str) -> Callable:
+    def _compiled(self, inputs: list[torch.Tensor], which: str) -> Callable:
         """The whole program compiled, or (``regional``, a model with layers) a program that compiles its
         regions on its first call."""
         regions = self._regions()[0 if which == "forward" else 1] if self.regional else []  # cut by _run
         if not regions:
+            gm = self.forward_graph if which == "forward" else self.backward_graph
             return compile_local(gm, inputs, self.buckets and self.buckets[which], training=True)
-        return RegionalProgram(self._region_graphs[which], regions, self._compile_region, self.region_cache)
+        return RegionalProgram(self._region_graphs.get(which), regions, self._compile_region, self.region_cache,
+                               schedule=self._schedules.get(which))
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
         """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
@@ -169,6 +207,12 @@ class TrainingProgram:
             self._region_split = training_regions(self._region_graphs["forward"], self._region_graphs["backward"],
                                                   self.num_outputs, merge=merge_blocks if self.buckets else None,
                                                   overlap=bool(self.buckets))
+            forward, backward = self._region_split
+            if self.on_regions is not None and forward and backward:
+                self._schedules = {"forward": region_schedule(self._region_graphs["forward"], forward),
+                                   "backward": region_schedule(self._region_graphs["backward"], backward)}
+                self.on_regions(KeptRegions(dict(self._schedules), {"forward": forward, "backward": backward},
+                                            self.buckets["forward"].cap if self.buckets else 0))
         return self._region_split
 
 

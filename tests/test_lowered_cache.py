@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch._inductor.utils import fresh_cache
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
+from fxshard.backend.regions import program_structure
 from fxshard.backend.training import TrainingProgram
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -49,9 +51,9 @@ def _compile_and_step(model: torch.nn.Module, x: torch.Tensor, **options) -> tup
     return compiled.last, out.to_local(), grads
 
 
-def _sharded_blocks(mesh, placements=(Shard(0),)) -> Blocks:
+def _sharded_blocks(mesh, placements=(Shard(0),), layers: int = 2) -> Blocks:
     torch.manual_seed(0)
-    model = Blocks(DIM, HIDDEN)
+    model = Blocks(DIM, HIDDEN, layers)
     shard_parameters(model, mesh, placements)
     return model
 
@@ -282,3 +284,79 @@ def test_a_graph_kept_as_records_comes_back_the_same():
     assert back.code == gm.code
     assert [n.meta for n in back.graph.nodes] == [{"kept": k} for k in range(len(gm.graph.nodes))]
     torch.testing.assert_close(back(x, n), gm(x, n))
+
+
+def _regional_step(model: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """``_compile_and_step`` through Inductor, regionally (the step's regions cut at its first call)."""
+    torch._dynamo.reset()
+    compiled = fxshard.compile(model)
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.to_local().clone() for p in model.parameters()]
+    model.zero_grad()
+    return compiled.last, out.to_local(), grads
+
+
+def test_a_second_run_loads_the_regions_too_and_computes_what_the_model_does(fake_mesh_4, cache_on):
+    """Through Inductor the first call cuts the step into regions and keeps them: the second run neither
+    plans nor cuts, runs the same schedule and the same region programs, and both runs compute the
+    single-device output and gradients (replicated weights and input: the fake group's result is exact)."""
+    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
+    reference = Blocks(DIM, HIDDEN)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    data = torch.randn(TOKENS, DIM)
+    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    cold, out_cold, grads_cold = _regional_step(model, x)
+    assert cold._region_split[0] and cold._region_split[1], "the step is cut into regions"
+    assert "regions" in cold.reporter.times
+    counters.clear()
+    warm, out_warm, grads_warm = _regional_step(model, x)
+    assert counters["fxshard"]["regions_cache_hit"] == 1, dict(counters["fxshard"])
+    assert not {"trace", "localize", "lower", "regions"} & set(warm.reporter.times), warm.reporter.times
+    assert warm.lowered.forward is None  # the lowered programs were not even read, until someone asks:
+    assert warm.forward_graph.code == cold.forward_graph.code and warm.backward_graph.code == cold.backward_graph.code
+    for k, which in enumerate(("forward", "backward")):
+        assert warm._schedules[which].steps == cold._schedules[which].steps
+        assert [(r.index, r.layer, r.structure) for r in warm._region_split[k]] == \
+            [(r.index, r.layer, program_structure(r.graph.graph)) for r in cold._region_split[k]]
+    out = reference(data)
+    out.sum().backward()
+    expected = (out, [p.grad for p in reference.parameters()])
+    torch.testing.assert_close((out_cold, grads_cold), expected)
+    torch.testing.assert_close((out_warm, grads_warm), expected)
+
+
+def test_an_fsdp_steps_regions_are_loaded_with_their_buckets(fake_mesh_4, cache_on):
+    """FSDP's Blocks through Inductor: the loaded regions run the cold run's schedule, and every layer's
+    region its gathers and reductions with their block tags (what bucketing reads), one graph per key."""
+    model = _sharded_blocks(fake_mesh_4, layers=4)
+    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
+    cold, _, _ = _regional_step(model, x)
+    counters.clear()
+    warm, _, _ = _regional_step(model, x)
+    assert counters["fxshard"]["regions_cache_hit"] == 1, dict(counters["fxshard"])
+    for k, which in enumerate(("forward", "backward")):
+        assert warm._schedules[which].steps == cold._schedules[which].steps
+        assert [(r.index, r.layer) for r in warm._region_split[k]] == [(r.index, r.layer) for r in cold._region_split[k]]
+        # each graph kept once per key, as the cold run's first region of that key (the others ran its program)
+        first: dict[int, Any] = {}
+        for w, c in zip(warm._region_split[k], cold._region_split[k]):
+            first.setdefault(id(w.graph), (w, c))
+        for w, c in first.values():
+            assert w.structure == program_structure(c.graph.graph) or not w.layer  # others: bucketed when run
+            if w.layer:
+                assert [(str(n.target), n.meta.get("custom")) for n in w.graph.graph.nodes] == \
+                    [(str(n.target), n.meta.get("custom")) for n in c.graph.graph.nodes]
+        assert len(first) < len(warm._region_split[k])  # layers share their graph
+
+
+def test_an_operator_a_module_registers_on_import_is_found_in_a_fresh_process():
+    """A merged region holds Inductor's ``bucketing::`` ops, registered when Inductor's bucketing passes are
+    imported: a second run reading it has not imported them yet."""
+    import subprocess
+
+    code = ("import torch, fxshard.backend.graph_records as g\n"
+            "assert not hasattr(torch.ops.bucketing, '_pre_bucket_all_gather')\n"
+            "print(g._Op('bucketing', '_pre_bucket_all_gather', 'default').resolve())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "bucketing._pre_bucket_all_gather.default" in run.stdout, run.stderr[-2000:]
