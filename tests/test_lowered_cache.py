@@ -58,6 +58,25 @@ def _sharded_blocks(mesh, placements=(Shard(0),), layers: int = 2) -> Blocks:
     return model
 
 
+def _replicated(mesh) -> tuple[Blocks, Blocks, torch.Tensor, torch.Tensor]:
+    """Blocks with replicated weights (the fake group's result is exact), the same model on one device, fresh
+    random data and that data replicated."""
+    model = _sharded_blocks(mesh, (Replicate(),))
+    reference = Blocks(DIM, HIDDEN)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    data = torch.randn(TOKENS, DIM)
+    return model, reference, data, distribute_tensor(data, mesh, [Replicate()])
+
+
+def _assert_computes_the_model(reference: torch.nn.Module, data: torch.Tensor, *results: tuple) -> None:
+    """Each of ``results`` (output, gradients) is the single-device model's on ``data``."""
+    out = reference(data)
+    out.sum().backward()
+    expected = (out, [p.grad for p in reference.parameters()])
+    for result in results:
+        torch.testing.assert_close(result, expected)
+
+
 def test_a_second_compile_loads_the_programs_the_first_lowered(fake_mesh_4, cache_on):
     """FSDP's Blocks: the second compile plans nothing (no stage runs) and runs the same forward and backward
     programs, node for node, with the same signature; its plan is planned again only when read."""
@@ -88,25 +107,15 @@ def test_a_second_compile_loads_the_programs_the_first_lowered(fake_mesh_4, cach
 def test_a_program_loaded_computes_what_the_model_does(fake_mesh_4, cache_on):
     """Replicated weights and input (the fake group's result is exact): the cold and the loaded program both
     compute the single-device output and gradients, on fresh random data."""
-    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
-    reference = Blocks(DIM, HIDDEN)
-    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-    data = torch.randn(TOKENS, DIM)
-    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    model, reference, data, x = _replicated(fake_mesh_4)
     _, out_cold, grads_cold = _compile_and_step(model, x)
     _, out_warm, grads_warm = _compile_and_step(model, x)
     assert counters["fxshard"]["lowered_cache_hit"] == 1, dict(counters["fxshard"])
-    out = reference(data)
-    out.sum().backward()
-    expected = (out, [p.grad for p in reference.parameters()])
-    torch.testing.assert_close((out_cold, grads_cold), expected)
-    torch.testing.assert_close((out_warm, grads_warm), expected)
+    _assert_computes_the_model(reference, data, (out_cold, grads_cold), (out_warm, grads_warm))
 
 
 def test_an_inference_program_is_loaded_too(fake_mesh_4, cache_on):
-    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
-    data = torch.randn(TOKENS, DIM)
-    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    model, reference, data, x = _replicated(fake_mesh_4)
     outs = []
     for _ in range(2):
         torch._dynamo.reset()
@@ -115,9 +124,7 @@ def test_an_inference_program_is_loaded_too(fake_mesh_4, cache_on):
             outs.append(compiled(x).to_local())
     assert dict(counters["fxshard"]) == {"lowered_cache_miss": 1, "lowered_cache_hit": 1}, dict(counters["fxshard"])
     with torch.no_grad():
-        expected = Blocks(DIM, HIDDEN)
-        expected.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-        torch.testing.assert_close(outs, [expected(data)] * 2)
+        torch.testing.assert_close(outs, [reference(data)] * 2)
 
 
 def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on):
@@ -301,11 +308,7 @@ def test_a_second_run_loads_the_regions_too_and_computes_what_the_model_does(fak
     """Through Inductor the first call cuts the step into regions and keeps them: the second run neither
     plans nor cuts, runs the same schedule and the same region programs, and both runs compute the
     single-device output and gradients (replicated weights and input: the fake group's result is exact)."""
-    model = _sharded_blocks(fake_mesh_4, (Replicate(),))
-    reference = Blocks(DIM, HIDDEN)
-    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-    data = torch.randn(TOKENS, DIM)
-    x = distribute_tensor(data, fake_mesh_4, [Replicate()])
+    model, reference, data, x = _replicated(fake_mesh_4)
     cold, out_cold, grads_cold = _regional_step(model, x)
     assert cold._region_split[0] and cold._region_split[1], "the step is cut into regions"
     assert "regions" in cold.reporter.times
@@ -319,11 +322,7 @@ def test_a_second_run_loads_the_regions_too_and_computes_what_the_model_does(fak
         assert warm._schedules[which].steps == cold._schedules[which].steps
         assert [(r.index, r.layer, r.structure) for r in warm._region_split[k]] == \
             [(r.index, r.layer, program_structure(r.graph.graph)) for r in cold._region_split[k]]
-    out = reference(data)
-    out.sum().backward()
-    expected = (out, [p.grad for p in reference.parameters()])
-    torch.testing.assert_close((out_cold, grads_cold), expected)
-    torch.testing.assert_close((out_warm, grads_warm), expected)
+    _assert_computes_the_model(reference, data, (out_cold, grads_cold), (out_warm, grads_warm))
 
 
 def test_an_fsdp_steps_regions_are_loaded_with_their_buckets(fake_mesh_4, cache_on):
