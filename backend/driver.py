@@ -129,7 +129,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     run_options = dict(inductor=inductor, bucketing=bucketing, regional=regional, reporter=reporter)
     if key is not None:
         with reporter.timed("loading the lowered programs"), collector_paused():
-            kept = load_lowered(key, tuple(int(c) for c in device_mesh.get_coordinate()))
+            kept = load_lowered(key)
         if kept is not None:
             for text in kept.summaries:
                 reporter.say(text)
@@ -137,8 +137,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                 runner = TrainingProgram(_planner(gm, inputs, plan_options), device_mesh,
                                          eager_layouts=kept.eager_layouts, lowered=kept.lowered, kept=kept.regions,
                                          **run_options)
-                coordinate = runner.coordinate
-                runner.read_lowered = lambda: read_lowered_graphs(key, coordinate)  # only the regions were read
+                runner.read_lowered = lambda: read_lowered_graphs(key)  # only the regions were read
                 return runner
             return InferenceProgram(None, device_mesh, kept.lowered.tensor_positions, kept.lowered.input_layouts,
                                     eager_layouts=kept.eager_layouts, lowered=kept.lowered, **run_options)

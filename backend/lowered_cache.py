@@ -64,11 +64,10 @@ _KEPT_META = (LAYOUT, LOWERED_MOVE)  # what the later stages read of a lowered n
 
 @dataclass
 class _Entry:
-    """What is kept: the lowered programs with the placeholders' dtypes and devices (the fake values are not
-    kept), the program's signature, and the INFO lines the planned graphs gave (``StageReporter.summarize``)."""
+    """What is kept besides the graphs (``_kept``): the program's signature (``lowered``, its graphs None), and
+    the INFO lines the planned graphs gave (``StageReporter.summarize``)."""
 
     lowered: LoweredTraining | LoweredInference
-    placeholders: dict[str, list[tuple[torch.dtype, str]]]  # per graph attribute of ``lowered``
     eager_layouts: list[Any]
     summaries: list[str]
     regions: KeptRegions | None = None  # a training step's regions, where kept (``store_regions``)
@@ -199,22 +198,22 @@ def _path(key: str) -> pathlib.Path:
     return cache_path("fxshard_lowered", key)
 
 
-def load_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
-    """The entry kept under ``key``, its programs' fake values computed for the rank at ``coordinate``;
-    None where none is kept or it cannot be read. A training step whose regions were kept comes back as
-    those (``regions``; its lowered programs are not read, nor cut again)."""
+def load_lowered(key: str) -> _Entry | None:
+    """The entry kept under ``key``, its programs' fake values computed again; None where none is kept or it
+    cannot be read. A training step whose regions were kept comes back as those (``regions``; its lowered
+    programs are not read, nor cut again)."""
     if _regions_path(key).exists():
         entry = _load_regions(key)
         if entry is not None:
             counters["fxshard"]["lowered_cache_hit"] += 1
             counters["fxshard"]["regions_cache_hit"] += 1
             return entry
-    entry = _read_lowered(key, coordinate)
+    entry = _read_lowered(key)
     counters["fxshard"]["lowered_cache_miss" if entry is None else "lowered_cache_hit"] += 1
     return entry
 
 
-def _read_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
+def _read_lowered(key: str) -> _Entry | None:
     """The lowered programs' entry (``store_lowered``), or None where none is kept or it cannot be read."""
     path = _path(key)
     if not path.exists():
@@ -223,37 +222,48 @@ def _read_lowered(key: str, coordinate: Sequence[int]) -> _Entry | None:
     try:
         stored = pickle.loads(path.read_bytes())
         entry: _Entry = stored["entry"]
-        for attribute, (records, attributes) in stored["graphs"].items():
-            with code_on_demand():  # its code written when first run or read, as every stage's graphs
-                graph = graph_from_records(records, attributes)
-            _fake_values(graph, entry.placeholders[attribute], coordinate, mode)
-            setattr(entry.lowered, attribute, graph)
+        for attribute, kept in stored["graphs"].items():
+            setattr(entry.lowered, attribute, _restored(kept, mode))
     except Exception:  # a torn, foreign or stale file: planned again, and stored over it
         return None
     return entry
 
 
-def read_lowered_graphs(key: str, coordinate: Sequence[int]) -> tuple[fx.GraphModule, fx.GraphModule]:
+def read_lowered_graphs(key: str) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The lowered forward and backward kept under ``key``, for a training program whose regions alone were
     loaded (``TrainingProgram.forward_graph``, read)."""
-    entry = _read_lowered(key, coordinate)
+    entry = _read_lowered(key)
     if entry is None or not isinstance(entry.lowered, LoweredTraining):
         raise RuntimeError("this training program's regions were loaded from disk, and its lowered programs "
                            f"cannot be read from {_path(key)}; set FXSHARD_LOWERED_CACHE=0 to plan it in this run")
     return entry.lowered.forward, entry.lowered.backward
 
 
-def _fake_values(graph: fx.GraphModule, placeholders: list[tuple[torch.dtype, str]], coordinate: Sequence[int],
-                 mode: FakeTensorMode) -> None:
-    """Every value's fake tensor, from the placeholders' local shapes (their layouts at ``coordinate``), as
-    stage 4 computes them (``localize.local_fake_inputs``)."""
-    nodes = graph.graph.find_nodes(op="placeholder")
-    if len(nodes) != len(placeholders):
-        raise ValueError("the kept program's inputs are not the ones its entry lists")
+def _kept(graph: fx.GraphModule, meta: Sequence[str]) -> tuple:
+    """A local program as it is kept: its records (``graph_records``, with the node metadata ``meta`` names)
+    and its inputs' metadata (shape, strides, dtype, device), from which its fake values are computed again.
+    A ValueError where it holds what does not pickle as itself (a fake constant, a module)."""
+    if _constants(graph) is None or list(graph.children()):
+        raise ValueError("a program with a fake constant or a module is not kept")
+    inputs = [_value_meta(n) for n in graph.graph.find_nodes(op="placeholder")]
+    return graph_records(graph, meta), inputs
+
+
+def _restored(kept: tuple, mode: FakeTensorMode) -> fx.GraphModule:
+    """The program ``_kept`` kept, every value's fake tensor computed again in ``mode`` from its inputs'."""
+    records, inputs = kept
+    with code_on_demand():  # its code written when first run or read, as every stage's graphs
+        graph = graph_from_records(*records)
     with mode:
-        fakes = [torch.empty([int(s) for s in node.meta[LAYOUT].local_shape(tuple(coordinate))], dtype=dtype,
-                             device=device) for node, (dtype, device) in zip(nodes, placeholders)]
+        fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                 for shape, stride, dtype, device in inputs]
     program_fake_values(graph, fakes, mode)
+    return graph
+
+
+def _value_meta(node: fx.Node) -> tuple:
+    val = node.meta["val"]
+    return (tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, str(val.device))
 
 
 def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_layouts: Sequence[Any],
@@ -261,16 +271,11 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
     """Keep ``lowered`` under ``key``. Written whole or not at all (ranks write their own keys, and a rank
     may write one while another process reads it)."""
     attributes = ("forward", "backward") if isinstance(lowered, LoweredTraining) else ("graph",)
-    graphs = {a: getattr(lowered, a) for a in attributes}
-    if any(_constants(g) is None or list(g.children()) for g in graphs.values()):
-        return  # a constant that does not pickle as itself, or a module: planned again next time
     try:
-        records = {a: graph_records(g, _KEPT_META) for a, g in graphs.items()}
-        placeholders = {a: [(n.meta["val"].dtype, str(n.meta["val"].device)) for n in g.graph.find_nodes(op="placeholder")]
-                        for a, g in graphs.items()}
+        graphs = {a: _kept(getattr(lowered, a), _KEPT_META) for a in attributes}
         bare = dataclasses.replace(lowered, **{a: None for a in attributes})
-        payload = pickle.dumps({"entry": _Entry(bare, placeholders, list(eager_layouts), list(summaries)),
-                                "graphs": records}, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)), "graphs": graphs},
+                               protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # something in it does not pickle: planned again next time
         return
     write_whole(_path(key), payload)
@@ -297,19 +302,17 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
         for which, listed in kept.regions.items():
             regions[which] = []
             for region in listed:
-                inputs = [_value_meta(n) for n in region.graph.graph.find_nodes(op="placeholder")]
-                same = (program_structure(region.graph.graph), tuple(inputs)) if region.layer else None
+                inputs = tuple(_value_meta(n) for n in region.graph.graph.find_nodes(op="placeholder"))
+                same = (program_structure(region.graph.graph), inputs) if region.layer else None
                 number = shared.get(same) if same is not None else None
                 if number is None:
-                    if _constants(region.graph) is None or list(region.graph.children()):
-                        return  # a constant that does not pickle as itself, or a module: cut again next time
                     number = len(graphs)
-                    graphs.append((graph_records(region.graph, _REGION_META), inputs))
+                    graphs.append(_kept(region.graph, _REGION_META))
                     if same is not None:
                         shared[same] = number
                 regions[which].append((region.index, region.layer, number))
         bare = dataclasses.replace(lowered, forward=None, backward=None)
-        payload = pickle.dumps({"entry": _Entry(bare, {}, list(eager_layouts), list(summaries)),
+        payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)),
                                 "schedules": kept.schedules, "regions": regions, "graphs": graphs, "cap": kept.cap},
                                protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # something in it does not pickle: cut again next time
@@ -317,25 +320,13 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
     write_whole(_regions_path(key), payload)
 
 
-def _value_meta(node: fx.Node) -> tuple:
-    val = node.meta["val"]
-    return (tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, str(val.device))
-
-
 def _load_regions(key: str) -> _Entry | None:
     """The entry ``store_regions`` kept, each region graph's fake values computed from its inputs' metadata."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         stored = pickle.loads(_regions_path(key).read_bytes())
-        graphs = []
-        for records, inputs in stored["graphs"]:
-            with code_on_demand():
-                graph = graph_from_records(*records)
-            with mode:
-                fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                         for shape, stride, dtype, device in inputs]
-            program_fake_values(graph, fakes, mode)
-            graphs.append((graph, program_structure(graph.graph)))
+        graphs = [(graph, program_structure(graph.graph))
+                  for graph in (_restored(kept, mode) for kept in stored["graphs"])]
         regions = {which: [Region(index, graphs[number][0], [], [], layer, structure=graphs[number][1])
                            for index, layer, number in listed]
                    for which, listed in stored["regions"].items()}
