@@ -21,6 +21,7 @@ stamps its calls the same way: their templates have no backward.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import weakref
@@ -30,9 +31,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 
 from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.lowering.localize import fresh_fake
 from fxshard.ops import CONSTRAIN
 
 _Meta = tuple  # (shape, stride, dtype, device)
@@ -66,7 +69,12 @@ class BlockTemplate:
 _LIVE: "weakref.WeakValueDictionary[int, BlockTemplate]" = weakref.WeakValueDictionary()
 
 
-def _empty(metas: Sequence[_Meta]) -> list[torch.Tensor]:
+def _empty(metas: Sequence[_Meta], like: Sequence[Any] = ()) -> list[torch.Tensor]:
+    """Fresh tensors of ``metas``; fake ones of the mode of the fake tensors in ``like`` made without dispatching
+    (the fake mode's dispatch and cache lookup of ~35 values per layer call were half of stage 1 at depth)."""
+    mode = next((x.fake_mode for x in like if isinstance(x, FakeTensor)), None)
+    if mode is not None:
+        return [fresh_fake(mode, shape, stride, dtype, device) for shape, stride, dtype, device in metas]
     return [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
 
 
@@ -78,7 +86,7 @@ def block_forward(operands: list[torch.Tensor], template: int) -> list[torch.Ten
 
 @block_forward.register_fake
 def _(operands: list[torch.Tensor], template: int) -> list[torch.Tensor]:
-    return _empty(_LIVE[template].metas["forward"])
+    return _empty(_LIVE[template].metas["forward"], operands)
 
 
 @torch.library.custom_op("fxshard::block_backward", mutates_args=())
@@ -89,7 +97,7 @@ def block_backward(values: list[torch.Tensor], template: int) -> list[torch.Tens
 
 @block_backward.register_fake
 def _(values: list[torch.Tensor], template: int) -> list[torch.Tensor]:
-    return _empty(_LIVE[template].metas["grads"])
+    return _empty(_LIVE[template].metas["grads"], values)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
@@ -108,7 +116,8 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple:
     # an output no one differentiates (a layer's auxiliary value the next one ignores) gets zeros
     tangents = [grads[k] if grads[k] is not None else torch.zeros_like(_empty([template.metas["forward"][k]])[0])
                 for k in template.differentiable]
-    made = block_backward(saved + tangents, ctx.number)
+    with _uncached():
+        made = block_backward(saved + tangents, ctx.number)
     full: list[torch.Tensor | None] = [None] * len(template.primals)
     for k, g in zip(template.grad_inputs, made):
         full[k] = g
@@ -118,6 +127,13 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple:
 block_forward.register_autograd(_backward, setup_context=_setup_context)
 BLOCK_FORWARD = torch.ops.fxshard.block_forward.default
 BLOCK_BACKWARD = torch.ops.fxshard.block_backward.default
+
+
+def _uncached() -> contextlib.AbstractContextManager:
+    """The active fake mode without its dispatch cache: keying a block call's ~45 operands cost more than
+    the ``register_fake`` rule (``_empty``) it would save."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return disable_fake_tensor_cache(mode) if mode is not None else contextlib.nullcontext()
 
 
 def _requires_grad(x: torch.Tensor) -> bool:
@@ -156,7 +172,8 @@ class Templates:
         template = self.by_key[key]
         if template is None:
             return None
-        out = block_forward(list(operands), template.number)
+        with _uncached():
+            out = block_forward(list(operands), template.number)
         return tuple(out[:len(template.outputs)])
 
     def _trace(self, body: fx.GraphModule, operands: Sequence[torch.Tensor],

@@ -383,11 +383,19 @@ class _Repeats:
     def _fresh(self, leaves: list[Any], shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
                device: torch.device, base: int | None) -> FakeTensor:
         """A fake tensor of this metadata, as the fake mode's own cache makes one."""
-        with in_kernel_invocation_manager(self.mode):
-            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            if base is not None:
-                empty.set_(leaves[base].untyped_storage(), offset, shape, stride)
-        return FakeTensor(self.mode, empty, device)
+        return fresh_fake(self.mode, shape, stride, dtype, device,
+                          (leaves[base].untyped_storage(), offset) if base is not None else None)
+
+
+def fresh_fake(mode: FakeTensorMode, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
+               device: torch.device, storage: tuple[Any, int] | None = None) -> FakeTensor:
+    """A fake tensor of ``mode`` with this metadata, made without dispatching (no fake-mode cache lookup);
+    ``storage``: (a fake storage, an offset) it views, else a fresh one."""
+    with in_kernel_invocation_manager(mode):
+        empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if storage is not None:
+            empty.set_(storage[0], storage[1], shape, stride)
+    return FakeTensor(mode, empty, device)
 
 
 def _snapshot(value: Any) -> Any:
