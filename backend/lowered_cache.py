@@ -292,9 +292,9 @@ _REGION_META = ("custom",) + _KEPT_META
 def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[Any], summaries: Sequence[str],
                   kept: KeptRegions) -> None:
     """Keep a training step's regions under ``key`` beside its lowered programs (``store_lowered``): each
-    program's schedule, and one graph per distinct layer region (the regions a key shares compile to one
-    program: ``regions.region_key``) or per other region (prologue, epilogue, between two layers: small,
-    and bucketing rewrites them when they first run). A second run loads these instead of cutting again."""
+    program's schedule, and one graph per distinct region (the regions a key shares compile to one program:
+    ``regions.region_key``), layers and the regions between two layers alike (those repeat too: 73 graphs
+    for 135 regions at 32 layers until they were shared). A second run loads these instead of cutting again."""
     graphs: list[tuple] = []
     shared: dict[tuple, int] = {}
     regions: dict[str, list[tuple[float, bool, int]]] = {}
@@ -303,13 +303,11 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
             regions[which] = []
             for region in listed:
                 inputs = tuple(_value_meta(n) for n in region.graph.graph.find_nodes(op="placeholder"))
-                same = (program_structure(region.graph.graph), inputs) if region.layer else None
-                number = shared.get(same) if same is not None else None
+                same = (program_structure(region.graph.graph), inputs)
+                number = shared.get(same)
                 if number is None:
-                    number = len(graphs)
+                    number = shared[same] = len(graphs)
                     graphs.append(_kept(region.graph, _REGION_META))
-                    if same is not None:
-                        shared[same] = number
                 regions[which].append((region.index, region.layer, number))
         bare = dataclasses.replace(lowered, forward=None, backward=None)
         payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)),

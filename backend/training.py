@@ -193,8 +193,11 @@ class TrainingProgram:
         """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
         bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
         policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
-        return (compile_local(region.graph, inputs, policy, training=True) if region.layer
-                else bucketed_uncompiled(region.graph, policy))
+        if region.layer:
+            return compile_local(region.graph, inputs, policy, training=True)
+        # bucketing rewrites the graph it is given: the region's stays as cut (regions a second run loads
+        # share one graph per key, lowered_cache.store_regions)
+        return bucketed_uncompiled(program_copy(region.graph), policy)
 
     def _regions(self) -> tuple[list, list]:
         if self._region_split is None:
