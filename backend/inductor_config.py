@@ -45,6 +45,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.lowering.localize import complete_fake_values
+
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
 from .inductor_direct import compile_direct, takes_directly
@@ -108,7 +110,8 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     with config_comms.patch(comms), collector_paused():
         if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (inductor_direct.py)
             with config.patch(patches):
-                return compile_direct(gm, example_inputs)
+                return compile_direct(gm, example_inputs)  # computes the fake values it reads
+        complete_fake_values(gm, example_inputs)  # a region a second run loaded comes without them
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 

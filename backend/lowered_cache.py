@@ -249,15 +249,20 @@ def _kept(graph: fx.GraphModule, meta: Sequence[str]) -> tuple:
     return graph_records(graph, meta), inputs
 
 
-def _restored(kept: tuple, mode: FakeTensorMode) -> fx.GraphModule:
-    """The program ``_kept`` kept, every value's fake tensor computed again in ``mode`` from its inputs'."""
+def _restored(kept: tuple, mode: FakeTensorMode, values: bool = True) -> fx.GraphModule:
+    """The program ``_kept`` kept, every value's fake tensor computed again in ``mode`` from its inputs'; without
+    ``values``, its inputs' alone (a region: its compile computes what it reads, ``complete_fake_values``)."""
     records, inputs = kept
     with code_on_demand():  # its code written when first run or read, as every stage's graphs
         graph = graph_from_records(*records)
     with mode:
         fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                  for shape, stride, dtype, device in inputs]
-    program_fake_values(graph, fakes, mode)
+    if values:
+        program_fake_values(graph, fakes, mode)
+    else:
+        for placeholder, x in zip(graph.graph.find_nodes(op="placeholder"), fakes):
+            placeholder.meta["val"] = x
     return graph
 
 
@@ -319,12 +324,14 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
 
 
 def _load_regions(key: str) -> _Entry | None:
-    """The entry ``store_regions`` kept, each region graph's fake values computed from its inputs' metadata."""
+    """The entry ``store_regions`` kept. Its region graphs come without fake values: a layer's compile
+    computes them from its example inputs (``inductor_direct.compile_direct``, or not at all where the prepared
+    program is kept), the other regions' from their first inputs (half of a 1-layer step's load)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         stored = pickle.loads(_regions_path(key).read_bytes())
         graphs = [(graph, program_structure(graph.graph))
-                  for graph in (_restored(kept, mode) for kept in stored["graphs"])]
+                  for graph in (_restored(kept, mode, values=False) for kept in stored["graphs"])]
         regions = {which: [Region(index, graphs[number][0], [], [], layer, structure=graphs[number][1])
                            for index, layer, number in listed]
                    for which, listed in stored["regions"].items()}

@@ -20,7 +20,7 @@ from fxshard.graph import code_on_demand
 from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
-from fxshard.lowering.localize import localize
+from fxshard.lowering.localize import complete_fake_values, localize
 from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
@@ -196,8 +196,10 @@ class TrainingProgram:
         if region.layer:
             return compile_local(region.graph, inputs, policy, training=True)
         # bucketing rewrites the graph it is given: the region's stays as cut (regions a second run loads
-        # share one graph per key, lowered_cache.store_regions)
-        return bucketed_uncompiled(program_copy(region.graph), policy)
+        # share one graph per key, lowered_cache.store_regions, and come without fake values)
+        graph = program_copy(region.graph)
+        complete_fake_values(graph, inputs)
+        return bucketed_uncompiled(graph, policy)
 
     def _regions(self) -> tuple[list, list]:
         if self._region_split is None:

@@ -298,6 +298,17 @@ def program_fake_values(gm: fx.GraphModule, inputs: Sequence[Any], mode: FakeTen
     fake_values(gm, [n for n in gm.graph.nodes if n.op != "placeholder"], mode)
 
 
+def complete_fake_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> None:
+    """``meta["val"]`` of every value of ``gm`` where one lacks it (a region a second run loaded without them,
+    ``backend/lowered_cache.py``), for inputs of ``inputs``' metadata (real or fake tensors)."""
+    if all("val" in n.meta for n in gm.graph.nodes if n.op != "output"):
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fresh_fake(mode, tuple(x.shape), tuple(x.stride()), x.dtype, x.device) if isinstance(x, torch.Tensor)
+             else x for x in inputs]
+    program_fake_values(gm, fakes, mode)
+
+
 def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMode) -> None:
     """``meta["val"]`` of each of ``nodes`` (in program order, their arguments' values known) computed
     in ``mode``. What ``FakeTensorProp`` does for the functional aten graphs stages 4 and 5 write, for

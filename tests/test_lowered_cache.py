@@ -325,6 +325,31 @@ def test_a_second_run_loads_the_regions_too_and_computes_what_the_model_does(fak
     _assert_computes_the_model(reference, data, (out_cold, grads_cold), (out_warm, grads_warm))
 
 
+def test_loaded_regions_come_without_fake_values_and_their_compiles_compute_them(fake_mesh_4, cache_on, monkeypatch):
+    """A second run's regions are loaded without their values' fake tensors (a layer's compile makes its own);
+    compiled through ``compile_fx`` instead (a region Inductor's direct path does not take), and bucketed
+    uncompiled, they are computed where read, and the step computes the single-device result."""
+    from fxshard.backend import inductor_config, training
+    from fxshard.lowering.localize import complete_fake_values
+
+    model, reference, data, x = _replicated(fake_mesh_4)
+    _regional_step(model, x)
+    completed = []
+
+    def spy(gm, inputs):
+        missing = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+        complete_fake_values(gm, inputs)
+        completed.append((bool(missing), all("val" in n.meta for n in missing)))
+
+    monkeypatch.setattr(inductor_config, "takes_directly", lambda gm, inputs: False)
+    monkeypatch.setattr(inductor_config, "complete_fake_values", spy)
+    monkeypatch.setattr(training, "complete_fake_values", spy)
+    warm, out, grads = _regional_step(model, x)
+    assert warm._region_split[0] and warm._region_split[1]
+    assert completed and all(missing and done for missing, done in completed), completed
+    _assert_computes_the_model(reference, data, (out, grads))
+
+
 def test_an_fsdp_steps_regions_are_loaded_with_their_buckets(fake_mesh_4, cache_on):
     """FSDP's Blocks through Inductor: the loaded regions run the cold run's schedule, and every layer's
     region its gathers and reductions with their block tags (what bucketing reads), one graph per key."""
