@@ -324,9 +324,10 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
 
 
 def _load_regions(key: str) -> _Entry | None:
-    """The entry ``store_regions`` kept. Its region graphs come without fake values: a layer's compile
-    computes them from its example inputs (``inductor_direct.compile_direct``, or not at all where the prepared
-    program is kept), the other regions' from their first inputs (half of a 1-layer step's load)."""
+    """The entry ``store_regions`` kept. Its region graphs come without fake values, which were most of the
+    load (0.19 -> 0.03 s at 1 layer): a layer's compile computes those of the program it prepares, or loads
+    prepared, from its example inputs (``inductor_direct.compile_direct``), the other regions' compiles theirs
+    from their first inputs (``localize.complete_fake_values``)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         stored = pickle.loads(_regions_path(key).read_bytes())
