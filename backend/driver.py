@@ -28,6 +28,7 @@ from fxshard.timing import stage
 from . import outputs as outputs_
 from .capture import Captured, capture
 from .collector import collector_paused
+from .fold import folding_on, shorten, unfold
 from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
@@ -42,8 +43,8 @@ from .training import LoweredTraining, TrainingProgram
 class PlannedProgram:
     """Stages 1-3 of one program: its trace (names, positions, input layouts) and its planned graph."""
 
-    program: TracedProgram  # the forward trace, or the joint one for training
-    graph: fx.GraphModule  # the planned global graph (training: the planned joint graph)
+    program: TracedProgram  # the forward trace, or the joint one for training (of the short program, folded)
+    graph: fx.GraphModule | None  # the planned global graph (training: the planned joint graph; None: folded)
     training: TrainingPlan | None = None  # the forward and backward cut from the joint graph
     # per output the user's program has: None (a DTensor) or the layout of the plain block eager holds
     # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
@@ -58,14 +59,36 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
                  layouts: Mapping[int, Layout] | None = None, names: Sequence[str] | None = None,
                  strict: bool = False, cost_model: CostModel | None = None,
                  reporter: StageReporter | None = None,
-                 training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> PlannedProgram:
+                 training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT, fold: bool = False) -> PlannedProgram:
     """Stages 1-3 of ``gm`` for ``inputs`` (concrete sizes). ``layouts``: by input position (default:
     DTensors bring theirs, plain tensors are replicated); ``training``: the joint program, cut into
-    forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``)."""
+    forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``); ``fold``: a
+    training program's repeated layers planned once (``fold.py``: the plan has no joint graph then)."""
     reporter = reporter or StageReporter()
     with reporter.timing(), code_on_demand(), collector_paused():
+        if training and fold:
+            folded = _plan_folded(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict,
+                                  cost_model=cost_model, training_split=training_split)
+            if folded is not None:
+                return folded
         return _plan_program(gm, inputs, training=training, mesh=mesh, layouts=layouts, names=names, strict=strict,
                              cost_model=cost_model, reporter=reporter, training_split=training_split)
+
+
+def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], **options: Any) -> PlannedProgram | None:
+    """Stages 1-3 of a training program of repeated layers on four of them, made whole (``fold.py``); None
+    where it has no such layers or its middle layers were not planned alike."""
+    short = shorten(gm) if folding_on() else None
+    if short is None:
+        return None
+    split = options.pop("training_split")
+    plan = plan_training(short.gm, inputs, split=split, **options)
+    with stage("unfold"):
+        whole = unfold(plan, short)
+    if whole is None:
+        return None
+    eager = outputs_.eager_layouts(short.gm, plan.program, plan.num_outputs) if options["layouts"] is None else []
+    return PlannedProgram(plan.program, None, whole, eager)
 
 
 def _plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None,
@@ -141,7 +164,9 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                 return runner
             return InferenceProgram(None, device_mesh, kept.lowered.tensor_positions, kept.lowered.input_layouts,
                                     eager_layouts=kept.eager_layouts, lowered=kept.lowered, **run_options)
-    planned = plan_program(gm, inputs, training=training, reporter=reporter, **plan_options)
+    # a program whose stages someone watches is planned whole: its joint graph is printed
+    planned = plan_program(gm, inputs, training=training, reporter=reporter, fold=not reporter.wants_graphs(),
+                           **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     runner: Any

@@ -52,7 +52,7 @@ class TrainingPlan:
 
     forward: fx.GraphModule  # primals -> (*outputs, *saved)
     backward: fx.GraphModule  # (*saved, *tangents) -> gradients of grad_inputs
-    joint: fx.GraphModule  # the planned joint graph both were cut from
+    joint: fx.GraphModule | None  # the planned joint graph both were cut from (None: unfolded, backend/fold.py)
     program: TracedProgram  # the joint trace (names, positions, input layouts)
     num_outputs: int
     grad_inputs: tuple[int, ...]  # which primals get a gradient, in the backward's output order

@@ -1,0 +1,435 @@
+"""Plan a model's repeated layers once: stages 1-3 on a four-layer program, its middle layer stamped out.
+
+A model of L identical layers (a chain of calls of one nested compile region, ``block_regions.py``) is
+planned as the model of layers 0, 1, L-2 and L-1 (``shorten``: the Dynamo graph without the calls of layers
+2..L-3, layer L-2 reading layer 1's outputs). Its planned forward and backward are then made L layers long
+(``unfold``): layer 1's nodes are copied once per dropped layer, on that layer's parameters, each copy reading
+what the one before it returns (forward) or what the one after it returns (backward), and each copy's
+saved values and gradients added to the program's. Stages 1-3 then cost four layers at any depth; the
+planned program is the one planning the whole model gives wherever the planner gives every middle layer the
+same plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
+layouts) reading their inputs from corresponding places, else it returns None and the whole model is planned
+(the decision reads the global plan only, so every rank takes the same path).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
+
+from .joint import TrainingPlan
+from .regions import (_INDEXED, Region, backward_regions, forward_regions, layer_of_inputs, program_structure,
+                      saved_regions, split_regions)
+
+__all__ = ["Shortened", "shorten", "unfold", "folding_on", "MIN_LAYERS"]
+
+MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
+log = logging.getLogger(__name__)
+_invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+
+def folding_on() -> bool:
+    """Folding is on unless ``FXSHARD_FOLD=0`` (to compare a folded plan with the whole model's)."""
+    return os.environ.get("FXSHARD_FOLD", "1") != "0"
+
+
+@dataclass
+class Shortened:
+    """A Dynamo graph without its middle layers' calls, and which layers it dropped."""
+
+    gm: fx.GraphModule
+    layers: int  # how many the model has
+    template: int  # the layer whose plan is stamped out (1)
+    successor: int  # the kept layer that follows the dropped ones (L-2), planned alike
+
+
+def shorten(gm: fx.GraphModule) -> Shortened | None:
+    """``gm`` without the calls of layers 2..L-3 of its chain of region calls (layer L-2 reading what layer 1
+    returns), or None where it has no such chain of ``MIN_LAYERS`` or more. A chain: calls of one region, each
+    reading the one before's outputs at the same operands (the residual stream), the same shared values at the
+    same operands (rotary tables), and placeholders of its own elsewhere (its parameters); the outputs of a call
+    read by the next call only."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _invoke_subgraph]
+    if len(calls) < MIN_LAYERS or len({c.args[1] for c in calls}) != 1:
+        return _refused(f"{len(calls)} calls of {len({c.args[1] for c in calls})} regions")
+    chained = _chain_operands(calls)
+    if chained is None:
+        return _refused("the region calls do not form a chain")
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    copies = [env[c] for c in calls]
+    dropped, successor = copies[2:-2], copies[-2]
+    for position, k in chained.items():  # layer L-2 reads layer 1's outputs
+        successor.update_arg(2 + position, _output(copies[1], k))
+    for call in reversed(dropped):
+        readers = list(call.users)
+        for r in readers:
+            graph.erase_node(r)
+        attr = call.args[0]
+        graph.erase_node(call)
+        if isinstance(attr, fx.Node) and not attr.users:
+            graph.erase_node(attr)
+    short = graph_module(gm, graph)
+    short.meta.update(gm.meta)
+    for attr in ("compile_subgraph_reason",):
+        if hasattr(gm, attr):
+            setattr(short, attr, getattr(gm, attr))
+    return Shortened(short, len(calls), 1, len(calls) - 2)
+
+
+def _chain_operands(calls: Sequence[fx.Node]) -> dict[int, int] | None:
+    """Operand position -> the previous call's output index, for the operands by which each call reads the
+    one before; None where the calls do not form a chain."""
+    def from_previous(a: Any, previous: fx.Node) -> int | None:
+        if isinstance(a, fx.Node) and a.target is operator.getitem and a.args[0] is previous:
+            return a.args[1]
+        return None
+
+    operands = [c.args[2:] for c in calls]
+    if len({len(o) for o in operands}) != 1 or any(c.kwargs for c in calls):
+        return _refused("the calls take different numbers of operands, or keywords")
+    chained = {p: from_previous(a, calls[0]) for p, a in enumerate(operands[1]) if from_previous(a, calls[0]) is not None}
+    if not chained:
+        return _refused("no call reads the one before it")
+    for i in range(1, len(calls)):
+        for p, a in enumerate(operands[i]):
+            if p in chained:
+                if from_previous(a, calls[i - 1]) != chained[p]:
+                    return _refused("a call reads the one before it at another operand")
+            elif operands[0][p] is a:
+                continue  # shared by every call
+            elif not (isinstance(a, fx.Node) and a.op == "placeholder" and len(a.users) == 1):
+                return _refused("a call reads a value other than the one before it, a shared value or its own input")
+    for i, call in enumerate(calls[:-1]):  # what a call returns is read by the next call only
+        for getter in call.users:
+            if getter.target is not operator.getitem or any(u is not calls[i + 1] for u in getter.users):
+                return _refused("a call's output is read past the next call")
+    for p in range(len(operands[0])):  # a call's own parameters are its own
+        if p not in chained and operands[0][p] is not operands[1][p]:
+            if any(not (isinstance(o[p], fx.Node) and o[p].op == "placeholder" and len(o[p].users) == 1)
+                   for o in operands):
+                return _refused("a call's own input is not its own")
+    return chained
+
+
+def _output(call: fx.Node, k: int) -> fx.Node:
+    """The getitem of ``call``'s output ``k`` (the one the next call read)."""
+    for getter in call.users:
+        if getter.target is operator.getitem and getter.args[1] == k:
+            return getter
+    raise AssertionError(f"no getitem of output {k} of {call}")
+
+
+def unfold(plan: TrainingPlan, short: Shortened) -> TrainingPlan | None:
+    """The plan of the whole model from the plan of its ``short`` program: layer ``template``'s forward and
+    backward nodes copied for every dropped layer; None where layers ``template`` and ``successor`` are not
+    planned alike (their code, layouts or where they read from differ), or a value of the template's is read
+    past the layer after it (a skip connection the copies would not continue)."""
+    forward, backward = plan.forward, plan.backward
+    t, s = short.template, short.successor
+    stamps = range(t + 1, s)
+    region = forward_regions(forward, root_gathers_first=False)
+    if not region:
+        return _refused('the forward has no layers')
+    params = {p.name: p for p in forward.graph.find_nodes(op="placeholder")}
+    layer_index = {p.name: k for p, k in layer_of_inputs(forward).items()}
+    if any(u.op != "output" for name, k in layer_index.items() if t < k < s for u in params[name].users):
+        return _refused('the dropped calls were not layers t+1..s-1')
+    f = _Alike.of(forward, region, t, s, descending=False)
+    if f is None:
+        return _refused('layers t and s of the forward are not planned alike')
+    names = plan.program.input_names
+    with_grad = {names[k] for k in plan.grad_inputs}
+    for node in f.inputs:  # every dropped layer's parameters are the template's: layouts, shapes, dtypes, grads
+        if node.op == "placeholder" and layer_index.get(node.name) == t:
+            for j in stamps:
+                other = params.get(_renumbered(node.name, j))
+                if other is None or not _alike_inputs(node, other) or \
+                        (node.name in with_grad) != (other.name in with_grad):
+                    return _refused("a dropped layer's inputs differ from the template's")
+    saved_values = list(outputs(forward))[plan.num_outputs:]
+    backward_region = backward_regions(backward, saved_regions(forward, region, plan.num_outputs),
+                                       max(region.values()) + 1)
+    b = _Alike.of(backward, backward_region, t, s, descending=True)
+    if b is None or not f.slots_chain_to(region, t - 1) or not b.slots_chain_to(backward_region, s + 1):
+        return _refused('layers t and s of the backward are not planned alike, or read other layers')
+    saved_of = dict(zip(backward.graph.find_nodes(op="placeholder"), saved_values))
+
+    # forward: placeholders, the short program's nodes in region order, the copies after layer t's
+    new_forward = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in forward.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            env[node] = new_forward.node_copy(node, lambda a: env[a])
+    copies: dict[int, dict[fx.Node, fx.Node]] = {}
+
+    def param(node: fx.Node, j: int) -> fx.Node:
+        return env[params[_renumbered(node.name, j)]]
+
+    def forward_version(v: fx.Node, j: int) -> fx.Node:
+        """The new forward's value that is, for stamped layer j, what ``v`` is for layer t."""
+        if v in f.position:
+            return copies[j][v]
+        if v.op == "placeholder" and layer_index.get(v.name) == t:
+            return param(v, j)
+        if v in f.chain:
+            p = f.chain[v]
+            return env[f.body[p]] if j == t + 1 else copies[j - 1][f.body[p]]
+        return env[v]
+
+    def stamp_forward() -> None:
+        for j in stamps:
+            copies[j] = {}
+            for node in f.body:
+                copies[j][node] = _copy(new_forward, node, lambda a: forward_version(a, j))
+
+    redirect = {f.body[p]: p for p in f.chain.values()}  # what layer s reads of layer t: the last copy's
+    successor_body = set(f.successor_body)
+    _emit(forward, region, t, f.body, [n for n in f.successor_body if set(n.all_input_nodes) & set(redirect)],
+          False, emit=lambda node: _copy(
+        new_forward, node, lambda a: (copies[s - 1][a] if node in successor_body and a in redirect else env[a]),
+        env), between=stamp_forward)
+
+    # the saved values whose counterpart for layer s is what layer s's backward reads (checked per slot)
+    for bt, bs in zip(b.inputs, b.successor_inputs):
+        if bt in saved_of and bs in saved_of and not _corresponds(saved_of[bt], saved_of[bs], f, layer_index, t, s):
+            return _refused("a saved value of layer s is not layer t's counterpart")
+
+    # backward: saved values (the short program's, then the copies'), tangents, nodes, copies after layer s's
+    new_backward = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    saved_placeholder: dict[fx.Node, fx.Node] = {}  # new forward value -> new backward placeholder
+    for node in placeholders:
+        benv[node] = new_backward.node_copy(node)
+        if node in saved_of:
+            saved_placeholder[env[saved_of[node]]] = benv[node]
+    for node in backward.graph.find_nodes(op="get_attr"):
+        benv[node] = new_backward.node_copy(node)
+    first_tangent = next((benv[p] for p in placeholders if p not in saved_of), None)
+
+    def saved(value: fx.Node, like: fx.Node) -> fx.Node:
+        if value not in saved_placeholder:
+            with new_backward.inserting_before(first_tangent) if first_tangent is not None else _nothing():
+                saved_placeholder[value] = new_backward.placeholder(f"saved_{value.name}")
+                saved_placeholder[value].target = saved_placeholder[value].name  # the name made unique
+            saved_placeholder[value].meta = dict(like.meta)
+        return saved_placeholder[value]
+
+    bcopies: dict[int, dict[fx.Node, fx.Node]] = {}
+
+    def backward_version(a: fx.Node, j: int) -> fx.Node:
+        if a in b.position:
+            return bcopies[j][a]
+        if a in saved_of:
+            return saved(forward_version(saved_of[a], j), a)
+        if a in b.chain:
+            p = b.chain[a]
+            return benv[b.successor_body[p]] if j == s - 1 else bcopies[j + 1][b.body[p]]
+        return benv[a]
+
+    def stamp_backward() -> None:
+        for j in reversed(stamps):
+            bcopies[j] = {}
+            for node in b.body:
+                bcopies[j][node] = _copy(new_backward, node, lambda a: backward_version(a, j))
+
+    bredirect = {b.successor_body[p]: p for p in b.chain.values()}  # what layer t reads of layer s: the first copy's
+    template_body = set(b.body)
+    # layer s's backward reads its forward's input (saved) as the last copy's output, as its forward now does
+    if any(a in saved_of and saved_of[a] in f.position and saved_of[a] not in redirect
+           for node in b.successor_body for a in node.all_input_nodes):
+        return _refused("layer s's backward reads a value of layer t's other than its input")
+
+    def read(node: fx.Node, a: fx.Node) -> fx.Node:
+        if node in template_body and a in bredirect:
+            return bcopies[t + 1][b.body[bredirect[a]]]
+        if node in b_successor and a in saved_of and saved_of[a] in redirect:
+            return saved(copies[s - 1][saved_of[a]], a)
+        return benv[a]
+
+    b_successor = set(b.successor_body)
+    redirected = [n for n in b.body if set(n.all_input_nodes) & set(bredirect)] + \
+        [n for n in b.successor_body if any(a in saved_of and saved_of[a] in redirect for a in n.all_input_nodes)]
+    _emit(backward, backward_region, s, b.body, redirected, True,
+          emit=lambda node: _copy(new_backward, node, lambda a: read(node, a), benv), between=stamp_backward)
+
+    # gradients: a stamped layer's parameter gets its copy of the template's gradient
+    grads = list(outputs(backward))
+    new_grads = []
+    for k, grad in zip(plan.grad_inputs, grads):
+        layer = layer_index.get(names[k])
+        if layer is not None and t < layer < s:
+            template_grad = grads[plan.grad_inputs.index(names.index(_renumbered(names[k], t)))] \
+                if _renumbered(names[k], t) in names else None
+            if template_grad not in b.position:
+                return _refused("a dropped layer's gradient is not made in the template's backward")
+            new_grads.append(bcopies[layer][template_grad])
+        else:
+            new_grads.append(benv[grad] if isinstance(grad, fx.Node) else grad)
+    new_backward.output(tuple(new_grads))
+    value_of = {p: v for v, p in saved_placeholder.items()}
+    _drop_dead(new_backward, set(value_of))
+    # saved values in program order, as ``joint.partition`` orders them (inputs first, then by layer)
+    order = {n: k for k, n in enumerate(new_forward.nodes)}
+    kept_saved = sorted((p for p in new_backward.find_nodes(op="placeholder") if p in value_of),
+                        key=lambda p: order[value_of[p]])
+    if first_tangent is not None:
+        for p in kept_saved:  # the backward's placeholders in that order too, before its tangents
+            first_tangent.prepend(p)
+    new_forward.output(tuple([env[o] for o in outputs(forward)[:plan.num_outputs]] + [value_of[p] for p in kept_saved]))
+    _drop_dead(new_forward, set())
+    try:
+        new_forward.lint()
+        new_backward.lint()
+    except RuntimeError:
+        return _refused('the unfolded program is not in order')
+    return replace(plan, forward=graph_module(forward, new_forward), backward=graph_module(backward, new_backward),
+                   joint=None)
+
+
+@dataclass
+class _Alike:
+    """Layers t and s of a short program's forward (backward), found planned alike: the template's body, the
+    successor's, and how the one that runs second reads the one that runs first (``chain``: a value the
+    template reads from its neighbour -> the position, in a layer's body, of its counterpart)."""
+
+    body: list[fx.Node]  # layer t's nodes, in order
+    successor_body: list[fx.Node]  # layer s's
+    position: dict[fx.Node, int]  # of layer t's nodes
+    inputs: list[fx.Node]  # what layer t reads, in its region's order
+    successor_inputs: list[fx.Node]
+    chain: dict[fx.Node, int]
+    neighbours: list[fx.Node]  # the values the first-running layer reads from the layer before it
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, region: dict[fx.Node, Any], t: int, s: int, descending: bool) -> "_Alike | None":
+        found = {r.index: r for r in split_regions(gm, region, descending)}
+        rt, rs = found.get(t), found.get(s)
+        if rt is None or rs is None or not _same_program(rt, rs):
+            return _refused('the regions differ in code or layouts')
+        position = {n: k for k, n in enumerate(rt.body)}
+        successor_position = {n: k for k, n in enumerate(rs.body)}
+        chain: dict[fx.Node, int] = {}
+        neighbours: list[fx.Node] = []
+        for a_t, a_s in zip(rt.inputs, rs.inputs):
+            if not descending and a_s in position:  # layer s reads layer t's value; t read its predecessor's
+                chain[a_t] = position[a_s]
+                neighbours.append(a_t)
+            elif descending and a_t in successor_position:  # layer t's backward reads layer s's
+                chain[a_t] = successor_position[a_t]
+                neighbours.append(a_s)
+            elif a_t is not a_s and not (a_t.op == "placeholder" and a_s.op == "placeholder"):
+                return _refused("an input is neither a neighbour's value, shared, nor the layer's own")
+        first = rt if not descending else rs
+        second = set(rs.body if not descending else rt.body) | set(first.body)
+        for node in first.body:  # what runs first is read by what runs second only (or leaves the program)
+            if any(u not in second and u.op != "output" for u in node.users):
+                return _refused('a value of the layer running first is read past the layer after it')
+        return cls(rt.body, rs.body, position, rt.inputs, rs.inputs, chain, neighbours)
+
+    def slots_chain_to(self, region: dict[fx.Node, Any], neighbour: int) -> bool:
+        """Whether every value read from a neighbour is that neighbouring layer's."""
+        return all(region.get(n) == neighbour for n in self.neighbours)
+
+
+def _refused(reason: str) -> None:
+    """Why a program is not folded (its whole model is planned then), for whoever logs this module."""
+    log.info("fxshard: the layers are planned whole, not folded: %s", reason)
+    return None
+
+
+def _same_program(a: Region, b: Region) -> bool:
+    """Two regions with the same code and the same layouts at every node."""
+    if program_structure(a.graph.graph) != program_structure(b.graph.graph):
+        return False
+    return all(x.meta.get(LAYOUT) == y.meta.get(LAYOUT) and x.meta.get(ARG_LAYOUTS) == y.meta.get(ARG_LAYOUTS)
+               for x, y in zip(a.graph.graph.nodes, b.graph.graph.nodes))
+
+
+def _corresponds(v_t: fx.Node, v_s: fx.Node, f: _Alike, layer_index: dict[str, int], t: int, s: int) -> bool:
+    """Whether forward value ``v_s`` is for layer s what ``v_t`` is for layer t."""
+    if v_t in f.position:
+        return f.successor_body[f.position[v_t]] is v_s
+    if v_t.op == "placeholder" and layer_index.get(v_t.name) == t:
+        return v_s.op == "placeholder" and v_s.name == _renumbered(v_t.name, s)
+    if v_t in f.chain:
+        return f.body[f.chain[v_t]] is v_s
+    return v_t is v_s
+
+
+def _alike_inputs(a: fx.Node, b: fx.Node) -> bool:
+    """Two inputs of one global layout, shape, stride and dtype."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return False
+    return a.meta.get(LAYOUT) == b.meta.get(LAYOUT) and x.shape == y.shape and x.stride() == y.stride() and \
+        x.dtype == y.dtype
+
+
+def _renumbered(name: str, layer: int) -> str:
+    """A layer's input's name for another layer: ``layers_1_wq_weight`` -> ``layers_7_wq_weight``."""
+    m = _INDEXED.match(name)
+    assert m is not None, name
+    return name[:m.start(2)] + str(layer) + name[m.end(2):]
+
+
+def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None) -> fx.Node:
+    """``node`` appended to ``graph``, each argument node ``a`` read as ``value(a)``."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    new = graph.create_node(node.op, node.target, args, kwargs)
+    new.meta = dict(node.meta)
+    if env is not None:
+        env[node] = new
+    return new
+
+
+def _emit(gm: fx.GraphModule, region: dict[fx.Node, Any], layer: int, copied: Sequence[fx.Node],
+          redirected: Sequence[fx.Node], descending: bool, emit: Any, between: Any) -> None:
+    """Each computing node of ``gm`` through ``emit``, and ``between()`` (the copies of the ``copied`` nodes)
+    right after the last node of region ``layer`` (the real layer that runs before the copies): in program order,
+    the order the whole model's trace would give, where what the copies read comes before that point and the
+    ``redirected`` nodes (which read the copies) after it; else in region order (a valid order: a node's region
+    follows its inputs')."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+
+    def point() -> int:
+        return max((k for k, n in enumerate(nodes) if region[n] == layer), default=-1) + 1
+
+    inside = set(copied)
+    needed = {a for n in copied for a in n.all_input_nodes if a not in inside and a.op == "call_function"}
+    first = point()
+    if not needed <= set(nodes[:first]) or set(redirected) & set(nodes[:first]):
+        position = {n: k for k, n in enumerate(nodes)}
+        nodes.sort(key=lambda n: (-region[n] if descending else region[n], position[n]))
+        first = point()
+    for node in nodes[:first]:
+        emit(node)
+    between()
+    for node in nodes[first:]:
+        emit(node)
+
+
+def _drop_dead(graph: fx.Graph, saved: set[fx.Node]) -> None:
+    """What only the dropped layers' stand-in gradients read (zeros of their parameters), and the ``saved``
+    placeholders no one reads any more."""
+    graph.eliminate_dead_code()
+    for p in list(graph.find_nodes(op="placeholder")):
+        if not p.users and p in saved:
+            graph.erase_node(p)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

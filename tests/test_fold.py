@@ -1,0 +1,178 @@
+"""A training step's repeated layers planned once (backend/fold.py): stages 1-3 run on layers 0, 1, L-2 and
+L-1, and layer 1's plan is stamped out for the others.
+
+The folded program must be the program planning the whole model gives: the same local code per region
+(what Inductor compiles), the same schedule (which value each region reads and writes), the same saved
+values and collectives, and the single-device numerics; and where the layers are not alike, the whole model
+is planned.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import fxshard
+from fxshard.backend.regions import program_structure
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
+from train_llama import distribute_parameters  # noqa: E402
+
+VOCAB = 64
+
+
+def _config(layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def _model(mesh, placements, layers: int = 6) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(_config(layers))
+    given = placements(model) if callable(placements) else placements
+    distribute_parameters(model, mesh, {n: given.get(n, (Replicate(),) * mesh.ndim) for n, _ in model.named_parameters()})
+    return model
+
+
+def _step(model: Llama, mesh, inputs, fold: bool, monkeypatch):
+    """A fresh ``fxshard.compile(model.loss)`` (folding on or off) and one step: the program."""
+    monkeypatch.setenv("FXSHARD_FOLD", "1" if fold else "0")
+    torch._dynamo.reset()
+    compiled = fxshard.compile(model.loss, inductor=False)
+    tokens, targets = _data()
+    compiled(distribute_tensor(tokens, mesh, inputs), distribute_tensor(targets, mesh, inputs)).backward()
+    model.zero_grad()
+    return compiled.last
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (4, 16), generator=g), torch.randint(0, VOCAB, (4, 16), generator=g)
+
+
+def _ops(gm) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("style", ["fsdp", "tp", "fsdp_tp"])
+def test_a_folded_program_is_the_whole_models_program(fake_mesh_4, monkeypatch, style):
+    """Six layers, FSDP, Megatron TP and FSDP x TP: folded, stages 1-3 trace four layers, and the lowered
+    step is the one the whole model's plan gives: per region the same code, the same schedule, the same
+    collectives and saved values."""
+    if style == "fsdp_tp":
+        mesh, inputs, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), \
+            (Shard(0), Replicate()), fsdp_tp_placements
+    else:
+        mesh, inputs = fake_mesh_4, ((Shard(0),) if style == "fsdp" else (Replicate(),))
+        placements = fsdp_placements if style == "fsdp" else megatron_placements
+    folded = _step(_model(mesh, placements), mesh, inputs, True, monkeypatch)
+    whole = _step(_model(mesh, placements), mesh, inputs, False, monkeypatch)
+    assert folded.plan.joint is None and whole.plan.joint is not None  # folded: no joint graph of six layers
+    assert "unfold" in folded.reporter.times and "unfold" not in whole.reporter.times
+    for a, b in ((folded.forward_graph, whole.forward_graph), (folded.backward_graph, whole.backward_graph)):
+        assert _ops(a) == _ops(b)
+        assert len(a.graph.find_nodes(op="placeholder")) == len(b.graph.find_nodes(op="placeholder"))
+    mine, theirs = _regions(folded), _regions(whole)
+    assert [(index, layer, ops) for index, layer, ops, _ in mine] == [(index, layer, ops) for index, layer, ops, _ in theirs]
+    assert [code for *_, code in mine if code] == [code for *_, code in theirs if code]
+    table: dict = {}
+    assert _computes(folded, table) == _computes(whole, table)
+
+
+def _regions(program) -> list:
+    """Per region of the step (forward, then backward): its index, whether Inductor compiles it (a layer), its
+    operations (collectives bucketed), and a compiled region's code (``program_structure``, with each process
+    group named by its ranks: a compile makes its sub-groups anew)."""
+    return [(r.index, r.layer, _ops(r.graph), _named_groups(program_structure(r.graph.graph)) if r.layer else None)
+            for regions in program._regions() for r in regions]
+
+
+def _named_groups(x):
+    if isinstance(x, tuple):
+        if len(x) == 2 and x[0] == "str" and _group_ranks(x[1].strip("'")) is not None:
+            return ("group", _group_ranks(x[1].strip("'")))
+        return tuple(_named_groups(y) for y in x)
+    return x
+
+
+def _group_ranks(name: str):
+    import torch.distributed as dist
+
+    try:
+        return tuple(dist.get_process_group_ranks(torch._C._distributed_c10d._resolve_process_group(name)))
+    except Exception:
+        return None
+
+
+def _computes(program, table: dict) -> tuple[list[int], list[int]]:
+    """What the step's lowered forward returns (its outputs, not its saved values) and what its backward
+    returns, each value as an expression over the step's inputs and tangents (ids interned in ``table``, so two
+    programs' values are equal exactly when they compute alike, in whatever order their nodes run: a
+    backward's saved value is the forward's expression for it)."""
+    def arg(a, memo):
+        if isinstance(a, torch.fx.Node):
+            return memo[a]
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x, memo) for x in a)
+        if isinstance(a, str) and _group_ranks(a) is not None:
+            return ("group", _group_ranks(a))
+        return repr(a)
+
+    def expressions(gm, memo):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                key = (str(node.target), arg(node.args, memo), arg(tuple(sorted(node.kwargs.items())), memo))
+                memo[node] = table.setdefault(key, len(table))
+        return [memo[o] for o in node.args[0]]  # the output node's
+
+    forward, backward = program.forward_graph, program.backward_graph
+    memo = {p: table.setdefault(("input", p.name), len(table)) for p in forward.graph.find_nodes(op="placeholder")}
+    results = expressions(forward, memo)
+    placeholders = backward.graph.find_nodes(op="placeholder")
+    saved = results[program.num_outputs:]
+    bmemo = dict(zip(placeholders, saved))
+    bmemo.update({p: table.setdefault(("tangent", k), len(table)) for k, p in enumerate(placeholders[len(saved):])})
+    return results[:program.num_outputs], expressions(backward, bmemo)
+
+
+def test_a_folded_step_computes_what_the_model_does(fake_mesh_4, monkeypatch):
+    """Six layers with replicated weights (the fake group's result is exact): the folded step's loss and every
+    parameter's gradient are the single-device model's, the stamped layers' (2 and 3) included."""
+    model = _model(fake_mesh_4, {})
+    reference = Llama(_config(6))
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    tokens, targets = _data()
+    monkeypatch.setenv("FXSHARD_FOLD", "1")
+    torch._dynamo.reset()
+    compiled = fxshard.compile(model.loss, inductor=False)
+    loss = compiled(distribute_tensor(tokens, fake_mesh_4, [Replicate()]),
+                    distribute_tensor(targets, fake_mesh_4, [Replicate()]))
+    loss.backward()
+    assert compiled.last.plan.joint is None
+    expected = reference.loss(tokens, targets)
+    expected.backward()
+    torch.testing.assert_close(loss.full_tensor(), expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+@pytest.mark.parametrize("why, layers, placements", [
+    ("four layers: nothing to fold", 4, fsdp_placements),
+    ("a dropped layer's weight in another layout", 6,
+     lambda model: {n: (Shard(0),) if n.startswith("layers.3.") else (Replicate(),) for n, _ in model.named_parameters()}),
+    ("the template layer's weight in another layout", 6,
+     lambda model: {n: (Shard(0),) if n.startswith("layers.1.") else (Replicate(),) for n, _ in model.named_parameters()}),
+])
+def test_layers_not_alike_are_planned_whole(fake_mesh_4, monkeypatch, caplog, why, layers, placements):
+    """Where the layers are not alike (or too few to gain), the whole model is planned, and the log says why."""
+    model = _model(fake_mesh_4, placements, layers)
+    with caplog.at_level(logging.INFO, logger="fxshard.backend.fold"):
+        program = _step(model, fake_mesh_4, (Replicate(),), True, monkeypatch)
+    assert program.plan.joint is not None, why
+    assert "planned whole, not folded" in caplog.text, why
