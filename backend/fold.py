@@ -25,13 +25,13 @@ import torch.fx as fx
 from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
 
 from .joint import TrainingPlan
-from .regions import (_INDEXED, Region, backward_regions, forward_regions, layer_of_inputs, program_structure,
+from .regions import (Region, backward_regions, forward_regions, layer_of_inputs, program_structure, renumbered,
                       saved_regions, split_regions)
 
 __all__ = ["Shortened", "shorten", "unfold", "folding_on", "MIN_LAYERS"]
 
 MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
-log = logging.getLogger(__name__)
+log = logging.getLogger("fxshard")  # TORCH_LOGS="fxshard" shows it, as the other stages' lines
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
@@ -57,11 +57,14 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
     same operands (rotary tables), and placeholders of its own elsewhere (its parameters); the outputs of a call
     read by the next call only."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _invoke_subgraph]
+    if not calls:
+        return None  # no repeated blocks (fxshard.compile of a module without, or torch.compile's capture)
     if len(calls) < MIN_LAYERS or len({c.args[1] for c in calls}) != 1:
-        return _refused(f"{len(calls)} calls of {len({c.args[1] for c in calls})} regions")
+        return _refused(f"{len(calls)} calls of {len({c.args[1] for c in calls})} regions, not {MIN_LAYERS} or "
+                        "more of one")
     chained = _chain_operands(calls)
     if chained is None:
-        return _refused("the region calls do not form a chain")
+        return None  # _chain_operands says why
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
@@ -133,167 +136,233 @@ def unfold(plan: TrainingPlan, short: Shortened) -> TrainingPlan | None:
     backward nodes copied for every dropped layer; None where layers ``template`` and ``successor`` are not
     planned alike (their code, layouts or where they read from differ), or a value of the template's is read
     past the layer after it (a skip connection the copies would not continue)."""
-    forward, backward = plan.forward, plan.backward
-    t, s = short.template, short.successor
-    stamps = range(t + 1, s)
-    region = forward_regions(forward, root_gathers_first=False)
-    if not region:
-        return _refused('the forward has no layers')
-    params = {p.name: p for p in forward.graph.find_nodes(op="placeholder")}
-    layer_index = {p.name: k for p, k in layer_of_inputs(forward).items()}
-    if any(u.op != "output" for name, k in layer_index.items() if t < k < s for u in params[name].users):
-        return _refused('the dropped calls were not layers t+1..s-1')
-    f = _Alike.of(forward, region, t, s, descending=False)
-    if f is None:
-        return _refused('layers t and s of the forward are not planned alike')
-    names = plan.program.input_names
-    with_grad = {names[k] for k in plan.grad_inputs}
-    for node in f.inputs:  # every dropped layer's parameters are the template's: layouts, shapes, dtypes, grads
-        if node.op == "placeholder" and layer_index.get(node.name) == t:
-            for j in stamps:
-                other = params.get(_renumbered(node.name, j))
-                if other is None or not _alike_inputs(node, other) or \
-                        (node.name in with_grad) != (other.name in with_grad):
-                    return _refused("a dropped layer's inputs differ from the template's")
-    saved_values = list(outputs(forward))[plan.num_outputs:]
-    backward_region = backward_regions(backward, saved_regions(forward, region, plan.num_outputs),
-                                       max(region.values()) + 1)
-    b = _Alike.of(backward, backward_region, t, s, descending=True)
-    if b is None or not f.slots_chain_to(region, t - 1) or not b.slots_chain_to(backward_region, s + 1):
-        return _refused('layers t and s of the backward are not planned alike, or read other layers')
-    saved_of = dict(zip(backward.graph.find_nodes(op="placeholder"), saved_values))
+    layers = _Layers.of(plan, short)
+    if layers is None:
+        return None
+    forward, env, copies = layers.forward()
+    backward, saved_values = layers.backward(forward, env, copies)
+    forward.output(tuple([env[o] for o in outputs(plan.forward)[:plan.num_outputs]] + saved_values))
+    forward.eliminate_dead_code()
+    try:
+        forward.lint()
+        backward.lint()
+    except RuntimeError:
+        return _refused("the unfolded program is not in order")
+    return replace(plan, forward=graph_module(plan.forward, forward), backward=graph_module(plan.backward, backward),
+                   joint=None)
 
-    # forward: placeholders, the short program's nodes in region order, the copies after layer t's
-    new_forward = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in forward.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            env[node] = new_forward.node_copy(node, lambda a: env[a])
-    copies: dict[int, dict[fx.Node, fx.Node]] = {}
 
-    def param(node: fx.Node, j: int) -> fx.Node:
-        return env[params[_renumbered(node.name, j)]]
+@dataclass
+class _Layers:
+    """A short program's plan whose layers t and s are planned alike (``of`` checks it), and how to copy t."""
 
-    def forward_version(v: fx.Node, j: int) -> fx.Node:
-        """The new forward's value that is, for stamped layer j, what ``v`` is for layer t."""
+    plan: TrainingPlan
+    t: int  # the template
+    s: int  # its successor
+    f: "_Alike"  # the forward's layers t and s
+    b: "_Alike"  # the backward's
+    region: dict[fx.Node, Any]  # the forward's regions (layers by index)
+    backward_region: dict[fx.Node, Any]
+    params: dict[str, fx.Node]  # the forward's placeholders by name
+    layer_index: dict[str, int]  # a layer's placeholder's name -> its layer
+    saved_of: dict[fx.Node, fx.Node]  # a backward placeholder -> the forward value saved for it
+
+    @property
+    def stamps(self) -> range:
+        return range(self.t + 1, self.s)
+
+    @classmethod
+    def of(cls, plan: TrainingPlan, short: Shortened) -> "_Layers | None":
+        forward, backward = plan.forward, plan.backward
+        t, s = short.template, short.successor
+        region = forward_regions(forward, root_gathers_first=False)
+        if not region:
+            return _refused("the forward has no layers")
+        params = {p.name: p for p in forward.graph.find_nodes(op="placeholder")}
+        layer_index = {p.name: k for p, k in layer_of_inputs(forward).items()}
+        if any(u.op != "output" for name, k in layer_index.items() if t < k < s for u in params[name].users):
+            return _refused("the dropped calls were not layers t+1..s-1")
+        f = _Alike.of(forward, region, t, s, descending=False)
+        if f is None:
+            return None  # _Alike.of says why
+        for a_t, a_s in zip(f.inputs, f.successor_inputs):  # what is neither shared nor the neighbour's: parameters
+            if a_t is not a_s and a_t not in f.chain and \
+                    not (layer_index.get(a_t.name) == t and a_s.name == renumbered(a_t.name, s)):
+                return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}")
+        names = plan.program.input_names
+        with_grad = {names[k] for k in plan.grad_inputs}
+        for node in f.inputs:  # every dropped layer's parameters are the template's: layouts, shapes, dtypes, grads
+            if node.op == "placeholder" and layer_index.get(node.name) == t:
+                for j in range(t + 1, s):
+                    other = params.get(renumbered(node.name, j))
+                    if other is None or not _alike_inputs(node, other) or \
+                            (node.name in with_grad) != (other.name in with_grad):
+                        return _refused(f"layer {j}'s {renumbered(node.name, j)} is not alike layer {t}'s")
+        saved_values = list(outputs(forward))[plan.num_outputs:]
+        backward_region = backward_regions(backward, saved_regions(forward, region, plan.num_outputs),
+                                           max(region.values()) + 1)
+        b = _Alike.of(backward, backward_region, t, s, descending=True)
+        if b is None:
+            return None
+        if not f.slots_chain_to(region, t - 1) or not b.slots_chain_to(backward_region, s + 1):
+            return _refused("a layer reads a value of a layer other than the one next to it")
+        saved_of = dict(zip(backward.graph.find_nodes(op="placeholder"), saved_values))
+        layers = cls(plan, t, s, f, b, region, backward_region, params, layer_index, saved_of)
+        # what is neither shared nor the neighbour's: saved values, layer s's the counterparts of layer t's
+        for bt, bs in zip(b.inputs, b.successor_inputs):
+            if bt is not bs and bt not in b.chain and not (
+                    bt in saved_of and bs in saved_of and layers.corresponds(saved_of[bt], saved_of[bs])):
+                return _refused(f"layer {t}'s backward reads {bt.name} where layer {s}'s reads {bs.name}")
+        if any(a in saved_of and saved_of[a] in f.position and saved_of[a] not in layers.redirect
+               for node in b.successor_body for a in node.all_input_nodes):
+            return _refused(f"layer {s}'s backward reads a value of layer {t}'s other than its input")
+        grad_of = {names[k]: g for k, g in zip(plan.grad_inputs, outputs(backward))}
+        for k in plan.grad_inputs:
+            if t < layer_index.get(names[k], -1) < s and grad_of.get(renumbered(names[k], t)) not in b.position:
+                return _refused(f"{names[k]}'s gradient is not made in layer {t}'s backward")
+        return layers
+
+    @property
+    def redirect(self) -> dict[fx.Node, int]:
+        """What layer s reads of layer t's forward (it reads the last copy's), by position in the layer."""
+        return {self.f.body[p]: p for p in self.f.chain.values()}
+
+    def layer(self, node: fx.Node) -> int | None:
+        return self.layer_index.get(node.name) if node.op == "placeholder" else None
+
+    def corresponds(self, v_t: fx.Node, v_s: fx.Node) -> bool:
+        """Whether forward value ``v_s`` is for layer s what ``v_t`` is for layer t."""
+        f = self.f
+        if v_t in f.position:
+            return f.successor_body[f.position[v_t]] is v_s
+        if self.layer(v_t) == self.t:
+            return v_s.op == "placeholder" and v_s.name == renumbered(v_t.name, self.s)
+        if v_t in f.chain:
+            return f.body[f.chain[v_t]] is v_s
+        return v_t is v_s
+
+    def forward(self) -> tuple[fx.Graph, dict[fx.Node, fx.Node], dict[int, dict[fx.Node, fx.Node]]]:
+        """The whole forward but for its output: the short program's nodes and, after layer t's, its copies
+        (``copies[j]``: layer t's node -> layer j's), layer s reading the last copy."""
+        f, t, s = self.f, self.t, self.s
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in self.plan.forward.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                env[node] = graph.node_copy(node, lambda a: env[a])
+        copies: dict[int, dict[fx.Node, fx.Node]] = {}
+
+        def stamp() -> None:
+            for j in self.stamps:
+                copies[j] = {}
+                for node in f.body:
+                    copies[j][node] = _copy(graph, node, lambda a: self.version(a, j, env, copies))
+
+        redirect = self.redirect
+        successor = set(f.successor_body)
+        readers = [n for n in f.successor_body if set(n.all_input_nodes) & set(redirect)]
+        _emit(self.plan.forward, self.region, t, f.body, readers, False, emit=lambda node: _copy(
+                  graph, node, lambda a: copies[s - 1][a] if node in successor and a in redirect else env[a], env),
+              between=stamp)
+        return graph, env, copies
+
+    def version(self, v: fx.Node, j: int, env: dict, copies: dict) -> fx.Node:
+        """The new forward's value that is, for copied layer j, what ``v`` is for layer t."""
+        f = self.f
         if v in f.position:
             return copies[j][v]
-        if v.op == "placeholder" and layer_index.get(v.name) == t:
-            return param(v, j)
+        if self.layer(v) == self.t:
+            return env[self.params[renumbered(v.name, j)]]
         if v in f.chain:
             p = f.chain[v]
-            return env[f.body[p]] if j == t + 1 else copies[j - 1][f.body[p]]
+            return env[f.body[p]] if j == self.t + 1 else copies[j - 1][f.body[p]]
         return env[v]
 
-    def stamp_forward() -> None:
-        for j in stamps:
-            copies[j] = {}
-            for node in f.body:
-                copies[j][node] = _copy(new_forward, node, lambda a: forward_version(a, j))
+    def backward(self, forward: fx.Graph, env: dict, copies: dict) -> tuple[fx.Graph, list[fx.Node]]:
+        """The whole backward, and the new forward's values it takes saved, in the order it takes them: the
+        short program's nodes and, after layer s's, the copies of layer t's (from layer s-1 down), each reading
+        its own saved values; layer t reading the last copy's gradients, layer s the saved values of its input
+        the forward now gives it."""
+        b, t, s, saved_of = self.b, self.t, self.s, self.saved_of
+        backward = self.plan.backward
+        graph = fx.Graph()
+        benv: dict[fx.Node, fx.Node] = {}
+        placeholders = list(backward.graph.find_nodes(op="placeholder"))
+        placeholder_of: dict[fx.Node, fx.Node] = {}  # new forward value -> new backward placeholder
+        for node in placeholders:
+            benv[node] = graph.node_copy(node)
+            if node in saved_of:
+                placeholder_of[env[saved_of[node]]] = benv[node]
+        for node in backward.graph.find_nodes(op="get_attr"):
+            benv[node] = graph.node_copy(node)
+        first_tangent = next(benv[p] for p in placeholders if p not in saved_of)
 
-    redirect = {f.body[p]: p for p in f.chain.values()}  # what layer s reads of layer t: the last copy's
-    successor_body = set(f.successor_body)
-    _emit(forward, region, t, f.body, [n for n in f.successor_body if set(n.all_input_nodes) & set(redirect)],
-          False, emit=lambda node: _copy(
-        new_forward, node, lambda a: (copies[s - 1][a] if node in successor_body and a in redirect else env[a]),
-        env), between=stamp_forward)
+        def saved(value: fx.Node, like: fx.Node) -> fx.Node:
+            if value not in placeholder_of:
+                with graph.inserting_before(first_tangent):
+                    placeholder_of[value] = graph.placeholder(f"saved_{value.name}")
+                placeholder_of[value].target = placeholder_of[value].name  # the name made unique
+                placeholder_of[value].meta = dict(like.meta)
+            return placeholder_of[value]
 
-    # the saved values whose counterpart for layer s is what layer s's backward reads (checked per slot)
-    for bt, bs in zip(b.inputs, b.successor_inputs):
-        if bt in saved_of and bs in saved_of and not _corresponds(saved_of[bt], saved_of[bs], f, layer_index, t, s):
-            return _refused("a saved value of layer s is not layer t's counterpart")
+        bcopies: dict[int, dict[fx.Node, fx.Node]] = {}
 
-    # backward: saved values (the short program's, then the copies'), tangents, nodes, copies after layer s's
-    new_backward = fx.Graph()
-    benv: dict[fx.Node, fx.Node] = {}
-    placeholders = list(backward.graph.find_nodes(op="placeholder"))
-    saved_placeholder: dict[fx.Node, fx.Node] = {}  # new forward value -> new backward placeholder
-    for node in placeholders:
-        benv[node] = new_backward.node_copy(node)
-        if node in saved_of:
-            saved_placeholder[env[saved_of[node]]] = benv[node]
-    for node in backward.graph.find_nodes(op="get_attr"):
-        benv[node] = new_backward.node_copy(node)
-    first_tangent = next((benv[p] for p in placeholders if p not in saved_of), None)
+        def version(a: fx.Node, j: int) -> fx.Node:
+            if a in b.position:
+                return bcopies[j][a]
+            if a in saved_of:
+                return saved(self.version(saved_of[a], j, env, copies), a)
+            if a in b.chain:
+                p = b.chain[a]
+                return benv[b.successor_body[p]] if j == s - 1 else bcopies[j + 1][b.body[p]]
+            return benv[a]
 
-    def saved(value: fx.Node, like: fx.Node) -> fx.Node:
-        if value not in saved_placeholder:
-            with new_backward.inserting_before(first_tangent) if first_tangent is not None else _nothing():
-                saved_placeholder[value] = new_backward.placeholder(f"saved_{value.name}")
-                saved_placeholder[value].target = saved_placeholder[value].name  # the name made unique
-            saved_placeholder[value].meta = dict(like.meta)
-        return saved_placeholder[value]
+        def stamp() -> None:
+            for j in reversed(self.stamps):
+                bcopies[j] = {}
+                for node in b.body:
+                    bcopies[j][node] = _copy(graph, node, lambda a: version(a, j))
 
-    bcopies: dict[int, dict[fx.Node, fx.Node]] = {}
+        bredirect = {b.successor_body[p]: p for p in b.chain.values()}  # layer t reads the first copy's
+        template, successor, redirect = set(b.body), set(b.successor_body), self.redirect
 
-    def backward_version(a: fx.Node, j: int) -> fx.Node:
-        if a in b.position:
-            return bcopies[j][a]
-        if a in saved_of:
-            return saved(forward_version(saved_of[a], j), a)
-        if a in b.chain:
-            p = b.chain[a]
-            return benv[b.successor_body[p]] if j == s - 1 else bcopies[j + 1][b.body[p]]
-        return benv[a]
+        def read(node: fx.Node, a: fx.Node) -> fx.Node:
+            if node in template and a in bredirect:
+                return bcopies[t + 1][b.body[bredirect[a]]]
+            if node in successor and a in saved_of and saved_of[a] in redirect:
+                return saved(copies[s - 1][saved_of[a]], a)
+            return benv[a]
 
-    def stamp_backward() -> None:
-        for j in reversed(stamps):
-            bcopies[j] = {}
-            for node in b.body:
-                bcopies[j][node] = _copy(new_backward, node, lambda a: backward_version(a, j))
+        redirected = [n for n in b.body if set(n.all_input_nodes) & set(bredirect)] + \
+            [n for n in b.successor_body if any(a in saved_of and saved_of[a] in redirect for a in n.all_input_nodes)]
+        _emit(backward, self.backward_region, s, b.body, redirected, True,
+              emit=lambda node: _copy(graph, node, lambda a: read(node, a), benv), between=stamp)
 
-    bredirect = {b.successor_body[p]: p for p in b.chain.values()}  # what layer t reads of layer s: the first copy's
-    template_body = set(b.body)
-    # layer s's backward reads its forward's input (saved) as the last copy's output, as its forward now does
-    if any(a in saved_of and saved_of[a] in f.position and saved_of[a] not in redirect
-           for node in b.successor_body for a in node.all_input_nodes):
-        return _refused("layer s's backward reads a value of layer t's other than its input")
-
-    def read(node: fx.Node, a: fx.Node) -> fx.Node:
-        if node in template_body and a in bredirect:
-            return bcopies[t + 1][b.body[bredirect[a]]]
-        if node in b_successor and a in saved_of and saved_of[a] in redirect:
-            return saved(copies[s - 1][saved_of[a]], a)
-        return benv[a]
-
-    b_successor = set(b.successor_body)
-    redirected = [n for n in b.body if set(n.all_input_nodes) & set(bredirect)] + \
-        [n for n in b.successor_body if any(a in saved_of and saved_of[a] in redirect for a in n.all_input_nodes)]
-    _emit(backward, backward_region, s, b.body, redirected, True,
-          emit=lambda node: _copy(new_backward, node, lambda a: read(node, a), benv), between=stamp_backward)
-
-    # gradients: a stamped layer's parameter gets its copy of the template's gradient
-    grads = list(outputs(backward))
-    new_grads = []
-    for k, grad in zip(plan.grad_inputs, grads):
-        layer = layer_index.get(names[k])
-        if layer is not None and t < layer < s:
-            template_grad = grads[plan.grad_inputs.index(names.index(_renumbered(names[k], t)))] \
-                if _renumbered(names[k], t) in names else None
-            if template_grad not in b.position:
-                return _refused("a dropped layer's gradient is not made in the template's backward")
-            new_grads.append(bcopies[layer][template_grad])
-        else:
-            new_grads.append(benv[grad] if isinstance(grad, fx.Node) else grad)
-    new_backward.output(tuple(new_grads))
-    value_of = {p: v for v, p in saved_placeholder.items()}
-    _drop_dead(new_backward, set(value_of))
-    # saved values in program order, as ``joint.partition`` orders them (inputs first, then by layer)
-    order = {n: k for k, n in enumerate(new_forward.nodes)}
-    kept_saved = sorted((p for p in new_backward.find_nodes(op="placeholder") if p in value_of),
-                        key=lambda p: order[value_of[p]])
-    if first_tangent is not None:
-        for p in kept_saved:  # the backward's placeholders in that order too, before its tangents
+        # a copied layer's parameter gets its copy of the template's gradient
+        names = self.plan.program.input_names
+        grads = list(outputs(backward))
+        grad_of = {names[k]: g for k, g in zip(self.plan.grad_inputs, grads)}
+        new_grads = []
+        for k, grad in zip(self.plan.grad_inputs, grads):
+            j = self.layer_index.get(names[k])
+            if j is not None and t < j < s:
+                new_grads.append(bcopies[j][grad_of[renumbered(names[k], t)]])
+            else:
+                new_grads.append(benv[grad] if isinstance(grad, fx.Node) else grad)
+        graph.output(tuple(new_grads))
+        # the dropped layers' stand-in gradients (zeros of their parameters) and what only they read go
+        graph.eliminate_dead_code()
+        value_of = {p: v for v, p in placeholder_of.items()}
+        for p in list(graph.find_nodes(op="placeholder")):
+            if p in value_of and not p.users:
+                graph.erase_node(p)
+                del value_of[p]
+        # saved values in program order, as ``joint.partition`` orders them (inputs first, then by layer)
+        order = {n: k for k, n in enumerate(forward.nodes)}
+        kept = sorted(value_of, key=lambda p: order[value_of[p]])
+        for p in kept:
             first_tangent.prepend(p)
-    new_forward.output(tuple([env[o] for o in outputs(forward)[:plan.num_outputs]] + [value_of[p] for p in kept_saved]))
-    _drop_dead(new_forward, set())
-    try:
-        new_forward.lint()
-        new_backward.lint()
-    except RuntimeError:
-        return _refused('the unfolded program is not in order')
-    return replace(plan, forward=graph_module(forward, new_forward), backward=graph_module(backward, new_backward),
-                   joint=None)
+        return graph, [value_of[p] for p in kept]
 
 
 @dataclass
@@ -315,7 +384,7 @@ class _Alike:
         found = {r.index: r for r in split_regions(gm, region, descending)}
         rt, rs = found.get(t), found.get(s)
         if rt is None or rs is None or not _same_program(rt, rs):
-            return _refused('the regions differ in code or layouts')
+            return _refused("the layers' regions differ in code or layouts")
         position = {n: k for k, n in enumerate(rt.body)}
         successor_position = {n: k for k, n in enumerate(rs.body)}
         chain: dict[fx.Node, int] = {}
@@ -333,7 +402,7 @@ class _Alike:
         second = set(rs.body if not descending else rt.body) | set(first.body)
         for node in first.body:  # what runs first is read by what runs second only (or leaves the program)
             if any(u not in second and u.op != "output" for u in node.users):
-                return _refused('a value of the layer running first is read past the layer after it')
+                return _refused("a value of the layer running first is read past the layer after it")
         return cls(rt.body, rs.body, position, rt.inputs, rs.inputs, chain, neighbours)
 
     def slots_chain_to(self, region: dict[fx.Node, Any], neighbour: int) -> bool:
@@ -355,17 +424,6 @@ def _same_program(a: Region, b: Region) -> bool:
                for x, y in zip(a.graph.graph.nodes, b.graph.graph.nodes))
 
 
-def _corresponds(v_t: fx.Node, v_s: fx.Node, f: _Alike, layer_index: dict[str, int], t: int, s: int) -> bool:
-    """Whether forward value ``v_s`` is for layer s what ``v_t`` is for layer t."""
-    if v_t in f.position:
-        return f.successor_body[f.position[v_t]] is v_s
-    if v_t.op == "placeholder" and layer_index.get(v_t.name) == t:
-        return v_s.op == "placeholder" and v_s.name == _renumbered(v_t.name, s)
-    if v_t in f.chain:
-        return f.body[f.chain[v_t]] is v_s
-    return v_t is v_s
-
-
 def _alike_inputs(a: fx.Node, b: fx.Node) -> bool:
     """Two inputs of one global layout, shape, stride and dtype."""
     x, y = a.meta.get("val"), b.meta.get("val")
@@ -373,13 +431,6 @@ def _alike_inputs(a: fx.Node, b: fx.Node) -> bool:
         return False
     return a.meta.get(LAYOUT) == b.meta.get(LAYOUT) and x.shape == y.shape and x.stride() == y.stride() and \
         x.dtype == y.dtype
-
-
-def _renumbered(name: str, layer: int) -> str:
-    """A layer's input's name for another layer: ``layers_1_wq_weight`` -> ``layers_7_wq_weight``."""
-    m = _INDEXED.match(name)
-    assert m is not None, name
-    return name[:m.start(2)] + str(layer) + name[m.end(2):]
 
 
 def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None) -> fx.Node:
@@ -418,18 +469,3 @@ def _emit(gm: fx.GraphModule, region: dict[fx.Node, Any], layer: int, copied: Se
         emit(node)
 
 
-def _drop_dead(graph: fx.Graph, saved: set[fx.Node]) -> None:
-    """What only the dropped layers' stand-in gradients read (zeros of their parameters), and the ``saved``
-    placeholders no one reads any more."""
-    graph.eliminate_dead_code()
-    for p in list(graph.find_nodes(op="placeholder")):
-        if not p.users and p in saved:
-            graph.erase_node(p)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -49,7 +49,7 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, graph_module
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
-__all__ = ["Region", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
+__all__ = ["Region", "renumbered", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
            "training_regions", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
@@ -82,6 +82,13 @@ def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
         return {}
     prefix = prefixes.most_common(1)[0][0]
     return {p: int(m.group(2)) for p, m in found.items() if m and m.group(1) == prefix}
+
+
+def renumbered(name: str, layer: int) -> str:
+    """An indexed input's name for another layer: ``layers_1_wq_weight`` -> ``layers_7_wq_weight``."""
+    m = _INDEXED.match(name)
+    assert m is not None, f"{name} is not an indexed module's input"
+    return name[:m.start(2)] + str(layer) + name[m.end(2):]
 
 
 def forward_regions(gm: fx.GraphModule, root_gathers_first: bool = True) -> dict[fx.Node, int]:

@@ -30,8 +30,9 @@ BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)
 
 
 @pytest.mark.parametrize("training, stages", [
-    (False, [s for s in STAGES if s not in ("split", "regions")]),
-    (True, [s for s in STAGES if s != "regions"]),  # regions: Inductor's regional programs only (test_regions)
+    (False, [s for s in STAGES if s not in ("split", "unfold", "regions")]),
+    # regions: Inductor's regional programs only (test_regions); unfold: repeated layers only (test_fold)
+    (True, [s for s in STAGES if s not in ("unfold", "regions")]),
 ])
 def test_every_stage_is_timed_and_logged(fake_mesh_4, make_mlp, capfd, training, stages):
     """TORCH_LOGS=fxshard prints each stage's time (inference and training) and a per-graph summary."""
