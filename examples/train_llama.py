@@ -104,7 +104,7 @@ def run(rank: int, world_size: int, device: str = "cpu", config: LlamaConfig = C
     tokens_per_s = batch * seq / statistics.median(times) if times else float("nan")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"losses": losses, "ref_losses": ref_losses, "tokens_per_s": tokens_per_s, "peak_mb": peak_mb,
-              "compile_s": compile_s, "grad_error": grad_error,
+              "compile_s": compile_s, "grad_error": grad_error, "stages": sorted(compiled.last.reporter.times),
               "forward": collectives_of(compiled.last.forward_graph),
               "backward": collectives_of(compiled.last.backward_graph)}
     if rank == 0:

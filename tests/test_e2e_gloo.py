@@ -71,13 +71,14 @@ def test_mlp_training_through_torch_compile_on_two_gloo_ranks(mlp_tp):
 
 def test_llama_fsdp_x_tp_training_on_four_gloo_ranks():
     """examples/train_llama.py at a small size: five (for-loop) AdamW steps of FSDP x TP (2 x 2) track the
-    single-device losses; the first step's gradients match; each weight is all-gathered on dp."""
+    single-device losses; the first step's gradients match; each weight is all-gathered on dp. Five layers:
+    the step is planned folded (backend/fold.py: layers 0, 1, 3 and 4 planned, layer 2 stamped from layer 1)."""
     sys.path.insert(0, str(EXAMPLES))
     try:
         import train_llama
         from models.llama import LlamaConfig
 
-        config = LlamaConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128)
+        config = LlamaConfig(vocab_size=256, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=128)
         results = train_llama.spawn(4, timeout=900.0, config=config, batch=8, seq=32, steps=5, check_grads=True,
                                      foreach=False)  # the example itself runs foreach AdamW
     finally:
@@ -86,6 +87,7 @@ def test_llama_fsdp_x_tp_training_on_four_gloo_ranks():
         for a, b in zip(r["losses"], r["ref_losses"]):
             assert abs(a - b) <= 1e-4 * abs(b), (rank, r["losses"], r["ref_losses"])
         assert r["grad_error"] <= 1e-4, (rank, r["grad_error"])
+        assert "unfold" in r["stages"], r["stages"]  # folded
         n_params = len(list(train_llama.Llama(config).parameters()))
         assert r["backward"]["reduce_scatter_tensor"] == n_params, r  # each gradient into its dp shard
         assert r["forward"]["all_gather_into_tensor"] >= n_params - 2, r  # weights gathered on dp where used
