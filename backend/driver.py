@@ -10,6 +10,7 @@ Dynamo as one graph and turns every way its inputs were given a sharding into la
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,7 +29,7 @@ from fxshard.timing import stage
 from . import outputs as outputs_
 from .capture import Captured, capture
 from .collector import collector_paused
-from .fold import folding_on, shorten, unfold
+from .fold import Shortened, folding_on, lower_folded, shorten, unfold
 from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
@@ -49,6 +50,9 @@ class PlannedProgram:
     # per output the user's program has: None (a DTensor) or the layout of the plain block eager holds
     # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
     eager_outputs: list[Any] = field(default_factory=list)
+    # a training program of repeated layers planned folded: the four-layer plan ``training`` was unfolded
+    # from, and how it was shortened (stages 4-5 run on it and the result is unfolded: ``fold.lower_folded``)
+    folded: tuple[TrainingPlan, Shortened] | None = None
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -88,7 +92,7 @@ def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], **options: Any) -> P
     if whole is None:
         return None
     eager = outputs_.eager_layouts(short.gm, plan.program, plan.num_outputs) if options["layouts"] is None else []
-    return PlannedProgram(plan.program, None, whole, eager)
+    return PlannedProgram(plan.program, None, whole, eager, folded=(plan, short))
 
 
 def _plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, mesh: MeshSpec | None,
@@ -172,7 +176,9 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     runner: Any
     if planned.training is not None:
         with reporter.timing(), code_on_demand(), collector_paused():
-            runner = TrainingProgram(planned.training, device_mesh, eager_layouts=eager, **run_options)
+            lowered = _lowered_folded(planned, device_mesh)
+            runner = TrainingProgram(planned.training, device_mesh, eager_layouts=eager, lowered=lowered,
+                                     **run_options)
         reporter.stage_summary()
         reporter("lower", runner.forward_graph)
         reporter("lower_backward", runner.backward_graph)
@@ -195,6 +201,19 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     return runner
 
 
+def _lowered_folded(planned: PlannedProgram, device_mesh: Any) -> LoweredTraining | None:
+    """Stages 4-5 of a folded plan on its four layers, unfolded (``fold.lower_folded``); None where it was not
+    folded, or (not seen) its lowered layers are not alike: the unfolded plan is lowered whole then, the same
+    program on every rank."""
+    if planned.folded is None:
+        return None
+    lowered = lower_folded(*planned.folded, device_mesh)
+    if lowered is None:
+        warnings.warn("fxshard: the lowered layers of a folded plan are not alike; lowering the whole plan "
+                      "(please report this: FXSHARD_FOLD=0 plans the whole model)", stacklevel=2)
+    return lowered
+
+
 def _planner(gm: fx.GraphModule, inputs: Sequence[Any], plan_options: Mapping[str, Any]) -> Callable[[], TrainingPlan]:
     """What plans a loaded training program again should someone read its plan (``TrainingProgram.plan``):
     ``fxshard.compile``'s inputs are fake stand-ins, kept; real inputs (the backend's first call) are not kept
@@ -207,7 +226,7 @@ def _planner(gm: fx.GraphModule, inputs: Sequence[Any], plan_options: Mapping[st
         return unavailable
 
     def plan_again() -> TrainingPlan:
-        planned = plan_program(gm, inputs, training=True, reporter=StageReporter(), **plan_options)
+        planned = plan_program(gm, inputs, training=True, reporter=StageReporter(), fold=True, **plan_options)
         assert planned.training is not None
         return planned.training
     return plan_again

@@ -23,12 +23,15 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
+from fxshard.lowering.groups import MeshGroups
+from fxshard.timing import stage
 
 from .joint import TrainingPlan
 from .regions import (Region, backward_regions, forward_regions, layer_of_inputs, program_structure, renumbered,
                       saved_regions, split_regions)
+from .training import LoweredTraining, lower_training
 
-__all__ = ["Shortened", "shorten", "unfold", "folding_on", "MIN_LAYERS"]
+__all__ = ["Shortened", "shorten", "unfold", "lower_folded", "folding_on", "MIN_LAYERS"]
 
 MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
 log = logging.getLogger("fxshard")  # TORCH_LOGS="fxshard" shows it, as the other stages' lines
@@ -136,27 +139,58 @@ def unfold(plan: TrainingPlan, short: Shortened) -> TrainingPlan | None:
     backward nodes copied for every dropped layer; None where layers ``template`` and ``successor`` are not
     planned alike (their code, layouts or where they read from differ), or a value of the template's is read
     past the layer after it (a skip connection the copies would not continue)."""
-    layers = _Layers.of(plan, short)
+    step = _Step(plan.forward, plan.backward, plan.num_outputs, plan.grad_inputs, plan.program.input_names)
+    whole = _unfolded(step, short)
+    return replace(plan, forward=whole[0], backward=whole[1], joint=None) if whole is not None else None
+
+
+def lower_folded(plan: TrainingPlan, short: Shortened, device_mesh: Any) -> LoweredTraining | None:
+    """This rank's lowered whole step from the lowered ``short`` plan (stages 4-5 on four layers), its layer
+    ``template`` copied as ``unfold`` copies the plan's: the program stages 4-5 give the unfolded plan, in a
+    quarter of their time at 16 layers. None where the lowered layers are not alike (not seen: ``unfold``
+    found the planned ones alike, and a layer's local code follows from its layouts)."""
+    coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
+    lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
+    names = [p.name for p in lowered.forward.graph.find_nodes(op="placeholder")]
+    with stage("unfold"):
+        whole = _unfolded(_Step(lowered.forward, lowered.backward, lowered.num_outputs, lowered.grad_inputs, names),
+                          short)
+    return replace(lowered, forward=whole[0], backward=whole[1]) if whole is not None else None
+
+
+@dataclass
+class _Step:
+    """What unfolding reads of a training step, planned or lowered."""
+
+    forward: fx.GraphModule  # primals -> (*outputs, *saved)
+    backward: fx.GraphModule  # (*saved, *tangents) -> gradients of grad_inputs
+    num_outputs: int
+    grad_inputs: Sequence[int]
+    names: Sequence[str]  # of the primals
+
+
+def _unfolded(step: _Step, short: Shortened) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """The whole step's forward and backward (``unfold``), or None."""
+    layers = _Layers.of(step, short)
     if layers is None:
         return None
     forward, env, copies = layers.forward()
     backward, saved_values = layers.backward(forward, env, copies)
-    forward.output(tuple([env[o] for o in outputs(plan.forward)[:plan.num_outputs]] + saved_values))
+    forward.output(tuple([env[o] for o in outputs(step.forward)[:step.num_outputs]] + saved_values))
     forward.eliminate_dead_code()
     try:
         forward.lint()
         backward.lint()
     except RuntimeError:
         return _refused("the unfolded program is not in order")
-    return replace(plan, forward=graph_module(plan.forward, forward), backward=graph_module(plan.backward, backward),
-                   joint=None)
+    return graph_module(step.forward, forward), graph_module(step.backward, backward)
 
 
 @dataclass
 class _Layers:
-    """A short program's plan whose layers t and s are planned alike (``of`` checks it), and how to copy t."""
+    """A short program's step whose layers t and s are planned alike (``of`` checks it), and how to copy t."""
 
-    plan: TrainingPlan
+    plan: _Step
     t: int  # the template
     s: int  # its successor
     f: "_Alike"  # the forward's layers t and s
@@ -172,7 +206,7 @@ class _Layers:
         return range(self.t + 1, self.s)
 
     @classmethod
-    def of(cls, plan: TrainingPlan, short: Shortened) -> "_Layers | None":
+    def of(cls, plan: _Step, short: Shortened) -> "_Layers | None":
         forward, backward = plan.forward, plan.backward
         t, s = short.template, short.successor
         region = forward_regions(forward, root_gathers_first=False)
@@ -189,7 +223,7 @@ class _Layers:
             if a_t is not a_s and a_t not in f.chain and \
                     not (layer_index.get(a_t.name) == t and a_s.name == renumbered(a_t.name, s)):
                 return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}")
-        names = plan.program.input_names
+        names = plan.names
         with_grad = {names[k] for k in plan.grad_inputs}
         for node in f.inputs:  # every dropped layer's parameters are the template's: layouts, shapes, dtypes, grads
             if node.op == "placeholder" and layer_index.get(node.name) == t:
@@ -339,7 +373,7 @@ class _Layers:
               emit=lambda node: _copy(graph, node, lambda a: read(node, a), benv), between=stamp)
 
         # a copied layer's parameter gets its copy of the template's gradient
-        names = self.plan.program.input_names
+        names = self.plan.names
         grads = list(outputs(backward))
         grad_of = {names[k]: g for k, g in zip(self.plan.grad_inputs, grads)}
         new_grads = []

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 LLAMA = dict(vocab_size=2048, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768)
 BATCH, SEQ, WORLD = 8, 128, 4
-OWN = ("capture", "load") + ("trace", "propagate", "refine", "plan", "split", "localize", "lower", "regions")
+OWN = ("capture", "load") + ("trace", "propagate", "refine", "plan", "split", "unfold", "localize", "lower", "regions")
 
 
 def _model(layers: int, mesh: Any) -> nn.Module:
