@@ -1,15 +1,17 @@
-"""Plan a model's repeated layers once: stages 1-3 on a four-layer program, its middle layer stamped out.
+"""Plan and lower a model's repeated layers once: stages 1-5 on a four-layer program, its layer 1 stamped out.
 
 A model of L identical layers (a chain of calls of one nested compile region, ``block_regions.py``) is
 planned as the model of layers 0, 1, L-2 and L-1 (``shorten``: the Dynamo graph without the calls of layers
 2..L-3, layer L-2 reading layer 1's outputs). Its planned forward and backward are then made L layers long
 (``unfold``): layer 1's nodes are copied once per dropped layer, on that layer's parameters, each copy reading
 what the one before it returns (forward) or what the one after it returns (backward), and each copy's
-saved values and gradients added to the program's. Stages 1-3 then cost four layers at any depth; the
-planned program is the one planning the whole model gives wherever the planner gives every middle layer the
-same plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
-layouts) reading their inputs from corresponding places, else it returns None and the whole model is planned
-(the decision reads the global plan only, so every rank takes the same path).
+saved values and gradients added to the program's. This rank's lowered forward and backward of the short plan
+are unfolded alike (``lower_folded``). Stages 1-5 then cost four layers and a copy per other layer; the
+program is the one planning the whole model gives wherever the planner gives every middle layer the same
+plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
+layouts) reading their inputs from corresponding places, else it returns None, says why on the ``fxshard``
+logger, and the whole model is planned (the decision reads the global plan only, so every rank takes the
+same path). ``tests/test_fold.py`` compares folded steps with whole ones.
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def _unfolded(step: _Step, short: Shortened) -> tuple[fx.GraphModule, fx.GraphMo
 class _Layers:
     """A short program's step whose layers t and s are planned alike (``of`` checks it), and how to copy t."""
 
-    plan: _Step
+    step: _Step
     t: int  # the template
     s: int  # its successor
     f: "_Alike"  # the forward's layers t and s
@@ -206,8 +208,9 @@ class _Layers:
         return range(self.t + 1, self.s)
 
     @classmethod
-    def of(cls, plan: _Step, short: Shortened) -> "_Layers | None":
-        forward, backward = plan.forward, plan.backward
+    def of(cls, step: _Step, short: Shortened) -> "_Layers | None":
+        """``step``'s layers, checked alike (None, the reason logged, where they are not)."""
+        forward, backward = step.forward, step.backward
         t, s = short.template, short.successor
         region = forward_regions(forward, root_gathers_first=False)
         if not region:
@@ -223,8 +226,8 @@ class _Layers:
             if a_t is not a_s and a_t not in f.chain and \
                     not (layer_index.get(a_t.name) == t and a_s.name == renumbered(a_t.name, s)):
                 return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}")
-        names = plan.names
-        with_grad = {names[k] for k in plan.grad_inputs}
+        names = step.names
+        with_grad = {names[k] for k in step.grad_inputs}
         for node in f.inputs:  # every dropped layer's parameters are the template's: layouts, shapes, dtypes, grads
             if node.op == "placeholder" and layer_index.get(node.name) == t:
                 for j in range(t + 1, s):
@@ -232,8 +235,8 @@ class _Layers:
                     if other is None or not _alike_inputs(node, other) or \
                             (node.name in with_grad) != (other.name in with_grad):
                         return _refused(f"layer {j}'s {renumbered(node.name, j)} is not alike layer {t}'s")
-        saved_values = list(outputs(forward))[plan.num_outputs:]
-        backward_region = backward_regions(backward, saved_regions(forward, region, plan.num_outputs),
+        saved_values = list(outputs(forward))[step.num_outputs:]
+        backward_region = backward_regions(backward, saved_regions(forward, region, step.num_outputs),
                                            max(region.values()) + 1)
         b = _Alike.of(backward, backward_region, t, s, descending=True)
         if b is None:
@@ -241,7 +244,7 @@ class _Layers:
         if not f.slots_chain_to(region, t - 1) or not b.slots_chain_to(backward_region, s + 1):
             return _refused("a layer reads a value of a layer other than the one next to it")
         saved_of = dict(zip(backward.graph.find_nodes(op="placeholder"), saved_values))
-        layers = cls(plan, t, s, f, b, region, backward_region, params, layer_index, saved_of)
+        layers = cls(step, t, s, f, b, region, backward_region, params, layer_index, saved_of)
         # what is neither shared nor the neighbour's: saved values, layer s's the counterparts of layer t's
         for bt, bs in zip(b.inputs, b.successor_inputs):
             if bt is not bs and bt not in b.chain and not (
@@ -250,8 +253,8 @@ class _Layers:
         if any(a in saved_of and saved_of[a] in f.position and saved_of[a] not in layers.redirect
                for node in b.successor_body for a in node.all_input_nodes):
             return _refused(f"layer {s}'s backward reads a value of layer {t}'s other than its input")
-        grad_of = {names[k]: g for k, g in zip(plan.grad_inputs, outputs(backward))}
-        for k in plan.grad_inputs:
+        grad_of = {names[k]: g for k, g in zip(step.grad_inputs, outputs(backward))}
+        for k in step.grad_inputs:
             if t < layer_index.get(names[k], -1) < s and grad_of.get(renumbered(names[k], t)) not in b.position:
                 return _refused(f"{names[k]}'s gradient is not made in layer {t}'s backward")
         return layers
@@ -281,7 +284,7 @@ class _Layers:
         f, t, s = self.f, self.t, self.s
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for node in self.plan.forward.graph.nodes:
+        for node in self.step.forward.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 env[node] = graph.node_copy(node, lambda a: env[a])
         copies: dict[int, dict[fx.Node, fx.Node]] = {}
@@ -295,7 +298,7 @@ class _Layers:
         redirect = self.redirect
         successor = set(f.successor_body)
         readers = [n for n in f.successor_body if set(n.all_input_nodes) & set(redirect)]
-        _emit(self.plan.forward, self.region, t, f.body, readers, False, emit=lambda node: _copy(
+        _emit(self.step.forward, self.region, t, f.body, readers, False, emit=lambda node: _copy(
                   graph, node, lambda a: copies[s - 1][a] if node in successor and a in redirect else env[a], env),
               between=stamp)
         return graph, env, copies
@@ -318,7 +321,7 @@ class _Layers:
         its own saved values; layer t reading the last copy's gradients, layer s the saved values of its input
         the forward now gives it."""
         b, t, s, saved_of = self.b, self.t, self.s, self.saved_of
-        backward = self.plan.backward
+        backward = self.step.backward
         graph = fx.Graph()
         benv: dict[fx.Node, fx.Node] = {}
         placeholders = list(backward.graph.find_nodes(op="placeholder"))
@@ -373,11 +376,11 @@ class _Layers:
               emit=lambda node: _copy(graph, node, lambda a: read(node, a), benv), between=stamp)
 
         # a copied layer's parameter gets its copy of the template's gradient
-        names = self.plan.names
+        names = self.step.names
         grads = list(outputs(backward))
-        grad_of = {names[k]: g for k, g in zip(self.plan.grad_inputs, grads)}
+        grad_of = {names[k]: g for k, g in zip(self.step.grad_inputs, grads)}
         new_grads = []
-        for k, grad in zip(self.plan.grad_inputs, grads):
+        for k, grad in zip(self.step.grad_inputs, grads):
             j = self.layer_index.get(names[k])
             if j is not None and t < j < s:
                 new_grads.append(bcopies[j][grad_of[renumbered(names[k], t)]])
