@@ -242,10 +242,11 @@ def _fake(x: torch.Tensor) -> bool:
 def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                   training: bool = False, strict: bool = False, cost_model: CostModel | None = None,
                   reporter: StageReporter | None = None,
-                  training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> tuple[Captured, PlannedProgram]:
+                  training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT,
+                  fold: bool = False) -> tuple[Captured, PlannedProgram]:
     """Capture ``fn(*args)`` with Dynamo and plan it: ``mesh`` (a MeshSpec, DeviceMesh or {axis: size};
     default: the DTensor arguments' and parameters') and ``placements`` (argument index or parameter
-    name -> placements) say how it is sharded; ``training_split`` as ``plan_program``'s."""
+    name -> placements) say how it is sharded; ``training_split`` and ``fold`` as ``plan_program``'s."""
     reporter = reporter or StageReporter(label=label_of(fn))
     captured = capture(fn, args)
     if mesh is None:
@@ -261,5 +262,5 @@ def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placem
         raise ValueError("grad=True but no input of the function requires grad")
     planned = plan_program(captured.gm, captured.example_inputs, training=training, mesh=spec, layouts=layouts,
                            names=[n for n, _ in names], strict=strict, cost_model=cost_model, reporter=reporter,
-                           training_split=training_split)
+                           training_split=training_split, fold=fold)
     return captured, planned

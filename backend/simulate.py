@@ -179,7 +179,7 @@ class SimulatedRun:
     grads: list[list[torch.Tensor]] | None = None  # grads[r][k]: rank r's block of gradient k (training)
     grad_layouts: tuple = ()
     grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
-    graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one), for its plans
+    graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one; None: folded)
     region_graphs: int = 0  # regional: the distinct layer region graphs rank 0 ran, forward and backward (else 0)
 
     def full(self) -> list[torch.Tensor]:
@@ -201,7 +201,8 @@ def _unshard(coords: Sequence[tuple[int, ...]], per_rank: Sequence[Sequence[torc
 def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
                    strict: bool = False, cost_model: CostModel | None = None,
                    local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None, grad: bool = False,
-                   grad_outputs: Sequence[torch.Tensor] | None = None, regional: bool = False) -> SimulatedRun:
+                   grad_outputs: Sequence[torch.Tensor] | None = None, regional: bool = False,
+                   fold: bool = False) -> SimulatedRun:
     """Like ``simulate`` but keeps each rank's local outputs.
 
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
@@ -209,10 +210,12 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     With ``grad`` the joint forward+backward program runs (backend/joint.py): gradients of
     the inputs that require grad, seeded with ``grad_outputs`` (default ones), come back too.
     ``regional``: each rank's programs run region by region, as regional compilation cuts and
-    reuses them (backend/regions.py); each region runs as a graph, without Inductor.
+    reuses them (backend/regions.py); each region runs as a graph, without Inductor. ``fold``: a training
+    program of repeated layers (captured as nested compile regions) is planned on four of them and unfolded,
+    as ``fxshard.compile`` plans it (backend/fold.py); each rank's programs are lowered from the unfolded plan.
     """
     captured, planned = plan_function(fn, args, mesh=mesh, placements=placements, training=grad, strict=strict,
-                                      cost_model=cost_model)
+                                      cost_model=cost_model, fold=fold)
     program, gm, training = planned.program, planned.forward, planned.training
     spec = program.mesh
     objects = [captured.objects[p] for p in program.tensor_positions]

@@ -21,7 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
+from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
 from fxshard.backend.regions import program_structure
+from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
@@ -164,6 +166,34 @@ def test_a_folded_step_computes_what_the_model_does(fake_mesh_4, monkeypatch):
     torch.testing.assert_close(loss.full_tensor(), expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+@pytest.mark.parametrize("axes, placements, regional", [
+    ({"tp": 2}, megatron_placements, False),
+    ({"dp": 2}, fsdp_placements, True),
+    ({"dp": 2, "tp": 2}, fsdp_tp_placements, False),
+], ids=["tp", "fsdp-regional", "fsdp_tp"])
+def test_a_folded_plan_trains_as_one_device_on_simulated_ranks(axes, placements, regional):
+    """Six layers with sharded weights (Megatron TP, FSDP, FSDP x TP), every rank's program lowered from the
+    unfolded plan and run under ``simulate`` (regionally too): the loss and every gradient are one device's."""
+    model = Llama(_config(6))
+    torch.manual_seed(0)
+    model.load_state_dict(Llama(_config(6)).state_dict())
+    tokens, targets = _data()
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    given = dict(placements(model))
+    batch = (Shard(0),) + (Replicate(),) * (len(axes) - 1) if "dp" in axes else (Replicate(),)
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(model.loss, tokens, targets, mesh=fxshard.MeshSpec(**axes), grad=True, fold=True,
+                             placements={0: batch, 1: batch, **given}, regional=regional)
+    assert run.graph is None  # folded: no joint graph of six layers
+    got = run.full_grads()
+    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("why, layers, placements", [
