@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -81,16 +81,26 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
         readers = list(call.users)
         for r in readers:
             graph.erase_node(r)
-        attr = call.args[0]
+        inputs = [a for a in call.all_input_nodes if a.op != "placeholder"]
         graph.erase_node(call)
-        if isinstance(attr, fx.Node) and not attr.users:
-            graph.erase_node(attr)
+        _erase_unread(inputs)
     short = graph_module(gm, graph)
     short.meta.update(gm.meta)
     for attr in ("compile_subgraph_reason",):
         if hasattr(gm, attr):
             setattr(short, attr, getattr(gm, attr))
     return Shortened(short, len(calls), 1, len(calls) - 2)
+
+
+def _erase_unread(nodes: Sequence[fx.Node]) -> None:
+    """Each of ``nodes`` no one reads any more, and so on up its inputs (placeholders stay: the dropped layers'
+    parameters remain the program's inputs)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.op != "placeholder" and not node.users and not node._erased:
+            stack += node.all_input_nodes
+            node.graph.erase_node(node)
 
 
 def _chain_operands(calls: Sequence[fx.Node]) -> dict[int, int] | None:
@@ -112,20 +122,47 @@ def _chain_operands(calls: Sequence[fx.Node]) -> dict[int, int] | None:
             if p in chained:
                 if from_previous(a, calls[i - 1]) != chained[p]:
                     return _refused("a call reads the one before it at another operand")
-            elif operands[0][p] is a:
-                continue  # shared by every call
-            elif not (isinstance(a, fx.Node) and a.op == "placeholder" and len(a.users) == 1):
-                return _refused("a call reads a value other than the one before it, a shared value or its own input")
+            elif not _alike_operands(operands[0][p], a, calls[0], calls[i]):
+                return _refused(f"call {i} reads {getattr(a, 'name', a)} where call 0 reads "
+                                f"{getattr(operands[0][p], 'name', operands[0][p])}: neither the value before it, "
+                                "a shared value nor one made alike from its own inputs")
     for i, call in enumerate(calls[:-1]):  # what a call returns is read by the next call only
         for getter in call.users:
             if getter.target is not operator.getitem or any(u is not calls[i + 1] for u in getter.users):
                 return _refused("a call's output is read past the next call")
-    for p in range(len(operands[0])):  # a call's own parameters are its own
-        if p not in chained and operands[0][p] is not operands[1][p]:
-            if any(not (isinstance(o[p], fx.Node) and o[p].op == "placeholder" and len(o[p].users) == 1)
-                   for o in operands):
-                return _refused("a call's own input is not its own")
     return chained
+
+
+def _alike_operands(a: Any, b: Any, call_a: fx.Node, call_b: fx.Node) -> bool:
+    """Whether operand ``b`` of ``call_b`` is for it what ``a`` is for ``call_a``: the same value (a shared
+    node), or the same expression (a constant made per call, ``getattr`` of a parameter) whose inputs are
+    shared nodes or, at the same places, inputs of each call's own (read by nothing else). Random values made
+    per call differ: the plan's check (``_same_value``) refuses them."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+    if a.op == "placeholder" or b.op == "placeholder":
+        return a.op == b.op == "placeholder" and _only_feeds(a, call_a) and _only_feeds(b, call_b)
+    if (a.op, a.target) != (b.op, b.target) or a.op not in ("call_function", "call_method") or \
+            len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    return all(_alike_operands(x, y, call_a, call_b) for x, y in zip(a.args, b.args)) and \
+        all(_alike_operands(a.kwargs[k], b.kwargs[k], call_a, call_b) for k in a.kwargs)
+
+
+def _only_feeds(node: fx.Node, call: fx.Node) -> bool:
+    """Whether everything read from ``node`` ends in ``call`` (its input of its own)."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user is call or user in seen:
+            continue
+        if user.op == "output" or not user.users:
+            return False
+        seen.add(user)
+        stack += list(user.users)
+    return True
 
 
 def _output(call: fx.Node, k: int) -> fx.Node:
@@ -202,6 +239,9 @@ class _Layers:
     params: dict[str, fx.Node]  # the forward's placeholders by name
     layer_index: dict[str, int]  # a layer's placeholder's name -> its layer
     saved_of: dict[fx.Node, fx.Node]  # a backward placeholder -> the forward value saved for it
+    # saved parameters of the next layer that a layer's backward reads (a recomputed norm of its input, in
+    # the region of the gradient it computes): layer t's backward reads layer s's, layer s's layer s+1's
+    next_params: set[fx.Node] = field(default_factory=set)
 
     @property
     def stamps(self) -> range:
@@ -223,7 +263,7 @@ class _Layers:
         if f is None:
             return None  # _Alike.of says why
         for a_t, a_s in zip(f.inputs, f.successor_inputs):  # what is neither shared nor the neighbour's: parameters
-            if a_t is not a_s and a_t not in f.chain and \
+            if a_t is not a_s and a_t not in f.chain and a_t not in f.equal and \
                     not (layer_index.get(a_t.name) == t and a_s.name == renumbered(a_t.name, s)):
                 return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}")
         names = step.names
@@ -245,19 +285,38 @@ class _Layers:
             return _refused("a layer reads a value of a layer other than the one next to it")
         saved_of = dict(zip(backward.graph.find_nodes(op="placeholder"), saved_values))
         layers = cls(step, t, s, f, b, region, backward_region, params, layer_index, saved_of)
-        # what is neither shared nor the neighbour's: saved values, layer s's the counterparts of layer t's
+        # what is neither shared nor the neighbour's: saved values, layer s's the counterparts of layer t's (or
+        # of the layer after each)
         for bt, bs in zip(b.inputs, b.successor_inputs):
-            if bt is not bs and bt not in b.chain and not (
-                    bt in saved_of and bs in saved_of and layers.corresponds(saved_of[bt], saved_of[bs])):
+            if bt is bs or bt in b.chain or bt in b.equal:
+                continue
+            if bt in saved_of and bs in saved_of and layers.next_layers(saved_of[bt], saved_of[bs]):
+                layers.next_params.add(bt)
+            elif not (bt in saved_of and bs in saved_of and layers.corresponds(saved_of[bt], saved_of[bs])):
                 return _refused(f"layer {t}'s backward reads {bt.name} where layer {s}'s reads {bs.name}")
         if any(a in saved_of and saved_of[a] in f.position and saved_of[a] not in layers.redirect
                for node in b.successor_body for a in node.all_input_nodes):
             return _refused(f"layer {s}'s backward reads a value of layer {t}'s other than its input")
         grad_of = {names[k]: g for k, g in zip(step.grad_inputs, outputs(backward))}
         for k in step.grad_inputs:
-            if t < layer_index.get(names[k], -1) < s and grad_of.get(renumbered(names[k], t)) not in b.position:
-                return _refused(f"{names[k]}'s gradient is not made in layer {t}'s backward")
+            if t < layer_index.get(names[k], -1) < s and layers.gradient_maker(names[k], grad_of) is None:
+                return _refused(f"{names[k]}'s gradient is made neither in layer {t}'s backward nor in the "
+                                f"one before it, alike in layer {s}'s")
         return layers
+
+    def gradient_maker(self, name: str, grad_of: dict[str, Any]) -> tuple[fx.Node, int] | None:
+        """Where a dropped layer's parameter ``name`` gets its gradient, as a node of layer t's backward and
+        the layer whose backward that node is of: its own (0), or the layer before's (-1: the layer's
+        backward makes the next layer's input norm's gradient, recomputing it there), found alike for layer
+        s (+1 there), else None."""
+        b, t, s = self.b, self.t, self.s
+        own = grad_of.get(renumbered(name, t))
+        if own in b.position and grad_of.get(renumbered(name, s)) is b.successor_body[b.position[own]]:
+            return own, 0
+        after = grad_of.get(renumbered(name, s))
+        if after in b.position and grad_of.get(renumbered(name, s + 1)) is b.successor_body[b.position[after]]:
+            return after, -1
+        return None
 
     @property
     def redirect(self) -> dict[fx.Node, int]:
@@ -266,6 +325,11 @@ class _Layers:
 
     def layer(self, node: fx.Node) -> int | None:
         return self.layer_index.get(node.name) if node.op == "placeholder" else None
+
+    def next_layers(self, v_t: fx.Node, v_s: fx.Node) -> bool:
+        """Whether ``v_t`` is a parameter of layer s (the one after t) and ``v_s`` the same of layer s+1."""
+        return self.layer(v_t) == self.s and self.layer(v_s) == self.s + 1 and \
+            v_s.name == renumbered(v_t.name, self.s + 1)
 
     def corresponds(self, v_t: fx.Node, v_s: fx.Node) -> bool:
         """Whether forward value ``v_s`` is for layer s what ``v_t`` is for layer t."""
@@ -276,7 +340,7 @@ class _Layers:
             return v_s.op == "placeholder" and v_s.name == renumbered(v_t.name, self.s)
         if v_t in f.chain:
             return f.body[f.chain[v_t]] is v_s
-        return v_t is v_s
+        return v_t is v_s or _same_value(v_t, v_s)
 
     def forward(self) -> tuple[fx.Graph, dict[fx.Node, fx.Node], dict[int, dict[fx.Node, fx.Node]]]:
         """The whole forward but for its output: the short program's nodes and, after layer t's, its copies
@@ -344,9 +408,14 @@ class _Layers:
 
         bcopies: dict[int, dict[fx.Node, fx.Node]] = {}
 
+        def next_param(a: fx.Node, j: int) -> fx.Node:  # layer j+1's parameter that layer t's reads of layer s
+            return saved(env[self.params[renumbered(saved_of[a].name, j + 1)]], a)
+
         def version(a: fx.Node, j: int) -> fx.Node:
             if a in b.position:
                 return bcopies[j][a]
+            if a in self.next_params:
+                return next_param(a, j)
             if a in saved_of:
                 return saved(self.version(saved_of[a], j, env, copies), a)
             if a in b.chain:
@@ -366,6 +435,8 @@ class _Layers:
         def read(node: fx.Node, a: fx.Node) -> fx.Node:
             if node in template and a in bredirect:
                 return bcopies[t + 1][b.body[bredirect[a]]]
+            if node in template and a in self.next_params:  # the layer after t is the first copy
+                return next_param(a, t)
             if node in successor and a in saved_of and saved_of[a] in redirect:
                 return saved(copies[s - 1][saved_of[a]], a)
             return benv[a]
@@ -381,9 +452,14 @@ class _Layers:
         grad_of = {names[k]: g for k, g in zip(self.step.grad_inputs, grads)}
         new_grads = []
         for k, grad in zip(self.step.grad_inputs, grads):
-            j = self.layer_index.get(names[k])
-            if j is not None and t < j < s:
-                new_grads.append(bcopies[j][grad_of[renumbered(names[k], t)]])
+            j = self.layer_index.get(names[k], -1)
+            maker = self.gradient_maker(names[k], grad_of) if t < j <= s else None
+            if maker is not None and t < j < s:  # a copy's: its own backward's, or the one before it
+                node, offset = maker
+                maker_layer = j + offset
+                new_grads.append(bcopies[maker_layer][node] if maker_layer > t else benv[node])
+            elif maker is not None and maker[1] == -1 and j == s:  # layer s's, made by the last copy
+                new_grads.append(bcopies[s - 1][maker[0]])
             else:
                 new_grads.append(benv[grad] if isinstance(grad, fx.Node) else grad)
         graph.output(tuple(new_grads))
@@ -415,6 +491,7 @@ class _Alike:
     successor_inputs: list[fx.Node]
     chain: dict[fx.Node, int]
     neighbours: list[fx.Node]  # the values the first-running layer reads from the layer before it
+    equal: set[fx.Node]  # what layer t reads that layer s reads a node of its own computing alike (shared)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, region: dict[fx.Node, Any], t: int, s: int, descending: bool) -> "_Alike | None":
@@ -426,6 +503,7 @@ class _Alike:
         successor_position = {n: k for k, n in enumerate(rs.body)}
         chain: dict[fx.Node, int] = {}
         neighbours: list[fx.Node] = []
+        equal: set[fx.Node] = set()
         for a_t, a_s in zip(rt.inputs, rs.inputs):
             if not descending and a_s in position:  # layer s reads layer t's value; t read its predecessor's
                 chain[a_t] = position[a_s]
@@ -433,18 +511,61 @@ class _Alike:
             elif descending and a_t in successor_position:  # layer t's backward reads layer s's
                 chain[a_t] = successor_position[a_t]
                 neighbours.append(a_s)
+            elif a_t is not a_s and _same_value(a_t, a_s):
+                equal.add(a_t)  # made per layer outside it, alike (a view of the rotary tables, a mask)
             elif a_t is not a_s and not (a_t.op == "placeholder" and a_s.op == "placeholder"):
-                return _refused("an input is neither a neighbour's value, shared, nor the layer's own")
+                return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}: neither a "
+                                "neighbour's value, shared, made alike, nor the layer's own")
         first = rt if not descending else rs
         second = set(rs.body if not descending else rt.body) | set(first.body)
         for node in first.body:  # what runs first is read by what runs second only (or leaves the program)
             if any(u not in second and u.op != "output" for u in node.users):
                 return _refused("a value of the layer running first is read past the layer after it")
-        return cls(rt.body, rs.body, position, rt.inputs, rs.inputs, chain, neighbours)
+        return cls(rt.body, rs.body, position, rt.inputs, rs.inputs, chain, neighbours, equal)
 
     def slots_chain_to(self, region: dict[fx.Node, Any], neighbour: int) -> bool:
         """Whether every value read from a neighbour is that neighbouring layer's."""
         return all(region.get(n) == neighbour for n in self.neighbours)
+
+
+def _same_value(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two values are equal by how they are made: the same node, or calls of one deterministic op in
+    one layout on equal arguments (two layers' own views of a table both read)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, (fx.Node, torch.Tensor)) and not isinstance(b, (fx.Node, torch.Tensor)) and \
+            type(a) is type(b) and a == b
+    if a.op == b.op == "get_attr":  # a constant lent to each layer (block_joint.py): the same, or equal
+        return a.meta.get(LAYOUT) == b.meta.get(LAYOUT) and _same_constant(_attr(a), _attr(b))
+    if depth > 32 or a.op != "call_function" or b.op != "call_function" or a.target != b.target or \
+            torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()) or \
+            a.meta.get(LAYOUT) != b.meta.get(LAYOUT):
+        return False
+    return _same_value(a.args, b.args, depth + 1) and _same_value(a.kwargs, b.kwargs, depth + 1)
+
+
+def _attr(node: fx.Node) -> Any:
+    value: Any = node.graph.owning_module
+    for name in str(node.target).split("."):
+        value = getattr(value, name, None)
+    return value
+
+
+def _same_constant(x: Any, y: Any) -> bool:
+    if x is y:
+        return x is not None
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape or \
+            x.dtype != y.dtype or x.device != y.device:
+        return False
+    try:
+        return bool(torch.equal(x, y))
+    except Exception:  # a fake or meta constant: no values to compare
+        return False
 
 
 def _refused(reason: str) -> None:

@@ -26,6 +26,7 @@ from fxshard.backend.regions import program_structure
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))  # zoo.py
 from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
 from train_llama import distribute_parameters  # noqa: E402
 
@@ -36,9 +37,19 @@ def _config(layers: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def _model(mesh, placements, layers: int = 6) -> Llama:
+def _llama(layers: int = 6) -> Llama:
+    """Our Llama with no two layers' weights alike (its norm weights start as ones: a copy reading another
+    layer's would go unseen)."""
     torch.manual_seed(0)
     model = Llama(_config(layers))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.1)
+    return model
+
+
+def _model(mesh, placements, layers: int = 6) -> Llama:
+    model = _llama(layers)
     given = placements(model) if callable(placements) else placements
     distribute_parameters(model, mesh, {n: given.get(n, (Replicate(),) * mesh.ndim) for n, _ in model.named_parameters()})
     return model
@@ -169,16 +180,15 @@ def test_a_folded_step_computes_what_the_model_does(fake_mesh_4, monkeypatch):
 
 
 @pytest.mark.parametrize("axes, placements, regional", [
-    ({"tp": 2}, megatron_placements, False),
-    ({"dp": 2}, fsdp_placements, True),
+    ({"tp": 4}, megatron_placements, False),
+    ({"dp": 4}, fsdp_placements, True),
     ({"dp": 2, "tp": 2}, fsdp_tp_placements, False),
 ], ids=["tp", "fsdp-regional", "fsdp_tp"])
-def test_a_folded_plan_trains_as_one_device_on_simulated_ranks(axes, placements, regional):
-    """Six layers with sharded weights (Megatron TP, FSDP, FSDP x TP), every rank's program lowered from the
-    unfolded plan and run under ``simulate`` (regionally too): the loss and every gradient are one device's."""
-    model = Llama(_config(6))
-    torch.manual_seed(0)
-    model.load_state_dict(Llama(_config(6)).state_dict())
+def test_a_folded_plan_trains_as_one_device_on_simulated_ranks(fake_mesh_4, axes, placements, regional):
+    """Six layers with sharded weights (Megatron TP, FSDP, FSDP x TP on four ranks: the module's fake group),
+    every rank's program lowered from the unfolded plan and run under ``simulate`` (regionally too): the loss
+    and every gradient are one device's."""
+    model = _llama()
     tokens, targets = _data()
     loss = model.loss(tokens, targets)
     loss.backward()
@@ -194,6 +204,42 @@ def test_a_folded_plan_trains_as_one_device_on_simulated_ranks(axes, placements,
     torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-6)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_hugging_face_model_folds_and_trains_as_one_device(fake_mesh_4, name):
+    """Hugging Face Llama and Mixtral with six layers under Megatron TP on four simulated ranks: folded (their
+    layers read per-layer copies of the rotary tables and constants, made alike, and each layer's backward makes
+    the next layer's input norm's gradient: ``fold._same_value``, ``_Layers.next_params``), and the loss and
+    every gradient are one device's."""
+    pytest.importorskip("transformers")
+    import types
+
+    import transformers
+    from zoo import ZOO
+
+    arch = ZOO[name]
+    cells = dict(zip(arch.build.__code__.co_freevars, (c.cell_contents for c in arch.build.__closure__)))
+    config = getattr(transformers, cells["config_name"])(attn_implementation=cells["attention"],
+                                                         **{**cells["cfg"], "num_hidden_layers": 6})
+    torch.manual_seed(0)
+    model = getattr(transformers, cells["model_name"])(config).eval()
+    with torch.no_grad():  # no two layers' weights alike (norm weights start as ones: a copy reading another
+        for p in model.parameters():  # layer's would go unseen)
+            p.add_(torch.randn_like(p), alpha=0.1)
+    args = arch.example(2, 8)
+    fn = arch.call(model)
+    loss_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)
+    loss = loss_of(*args)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with blocks_as_regions(repeated_blocks(model)):
+        run = simulate_ranks(loss_of, *args, mesh=fxshard.MeshSpec(tp=4), placements=arch.plan(model), grad=True,
+                             fold=True)
+    assert run.graph is None  # folded
+    got = run.full_grads()
+    torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("why, layers, placements", [

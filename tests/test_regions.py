@@ -182,14 +182,18 @@ def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
     return counts
 
 
-def test_compiling_a_program_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch):
+@pytest.mark.parametrize("fold, depths", [(False, (2, 4, 6)), (True, (5, 7, 9))], ids=["whole", "folded"])
+def test_compiling_a_program_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch, fold, depths):
     """Every stage reads each layer's part of the program a fixed number of times: two more layers add about
-    as many nodes visited from 4 layers to 6 as from 2 to 4 (2 / 4 / 6 / 8 layers: 64k / 107k / 152k / 197k).
+    as many nodes visited from 4 layers to 6 as from 2 to 4 (2 / 4 / 6 / 8 layers: 64k / 107k / 152k / 197k,
+    each layer planned: ``FXSHARD_FOLD=0``), and folded (backend/fold.py: five layers and more planned as
+    four, the others copied) from 7 to 9 as from 5 to 7.
     The cut into regions was quadratic (64 layers' cut took 3.2 s, 32 layers' 1.1 s): each bucket merge
     compared the program's nodes before and after it, searched from each member to the program's end for
     dependencies and had Inductor look back to the placeholders for its inputs; the whole compile visited
     73k / 138k / 217k nodes. Counts, not times."""
-    two, four, six = (_compile_work(n, fake_mesh_4, monkeypatch) for n in (2, 4, 6))
+    monkeypatch.setenv("FXSHARD_FOLD", "1" if fold else "0")
+    two, four, six = (_compile_work(n, fake_mesh_4, monkeypatch) for n in depths)
     for kind in ("visited", "reached"):
         assert six[kind] - four[kind] <= 1.1 * (four[kind] - two[kind]), (kind, two, four, six)
     assert two["inputs sorted"] == four["inputs sorted"] == six["inputs sorted"] == 0, (two, four, six)
