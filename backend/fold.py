@@ -114,7 +114,7 @@ def _chain_operands(calls: Sequence[fx.Node]) -> dict[int, int] | None:
     operands = [c.args[2:] for c in calls]
     if len({len(o) for o in operands}) != 1 or any(c.kwargs for c in calls):
         return _refused("the calls take different numbers of operands, or keywords")
-    chained = {p: from_previous(a, calls[0]) for p, a in enumerate(operands[1]) if from_previous(a, calls[0]) is not None}
+    chained = {p: k for p, k in ((p, from_previous(a, calls[0])) for p, a in enumerate(operands[1])) if k is not None}
     if not chained:
         return _refused("no call reads the one before it")
     for i in range(1, len(calls)):

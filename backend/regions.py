@@ -49,8 +49,8 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, graph_module
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
-__all__ = ["Region", "renumbered", "forward_regions", "backward_regions", "saved_regions", "split_regions", "program_regions",
-           "training_regions", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
+__all__ = ["Region", "renumbered", "forward_regions", "backward_regions", "saved_regions", "split_regions",
+           "program_regions", "training_regions", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")

@@ -51,7 +51,8 @@ def _llama(layers: int = 6) -> Llama:
 def _model(mesh, placements, layers: int = 6) -> Llama:
     model = _llama(layers)
     given = placements(model) if callable(placements) else placements
-    distribute_parameters(model, mesh, {n: given.get(n, (Replicate(),) * mesh.ndim) for n, _ in model.named_parameters()})
+    distribute_parameters(model, mesh, {n: given.get(n, (Replicate(),) * mesh.ndim)
+                                        for n, _ in model.named_parameters()})
     return model
 
 
@@ -96,7 +97,8 @@ def test_a_folded_program_is_the_whole_models_program(fake_mesh_4, monkeypatch, 
         assert _ops(a) == _ops(b)
         assert len(a.graph.find_nodes(op="placeholder")) == len(b.graph.find_nodes(op="placeholder"))
     mine, theirs = _regions(folded), _regions(whole)
-    assert [(index, layer, ops) for index, layer, ops, _ in mine] == [(index, layer, ops) for index, layer, ops, _ in theirs]
+    assert [(index, layer, ops) for index, layer, ops, _ in mine] == \
+        [(index, layer, ops) for index, layer, ops, _ in theirs]
     assert [code for *_, code in mine if code] == [code for *_, code in theirs if code]
     table: dict = {}
     assert _computes(folded, table) == _computes(whole, table)
@@ -242,12 +244,15 @@ def test_a_hugging_face_model_folds_and_trains_as_one_device(fake_mesh_4, name):
     torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-5)
 
 
+def _sharded_layer(model: Llama, layer: int) -> dict:
+    """Layer ``layer``'s parameters Shard(0), every other replicated."""
+    return {n: (Shard(0),) if n.startswith(f"layers.{layer}.") else (Replicate(),) for n, _ in model.named_parameters()}
+
+
 @pytest.mark.parametrize("why, layers, placements", [
     ("four layers: nothing to fold", 4, fsdp_placements),
-    ("a dropped layer's weight in another layout", 6,
-     lambda model: {n: (Shard(0),) if n.startswith("layers.3.") else (Replicate(),) for n, _ in model.named_parameters()}),
-    ("the template layer's weight in another layout", 6,
-     lambda model: {n: (Shard(0),) if n.startswith("layers.1.") else (Replicate(),) for n, _ in model.named_parameters()}),
+    ("a dropped layer's weight in another layout", 6, lambda model: _sharded_layer(model, 3)),
+    ("the template layer's weight in another layout", 6, lambda model: _sharded_layer(model, 1)),
 ])
 def test_layers_not_alike_are_planned_whole(fake_mesh_4, monkeypatch, why, layers, placements):
     """Where the layers are not alike (or too few to gain), the whole model is planned, and the log says why."""
