@@ -151,7 +151,9 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     if inductor:
         start_compile_workers()  # up by the time stage 6 compiles (inductor_config.py)
     device_mesh = device_mesh or find_device_mesh(inputs, gm)
-    options = dict(plan_options, training=training, inductor=inductor, bucketing=bucketing, regional=regional)
+    # folding is in the key: a loaded program is what this run would plan, as every other rank's (fold.py)
+    options = dict(plan_options, training=training, inductor=inductor, bucketing=bucketing, regional=regional,
+                   fold=folding_on())
     key = None if reporter.wants_graphs() else lowered_key(gm, inputs, device_mesh, options)
     run_options = dict(inductor=inductor, bucketing=bucketing, regional=regional, reporter=reporter)
     if key is not None:

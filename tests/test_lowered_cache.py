@@ -127,15 +127,19 @@ def test_an_inference_program_is_loaded_too(fake_mesh_4, cache_on):
         torch.testing.assert_close(outs, [reference(data)] * 2)
 
 
-def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on):
-    """What planning reads is in the key: a cost model, the weights' placements, the input's shape."""
+def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on, monkeypatch):
+    """What planning reads is in the key: a cost model, the weights' placements, the input's shape, whether
+    repeated layers fold (backend/fold.py: a rank loading a program must load what the others plan)."""
     x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
     _compile_and_step(_sharded_blocks(fake_mesh_4), x)
     _compile_and_step(_sharded_blocks(fake_mesh_4), x, cost_model=fxshard.CostModel(default_latency=0.0))
     _compile_and_step(_sharded_blocks(fake_mesh_4, (Replicate(),)), x)
     _compile_and_step(_sharded_blocks(fake_mesh_4), distribute_tensor(torch.randn(2 * TOKENS, DIM), fake_mesh_4,
                                                                       [Shard(0)]))
-    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 4}, dict(counters["fxshard"])
+    with monkeypatch.context() as patch:
+        patch.setenv("FXSHARD_FOLD", "0")
+        _compile_and_step(_sharded_blocks(fake_mesh_4), x)
+    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 5}, dict(counters["fxshard"])
     _compile_and_step(_sharded_blocks(fake_mesh_4, (Replicate(),)), x)
     assert counters["fxshard"]["lowered_cache_hit"] == 1, dict(counters["fxshard"])
 
