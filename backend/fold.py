@@ -15,6 +15,7 @@ same path). ``tests/test_fold.py`` compares folded steps with whole ones.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -319,7 +320,7 @@ class _Layers:
             return after, -1
         return None
 
-    @property
+    @functools.cached_property
     def redirect(self) -> dict[fx.Node, int]:
         """What layer s reads of layer t's forward (it reads the last copy's), by position in the layer."""
         return {self.f.body[p]: p for p in self.f.chain.values()}
@@ -362,7 +363,7 @@ class _Layers:
 
         redirect = self.redirect
         successor = set(f.successor_body)
-        readers = [n for n in f.successor_body if set(n.all_input_nodes) & set(redirect)]
+        readers = [n for n in f.successor_body if any(a in redirect for a in n.all_input_nodes)]
         _emit(self.step.forward, self.region, t, f.body, readers, False, emit=lambda node: _copy(
                   graph, node, lambda a: copies[s - 1][a] if node in successor and a in redirect else env[a], env),
               between=stamp)
@@ -442,7 +443,7 @@ class _Layers:
                 return saved(copies[s - 1][saved_of[a]], a)
             return benv[a]
 
-        redirected = [n for n in b.body if set(n.all_input_nodes) & set(bredirect)] + \
+        redirected = [n for n in b.body if any(a in bredirect for a in n.all_input_nodes)] + \
             [n for n in b.successor_body if any(a in saved_of and saved_of[a] in redirect for a in n.all_input_nodes)]
         _emit(backward, self.backward_region, s, b.body, redirected, True,
               emit=lambda node: _copy(graph, node, lambda a: read(node, a), benv), between=stamp)
@@ -496,7 +497,7 @@ class _Alike:
 
     @classmethod
     def of(cls, gm: fx.GraphModule, region: dict[fx.Node, Any], t: int, s: int, descending: bool) -> "_Alike | None":
-        found = {r.index: r for r in split_regions(gm, region, descending)}
+        found = {r.index: r for r in split_regions(gm, region, descending, only=(t, s))}
         rt, rs = found.get(t), found.get(s)
         if rt is None or rs is None or not _same_program(rt, rs):
             return _refused("the layers' regions differ in code or layouts")
