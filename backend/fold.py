@@ -79,6 +79,8 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
     for position, k in chained.items():  # layer L-2 reads layer 1's outputs
         successor.update_arg(2 + position, _output(copies[1], k))
     for call in reversed(dropped):
+        if call._erased:  # the next call's erasure took it: only that call read it
+            continue
         readers = list(call.users)
         for r in readers:
             graph.erase_node(r)
