@@ -29,7 +29,7 @@ from fxshard.timing import stage
 from . import outputs as outputs_
 from .capture import Captured, capture
 from .collector import collector_paused
-from .fold import Shortened, folding_on, lower_folded, shorten, unfold
+from .fold import Shortened, folding_on, lower_folded, shorten, unfolder
 from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
@@ -46,13 +46,25 @@ class PlannedProgram:
 
     program: TracedProgram  # the forward trace, or the joint one for training (of the short program, folded)
     graph: fx.GraphModule | None  # the planned global graph (training: the planned joint graph; None: folded)
-    training: TrainingPlan | None = None  # the forward and backward cut from the joint graph
+    # the forward and backward cut from the joint graph, or (folded) what unfolds them when first read
+    planned_training: TrainingPlan | Callable[[], TrainingPlan] | None = None
     # per output the user's program has: None (a DTensor) or the layout of the plain block eager holds
     # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
     eager_outputs: list[Any] = field(default_factory=list)
     # a training program of repeated layers planned folded: the four-layer plan ``training`` was unfolded
     # from, and how it was shortened (stages 4-5 run on it and the result is unfolded: ``fold.lower_folded``)
     folded: tuple[TrainingPlan, Shortened] | None = None
+
+    @property
+    def training(self) -> TrainingPlan | None:
+        """The planned forward and backward (a folded plan's unfolded on first reading: ``fold.unfolder``)."""
+        if callable(self.planned_training):
+            self.planned_training = self.planned_training()
+        return self.planned_training
+
+    @property
+    def is_training(self) -> bool:
+        return self.planned_training is not None
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -88,9 +100,15 @@ def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], **options: Any) -> P
     split = options.pop("training_split")
     plan = plan_training(short.gm, inputs, split=split, **options)
     with stage("unfold"):
-        whole = unfold(plan, short)
-    if whole is None:
+        unfolding = unfolder(plan, short)
+    if unfolding is None:
         return None
+
+    def whole() -> TrainingPlan:  # read for the summary line, ``plan``, simulate; the step runs without it
+        with stage("unfold"):
+            unfolded = unfolding()
+        return unfolded if unfolded is not None else plan_training(gm, inputs, split=split, **options)
+
     eager = outputs_.eager_layouts(short.gm, plan.program, plan.num_outputs) if options["layouts"] is None else []
     return PlannedProgram(plan.program, None, whole, eager, folded=(plan, short))
 
@@ -176,23 +194,27 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     runner: Any
-    if planned.training is not None:
+    if planned.is_training:
         with reporter.timing(), code_on_demand(), collector_paused():
             lowered = _lowered_folded(planned, device_mesh)
-            runner = TrainingProgram(planned.training, device_mesh, eager_layouts=eager, lowered=lowered,
-                                     **run_options)
+            # a folded plan is unfolded only should someone read it (its summary line, ``plan``)
+            plan = planned.training if lowered is None else (lambda: planned.training)
+            runner = TrainingProgram(plan, device_mesh, eager_layouts=eager, lowered=lowered, **run_options)
         reporter.stage_summary()
-        reporter("lower", runner.forward_graph)
-        reporter("lower_backward", runner.backward_graph)
-        summaries = [reporter.summarize(g, keep=key is not None)
-                     for g in (planned.training.forward, planned.training.backward)]
+        if reporter.wants_graphs():
+            reporter("lower", runner.forward_graph)
+            reporter("lower_backward", runner.backward_graph)
+        summaries = ([reporter.summarize(g, keep=key is not None)
+                      for g in (planned.training.forward, planned.training.backward)]
+                     if reporter.summarizes(keep=key is not None) else [])
     else:
         with reporter.timing(), code_on_demand(), collector_paused():
             runner = InferenceProgram(planned.graph, device_mesh, program.tensor_positions,
                                       [program.input_layouts[n] for n in program.input_names], eager_layouts=eager,
                                       **run_options)
         reporter.stage_summary()
-        reporter("lower", runner.local_graph)
+        if reporter.wants_graphs():
+            reporter("lower", runner.local_graph)
         summaries = [reporter.summarize(planned.graph, keep=key is not None)]
     if key is not None:
         kept_summaries = [text for text in summaries if text]

@@ -20,7 +20,7 @@ import logging
 import operator
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,7 +34,7 @@ from .regions import (Region, backward_regions, forward_regions, layer_of_inputs
                       saved_regions, split_regions)
 from .training import LoweredTraining, lower_training
 
-__all__ = ["Shortened", "shorten", "unfold", "lower_folded", "folding_on", "MIN_LAYERS"]
+__all__ = ["Shortened", "shorten", "unfold", "unfolder", "lower_folded", "folding_on", "MIN_LAYERS"]
 
 MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
 log = logging.getLogger("fxshard")  # TORCH_LOGS="fxshard" shows it, as the other stages' lines
@@ -181,9 +181,24 @@ def unfold(plan: TrainingPlan, short: Shortened) -> TrainingPlan | None:
     backward nodes copied for every dropped layer; None where layers ``template`` and ``successor`` are not
     planned alike (their code, layouts or where they read from differ), or a value of the template's is read
     past the layer after it (a skip connection the copies would not continue)."""
+    unfolding = unfolder(plan, short)
+    return unfolding() if unfolding is not None else None
+
+
+def unfolder(plan: TrainingPlan, short: Shortened) -> Callable[[], TrainingPlan | None] | None:
+    """``unfold`` in two steps: the check now (None where it refuses), the copies when the returned function is
+    called (a step run through its lowered programs reads the whole plan only for its summary line or ``plan``;
+    the copies cost ~8 ms a layer). The function returns None only where the unfolded program is out of order,
+    a check no folded program has failed."""
     step = _Step(plan.forward, plan.backward, plan.num_outputs, plan.grad_inputs, plan.program.input_names)
-    whole = _unfolded(step, short)
-    return replace(plan, forward=whole[0], backward=whole[1], joint=None) if whole is not None else None
+    layers = _Layers.of(step, short)
+    if layers is None:
+        return None
+
+    def unfolded() -> TrainingPlan | None:
+        whole = layers.unfolded()
+        return replace(plan, forward=whole[0], backward=whole[1], joint=None) if whole is not None else None
+    return unfolded
 
 
 def lower_folded(plan: TrainingPlan, short: Shortened, device_mesh: Any) -> LoweredTraining | None:
@@ -215,18 +230,7 @@ class _Step:
 def _unfolded(step: _Step, short: Shortened) -> tuple[fx.GraphModule, fx.GraphModule] | None:
     """The whole step's forward and backward (``unfold``), or None."""
     layers = _Layers.of(step, short)
-    if layers is None:
-        return None
-    forward, env, copies = layers.forward()
-    backward, saved_values = layers.backward(forward, env, copies)
-    forward.output(tuple([env[o] for o in outputs(step.forward)[:step.num_outputs]] + saved_values))
-    forward.eliminate_dead_code()
-    try:
-        forward.lint()
-        backward.lint()
-    except RuntimeError:
-        return _refused("the unfolded program is not in order")
-    return graph_module(step.forward, forward), graph_module(step.backward, backward)
+    return layers.unfolded() if layers is not None else None
 
 
 @dataclass
@@ -250,6 +254,20 @@ class _Layers:
     @property
     def stamps(self) -> range:
         return range(self.t + 1, self.s)
+
+    def unfolded(self) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+        """The whole step's forward and backward, or None where they are out of order."""
+        step = self.step
+        forward, env, copies = self.forward()
+        backward, saved_values = self.backward(forward, env, copies)
+        forward.output(tuple([env[o] for o in outputs(step.forward)[:step.num_outputs]] + saved_values))
+        forward.eliminate_dead_code()
+        try:
+            forward.lint()
+            backward.lint()
+        except RuntimeError:
+            return _refused("the unfolded program is not in order")
+        return graph_module(step.forward, forward), graph_module(step.backward, backward)
 
     @classmethod
     def of(cls, step: _Step, short: Shortened) -> "_Layers | None":

@@ -81,11 +81,15 @@ class StageReporter:
         return (self.on_graph is not None or self.debug_dir is not None or log.isEnabledFor(logging.DEBUG)
                 or _tracing())
 
+    def summarizes(self, keep: bool = False) -> bool:
+        """Whether ``summarize`` writes its line: INFO is on, or ``keep`` asks for the text."""
+        return keep or log.isEnabledFor(logging.INFO)
+
     def summarize(self, planned: fx.GraphModule, keep: bool = False) -> str:
         """One INFO line per compiled graph: its collectives and memory per rank. Returns the line's text
         after the graph's id, computed where INFO is on or ``keep`` asks for it (a program kept on disk
         keeps its lines, for a later run that loads it to log), else empty."""
-        if not (keep or log.isEnabledFor(logging.INFO)):
+        if not self.summarizes(keep):
             return ""
         counts: dict[str, int] = {}
         total = 0
