@@ -29,7 +29,8 @@ from fxshard.timing import stage
 from . import outputs as outputs_
 from .capture import Captured, capture
 from .collector import collector_paused
-from .fold import Shortened, folding_on, lower_folded, shorten, unfolder
+from .fold import Shortened, folding_on, shorten, unfolder
+from .fold_lowered import FoldedLowering, lower_folded
 from .inductor_config import start_compile_workers
 from .inference import InferenceProgram
 from .inputs import find_device_mesh, input_layouts, named_inputs
@@ -52,7 +53,7 @@ class PlannedProgram:
     # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
     eager_outputs: list[Any] = field(default_factory=list)
     # a training program of repeated layers planned folded: the four-layer plan ``training`` was unfolded
-    # from, and how it was shortened (stages 4-5 run on it and the result is unfolded: ``fold.lower_folded``)
+    # from, and how it was shortened (stages 4-6 run on it: ``fold_lowered.py``)
     folded: tuple[TrainingPlan, Shortened] | None = None
 
     @property
@@ -196,10 +197,10 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     runner: Any
     if planned.is_training:
         with reporter.timing(), code_on_demand(), collector_paused():
-            lowered = _lowered_folded(planned, device_mesh)
+            folded = _lowered_folded(planned, device_mesh)
             # a folded plan is unfolded only should someone read it (its summary line, ``plan``)
-            plan = planned.training if lowered is None else (lambda: planned.training)
-            runner = TrainingProgram(plan, device_mesh, eager_layouts=eager, lowered=lowered, **run_options)
+            plan = planned.training if folded is None else (lambda: planned.training)
+            runner = TrainingProgram(plan, device_mesh, eager_layouts=eager, folded=folded, **run_options)
         reporter.stage_summary()
         if reporter.wants_graphs():
             reporter("lower", runner.forward_graph)
@@ -219,14 +220,16 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     if key is not None:
         kept_summaries = [text for text in summaries if text]
         with collector_paused():
+            if isinstance(runner, TrainingProgram):
+                runner.lowered_graphs()  # a folded step's are unfolded now: they are kept
             store_lowered(key, runner.lowered, eager, kept_summaries)
         if isinstance(runner, TrainingProgram):  # its regions too, once the first call has cut them
             runner.on_regions = lambda regions: store_regions(key, runner.lowered, eager, kept_summaries, regions)
     return runner
 
 
-def _lowered_folded(planned: PlannedProgram, device_mesh: Any) -> LoweredTraining | None:
-    """Stages 4-5 of a folded plan on its four layers, unfolded (``fold.lower_folded``); None where it was not
+def _lowered_folded(planned: PlannedProgram, device_mesh: Any) -> FoldedLowering | None:
+    """Stages 4-5 of a folded plan on its four layers (``fold_lowered.lower_folded``); None where it was not
     folded, or (not seen) its lowered layers are not alike: the unfolded plan is lowered whole then, the same
     program on every rank."""
     if planned.folded is None:

@@ -5,10 +5,10 @@ planned as the model of layers 0, 1, L-2 and L-1 (``shorten``: the Dynamo graph 
 2..L-3, layer L-2 reading layer 1's outputs). Its planned forward and backward are then made L layers long
 (``unfold``): layer 1's nodes are copied once per dropped layer, on that layer's parameters, each copy reading
 what the one before it returns (forward) or what the one after it returns (backward), and each copy's
-saved values and gradients added to the program's. This rank's lowered forward and backward of the short plan
-are unfolded alike (``lower_folded``). Stages 1-5 then cost four layers and a copy per other layer; the
-program is the one planning the whole model gives wherever the planner gives every middle layer the same
-plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
+saved values and gradients added to the program's, when someone reads it (``unfolder``: the step runs without
+the whole plan). Stages 4-6 run on the four layers too (``fold_lowered.py``): this rank's lowered programs and
+its regions are unfolded alike. Stages 1-5 then cost four layers and a copy per other layer; the program is
+the one planning the whole model gives wherever the planner gives every middle layer the same plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
 layouts) reading their inputs from corresponding places, else it returns None, says why on the ``fxshard``
 logger, and the whole model is planned (the decision reads the global plan only, so every rank takes the
 same path). ``tests/test_fold.py`` compares folded steps with whole ones.
@@ -26,17 +26,16 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
-from fxshard.lowering.groups import MeshGroups
 from fxshard.timing import stage
 
 from .joint import TrainingPlan
 from .regions import (Region, backward_regions, forward_regions, layer_of_inputs, program_structure, renumbered,
                       saved_regions, split_regions)
-from .training import LoweredTraining, lower_training
 
-__all__ = ["Shortened", "shorten", "unfold", "unfolder", "lower_folded", "folding_on", "MIN_LAYERS"]
+__all__ = ["Shortened", "shorten", "unfold", "unfolder", "folding_on", "MIN_LAYERS", "STAMP"]
 
 MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
+STAMP = "fxshard_stamp"  # node.meta of an unfolded program's copy of the template's node: the layer it is for
 log = logging.getLogger("fxshard")  # TORCH_LOGS="fxshard" shows it, as the other stages' lines
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
@@ -201,21 +200,6 @@ def unfolder(plan: TrainingPlan, short: Shortened) -> Callable[[], TrainingPlan 
     return unfolded
 
 
-def lower_folded(plan: TrainingPlan, short: Shortened, device_mesh: Any) -> LoweredTraining | None:
-    """This rank's lowered whole step from the lowered ``short`` plan (stages 4-5 on four layers), its layer
-    ``template`` copied as ``unfold`` copies the plan's: the program stages 4-5 give the unfolded plan (at 64
-    layers localize and lower 2.1 -> 0.4 s, the copies about 0.5 s beside). None where the lowered layers are
-    not alike (not seen: ``unfold`` found the planned ones alike, and a layer's local code follows from its
-    layouts)."""
-    coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
-    lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
-    names = [p.name for p in lowered.forward.graph.find_nodes(op="placeholder")]
-    with stage("unfold"):
-        whole = _unfolded(_Step(lowered.forward, lowered.backward, lowered.num_outputs, lowered.grad_inputs, names),
-                          short)
-    return replace(lowered, forward=whole[0], backward=whole[1]) if whole is not None else None
-
-
 @dataclass
 class _Step:
     """What unfolding reads of a training step, planned or lowered."""
@@ -270,11 +254,12 @@ class _Layers:
         return graph_module(step.forward, forward), graph_module(step.backward, backward)
 
     @classmethod
-    def of(cls, step: _Step, short: Shortened) -> "_Layers | None":
-        """``step``'s layers, checked alike (None, the reason logged, where they are not)."""
+    def of(cls, step: _Step, short: Shortened, maps: tuple[dict, dict] | None = None) -> "_Layers | None":
+        """``step``'s layers, checked alike (None, the reason logged, where they are not); ``maps``: the forward's
+        and backward's regions where known (a program bucketed by them: ``fold_lowered.py``), else found here."""
         forward, backward = step.forward, step.backward
         t, s = short.template, short.successor
-        region = forward_regions(forward, root_gathers_first=False)
+        region = maps[0] if maps is not None else forward_regions(forward, root_gathers_first=False)
         if not region:
             return _refused("the forward has no layers")
         params = {p.name: p for p in forward.graph.find_nodes(op="placeholder")}
@@ -298,8 +283,8 @@ class _Layers:
                             (node.name in with_grad) != (other.name in with_grad):
                         return _refused(f"layer {j}'s {renumbered(node.name, j)} is not alike layer {t}'s")
         saved_values = list(outputs(forward))[step.num_outputs:]
-        backward_region = backward_regions(backward, saved_regions(forward, region, step.num_outputs),
-                                           max(region.values()) + 1)
+        backward_region = maps[1] if maps is not None else backward_regions(
+            backward, saved_regions(forward, region, step.num_outputs), max(region.values()) + 1)
         b = _Alike.of(backward, backward_region, t, s, descending=True)
         if b is None:
             return None
@@ -379,7 +364,7 @@ class _Layers:
             for j in self.stamps:
                 copies[j] = {}
                 for node in f.body:
-                    copies[j][node] = _copy(graph, node, lambda a: self.version(a, j, env, copies))
+                    copies[j][node] = _copy(graph, node, lambda a: self.version(a, j, env, copies), stamp=j)
 
         redirect = self.redirect
         successor = set(f.successor_body)
@@ -449,7 +434,7 @@ class _Layers:
             for j in reversed(self.stamps):
                 bcopies[j] = {}
                 for node in b.body:
-                    bcopies[j][node] = _copy(graph, node, lambda a: version(a, j))
+                    bcopies[j][node] = _copy(graph, node, lambda a: version(a, j), stamp=j)
 
         bredirect = {b.successor_body[p]: p for p in b.chain.values()}  # layer t reads the first copy's
         template, successor, redirect = set(b.body), set(b.successor_body), self.redirect
@@ -613,11 +598,14 @@ def _alike_inputs(a: fx.Node, b: fx.Node) -> bool:
         x.dtype == y.dtype
 
 
-def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None) -> fx.Node:
-    """``node`` appended to ``graph``, each argument node ``a`` read as ``value(a)``."""
+def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None, stamp: int | None = None) -> fx.Node:
+    """``node`` appended to ``graph``, each argument node ``a`` read as ``value(a)``; a copy for layer ``stamp``
+    says so (``STAMP``)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
     new = graph.create_node(node.op, node.target, args, kwargs)
     new.meta = dict(node.meta)
+    if stamp is not None:
+        new.meta[STAMP] = stamp
     if env is not None:
         env[node] = new
     return new

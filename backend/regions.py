@@ -50,7 +50,8 @@ from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
 __all__ = ["Region", "renumbered", "forward_regions", "backward_regions", "saved_regions", "split_regions",
-           "program_regions", "training_regions", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
+           "program_regions", "training_regions", "training_region_maps", "cut_training", "RegionalProgram",
+           "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
@@ -497,17 +498,31 @@ def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outp
                      merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
     """The regions of a training program's forward and backward (each empty where regions gain nothing, the
     backward's also where the forward's do); ``merge`` and ``overlap`` as for ``program_regions``."""
+    maps = training_region_maps(forward, backward, num_outputs)
+    return cut_training(forward, backward, maps, merge, overlap) if maps is not None else ([], [])
+
+
+def training_region_maps(forward: fx.GraphModule, backward: fx.GraphModule,
+                         num_outputs: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, Any]] | None:
+    """Node -> region of a training program's forward and of its backward (before bucketing and moving
+    collectives across the cuts); None where the forward has no layers."""
     placed = forward_regions(forward, root_gathers_first=False)
     if not placed:
-        return [], []
+        return None
     epilogue = max(placed.values()) + 1
     # where the backward of a saved value's readers is: before the root's gathers move into the prologue,
     # which would take a gathered value the loss reads (the targets, in a plan that gathers them) and, the
     # backward's regions being the minimum of their inputs', every gradient after it into the prologue
     saved = saved_regions(forward, placed, num_outputs)
-    region = _root_gathers_first(forward, dict(placed))
+    return _root_gathers_first(forward, dict(placed)), backward_regions(backward, saved, epilogue)
+
+
+def cut_training(forward: fx.GraphModule, backward: fx.GraphModule, maps: tuple[dict, dict],
+                 merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
+    """A training program cut into regions by its region ``maps`` (``training_region_maps``); ``merge`` and
+    ``overlap`` as for ``program_regions``."""
+    region, backward_region = maps
     last = _last_layer(forward)
-    backward_region = backward_regions(backward, saved, epilogue)
     alike = layers_alike(forward)  # the backward's layers are the forward's
     forward_cut = _worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last, alike=alike)
     if not forward_cut:  # nor does the backward's cut pay: its epilogue is the tangents' plumbing, no loss

@@ -74,22 +74,30 @@ class KeptRegions:
 class TrainingProgram:
     """Runs this rank's forward under autograd; the backward runs when the loss's does.
 
-    Built from a ``TrainingPlan`` (stages 4-5 run here), or from its ``lowered`` programs and a function
-    that plans again should anyone read ``plan`` (a second run's programs loaded from disk)."""
+    Built from a ``TrainingPlan`` (stages 4-5 run here), from its ``lowered`` programs and a function
+    that plans again should anyone read ``plan`` (a second run's programs loaded from disk), or from a folded
+    plan's lowered four layers (``folded``: a ``fold_lowered.FoldedLowering``, which gives the step its
+    signature, bucket cap and regions, and its whole lowered programs should anyone read them)."""
 
     def __init__(self, plan: TrainingPlan | Callable[[], TrainingPlan], device_mesh: Any, inductor: bool = True,
                  bucketing: bool = True, reporter: StageReporter | None = None, eager_layouts: Sequence[Any] = (),
-                 regional: bool = True, lowered: LoweredTraining | None = None, kept: KeptRegions | None = None):
+                 regional: bool = True, lowered: LoweredTraining | None = None, kept: KeptRegions | None = None,
+                 folded: Any = None):
         coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
+        if folded is not None:
+            lowered = folded.signature
         if lowered is None:
             assert isinstance(plan, TrainingPlan), "a TrainingProgram without its plan needs its lowered programs"
             lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
         self._plan = plan
         self.lowered = lowered
+        self.folded = folded
         self.device_mesh = device_mesh
         self.coordinate = coordinate
-        # reads the lowered programs where only the regions were loaded (a second run), should anyone ask
-        self.read_lowered: Callable[[], tuple[fx.GraphModule, fx.GraphModule]] | None = None
+        # reads the lowered programs where only the regions were loaded (a second run) or the step is folded,
+        # should anyone ask
+        self.read_lowered: Callable[[], tuple[fx.GraphModule, fx.GraphModule]] | None = \
+            folded.lowered_graphs if folded is not None else None
         self.num_outputs, self.grad_inputs = lowered.num_outputs, lowered.grad_inputs
         self.positions = list(lowered.tensor_positions)
         self.input_layouts = list(lowered.input_layouts)
@@ -100,7 +108,7 @@ class TrainingProgram:
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
         # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
-        cap = kept.cap if kept is not None else block_bytes(self.forward_graph)
+        cap = kept.cap if kept is not None else folded.cap() if folded is not None else block_bytes(self.forward_graph)
         self.buckets = ({"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, lowered.grad_names)}
                         if bucketing else None)
         # compile each distinct layer once (backend/regions.py); the cache is shared by forward and backward
@@ -121,16 +129,17 @@ class TrainingProgram:
     @property
     def forward_graph(self) -> fx.GraphModule:
         """This rank's lowered forward (stage 5)."""
-        return self._lowered_graphs()[0]
+        return self.lowered_graphs()[0]
 
     @property
     def backward_graph(self) -> fx.GraphModule:
         """This rank's lowered backward (stage 5)."""
-        return self._lowered_graphs()[1]
+        return self.lowered_graphs()[1]
 
-    def _lowered_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def lowered_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """This rank's lowered forward and backward, read (from disk, or unfolded) where the step runs without."""
         lowered = self.lowered
-        if lowered.forward is None:  # a second run loaded the regions alone (lowered_cache.py)
+        if lowered.forward is None:  # a second run loaded the regions alone (lowered_cache.py), or folded
             if self.read_lowered is None:
                 raise RuntimeError("this training program's regions were loaded from disk without its lowered "
                                    "programs; set FXSHARD_LOWERED_CACHE=0 to plan and lower it in this run")
@@ -202,6 +211,13 @@ class TrainingProgram:
         return bucketed_uncompiled(graph, policy)
 
     def _regions(self) -> tuple[list, list]:
+        cut = None
+        if self._region_split is None and self.folded is not None:  # unfolded from four layers' (fold_lowered.py)
+            cut = self.folded.regions(merge_blocks if self.buckets else None, bool(self.buckets),
+                                      self.lowered.grad_names)
+        if cut is not None:
+            self._region_graphs, self._region_split = cut
+            self._on_cut()
         if self._region_split is None:
             if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
                 tag_blocks(self.forward_graph)
@@ -212,13 +228,17 @@ class TrainingProgram:
             self._region_split = training_regions(self._region_graphs["forward"], self._region_graphs["backward"],
                                                   self.num_outputs, merge=merge_blocks if self.buckets else None,
                                                   overlap=bool(self.buckets))
-            forward, backward = self._region_split
-            if self.on_regions is not None and forward and backward:
-                self._schedules = {"forward": region_schedule(self._region_graphs["forward"], forward),
-                                   "backward": region_schedule(self._region_graphs["backward"], backward)}
-                self.on_regions(KeptRegions(dict(self._schedules), {"forward": forward, "backward": backward},
-                                            self.buckets["forward"].cap if self.buckets else 0))
+            self._on_cut()
         return self._region_split
+
+    def _on_cut(self) -> None:
+        """The regions, once cut, to whom keeps them (``on_regions``), with their schedules."""
+        forward, backward = self._region_split
+        if self.on_regions is not None and forward and backward:
+            self._schedules = {"forward": region_schedule(self._region_graphs["forward"], forward),
+                               "backward": region_schedule(self._region_graphs["backward"], backward)}
+            self.on_regions(KeptRegions(dict(self._schedules), {"forward": forward, "backward": backward},
+                                        self.buckets["forward"].cap if self.buckets else 0))
 
 
 class _TrainingStep(torch.autograd.Function):

@@ -22,7 +22,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
 from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
-from fxshard.backend.regions import program_structure
+from fxshard.backend.fold import STAMP
+from fxshard.backend.fold_lowered import REGION
+from fxshard.backend.regions import RegionalProgram, program_structure, region_schedule
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -101,8 +103,13 @@ def test_a_folded_program_is_the_whole_models_program(fake_mesh_4, monkeypatch, 
     assert [(index, layer, ops) for index, layer, ops, _ in mine] == \
         [(index, layer, ops) for index, layer, ops, _ in theirs]
     assert [code for *_, code in mine if code] == [code for *_, code in theirs if code]
+    # the folded step's regions were cut from its four layers' bucketed programs, unfolded (fold_lowered.py)
+    for which in ("forward", "backward"):
+        assert all(REGION in n.meta for n in folded._region_graphs[which].graph.nodes if n.op == "call_function")
+        assert any(STAMP in n.meta for n in folded._region_graphs[which].graph.nodes)
     table: dict = {}
     assert _computes(folded, table) == _computes(whole, table)
+    assert _region_computes(folded, table) == _region_computes(whole, table)
 
 
 def _regions(program) -> list:
@@ -159,6 +166,45 @@ def _computes(program, table: dict) -> tuple[list[int], list[int]]:
     bmemo = dict(zip(placeholders, saved))
     bmemo.update({p: table.setdefault(("tangent", k), len(table)) for k, p in enumerate(placeholders[len(saved):])})
     return results[:program.num_outputs], expressions(backward, bmemo)
+
+
+def _region_computes(program, table: dict) -> tuple[list[int], list[int]]:
+    """As ``_computes``, through the step's regions and their schedules (what runs, its collectives bucketed):
+    each region's graph evaluated on the expressions its schedule hands it."""
+    forward_regions, backward_regions = program._regions()
+
+    def run(which, regions, args):
+        schedule = region_schedule(program._region_graphs[which], regions)
+        walker = RegionalProgram(None, regions, None, schedule=schedule)
+        attrs = [table.setdefault(("constant", which, k), len(table)) for k, _ in enumerate(schedule.attrs)]
+        return list(walker.walk(args, attrs, lambda k, inputs: _evaluate(regions[k].graph, inputs, table)))
+
+    forward = program.lowered_graphs()[0]
+    inputs = [table.setdefault(("input", p.name), len(table)) for p in forward.graph.find_nodes(op="placeholder")]
+    results = run("forward", forward_regions, inputs)
+    n = program.num_outputs
+    tangents = [table.setdefault(("tangent", k), len(table)) for k in range(n)]
+    return results[:n], run("backward", backward_regions, results[n:] + tangents)
+
+
+def _evaluate(gm, inputs, table) -> list:
+    """The expressions ``gm`` returns given its inputs' (ids interned in ``table``)."""
+    memo = dict(zip(gm.graph.find_nodes(op="placeholder"), inputs))
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return memo[a]
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, str) and _group_ranks(a) is not None:
+            return ("group", _group_ranks(a))
+        return repr(a)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            key = (str(node.target), arg(node.args), arg(tuple(sorted(node.kwargs.items()))))
+            memo[node] = table.setdefault(key, len(table))
+    return [memo[o] for o in node.args[0]]
 
 
 def test_a_folded_step_computes_what_the_model_does(fake_mesh_4, monkeypatch):

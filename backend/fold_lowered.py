@@ -1,0 +1,114 @@
+"""Stages 4-6 of a folded training step (``fold.py``): lowered on its four layers, cut into regions unfolded.
+
+``lower_folded`` runs stages 4-5 on the four-layer plan for this rank and checks that its lowered layers 1
+and L-2 are alike (``fold._Layers.of``). What it returns, a ``FoldedLowering``, gives the step everything but
+whole lowered programs: their signature, the bucket cap, and the regions the step runs. The regions come from
+the four layers too: their collectives are bucketed there (``buckets.merge_blocks``, on each region: the cost
+of a whole program's merge was ~25 ms a layer) and each node is tagged with its region; the bucketed program
+is unfolded (layer 1's nodes copied per dropped layer, each copy's region its layer's); and the whole bucketed
+program is cut by those regions, its gathers started a layer early and reductions waited a layer late
+(``prefetch.py``), exactly as cutting the unfolded lowered programs would. The lowered programs themselves are
+unfolded only should someone read them (``TrainingProgram.forward_graph``, the lowered cache): the step runs
+its regions. ``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what
+every value the regions hand each other computes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+from fxshard.lowering.groups import MeshGroups
+from fxshard.timing import stage
+
+from .buckets import tag_blocks
+from .fold import STAMP, Shortened, _Layers, _Step
+from .inductor_config import block_bytes
+from .joint import TrainingPlan
+from .regions import Merge, Region, cut_training, program_copy, training_region_maps
+from .training import LoweredTraining, lower_training
+
+__all__ = ["FoldedLowering", "lower_folded"]
+
+REGION = "fxshard_region"  # node.meta of a bucketed four-layer program: the region the node runs in
+
+
+def lower_folded(plan: TrainingPlan, short: Shortened, device_mesh: Any) -> "FoldedLowering | None":
+    """Stages 4-5 of the ``short`` plan for this rank (at 64 layers localize and lower 2.1 -> 0.4 s), checked
+    unfoldable; None where the lowered layers are not alike (not seen: ``fold.unfold`` found the planned ones
+    alike, and a layer's local code follows from its layouts)."""
+    coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
+    lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
+    with stage("unfold"):
+        layers = _Layers.of(_step(lowered, lowered.forward, lowered.backward), short)
+    return FoldedLowering(lowered, short, layers) if layers is not None else None
+
+
+def _step(lowered: LoweredTraining, forward: fx.GraphModule, backward: fx.GraphModule) -> _Step:
+    names = [p.name for p in lowered.forward.graph.find_nodes(op="placeholder")]
+    return _Step(forward, backward, lowered.num_outputs, lowered.grad_inputs, names)
+
+
+@dataclass
+class FoldedLowering:
+    """This rank's lowered four-layer step, known to unfold: what ``TrainingProgram`` runs a folded step from."""
+
+    short_lowered: LoweredTraining  # stages 4-5 of the four layers
+    short: Shortened
+    layers: _Layers  # its layers checked alike, ready to copy
+
+    @property
+    def signature(self) -> LoweredTraining:
+        """The whole step's signature (inputs, outputs, gradients: the four layers' program keeps every input),
+        without its programs (``lowered_graphs`` makes them)."""
+        return replace(self.short_lowered, forward=None, backward=None)
+
+    def lowered_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The whole step's lowered forward and backward: the four layers' with layer 1's nodes copied."""
+        with stage("unfold"):
+            whole = self.layers.unfolded()
+        if whole is None:
+            raise AssertionError("fxshard: a folded step's lowered programs do not unfold in order (please report "
+                                 "this; FXSHARD_FOLD=0 plans the whole model)")
+        return whole
+
+    def cap(self) -> int:
+        """The bucket cap (``inductor_config.block_bytes``): one layer's, the same in four layers as in all."""
+        return block_bytes(self.short_lowered.forward)
+
+    def regions(self, merge: Merge | None, overlap: bool, grad_names: Sequence[str | None]
+                ) -> tuple[dict[str, fx.GraphModule], tuple[list[Region], list[Region]]] | None:
+        """The whole step's bucketed programs (what its regions' schedules read) and its regions, as cutting the
+        unfolded lowered programs gives them; None where the bucketed layers do not unfold (not seen: then the
+        lowered programs are unfolded and cut)."""
+        lowered = self.short_lowered
+        forward, backward = program_copy(lowered.forward), program_copy(lowered.backward)
+        if merge is not None:  # a region's collectives name their blocks from here (buckets.py)
+            tag_blocks(forward)
+            tag_blocks(backward, grad_names)
+        maps = training_region_maps(forward, backward, lowered.num_outputs)
+        if maps is None:
+            return {"forward": forward, "backward": backward}, ([], [])
+        for gm, region in zip((forward, backward), maps):
+            if merge is not None:
+                merge(gm, region)
+            for node in gm.graph.nodes:
+                if node.op == "call_function":
+                    node.meta[REGION] = region[node]
+        with stage("unfold"):
+            layers = _Layers.of(_step(lowered, forward, backward), self.short, maps)
+            whole = layers.unfolded() if layers is not None else None
+        if whole is None:
+            return None
+        t = self.short.template
+        whole_maps = tuple({n: _region_of(n, t) for n in gm.graph.nodes if n.op == "call_function"} for gm in whole)
+        split = cut_training(*whole, whole_maps, None, overlap)  # type: ignore[arg-type]
+        return {"forward": whole[0], "backward": whole[1]}, split
+
+
+def _region_of(node: fx.Node, template: int) -> Any:
+    """A node's region in the unfolded program: its own, or (a copy of the template's node) the copied layer's."""
+    region = node.meta[REGION]
+    stamp = node.meta.get(STAMP)
+    return region if stamp is None else region + (stamp - template)
