@@ -8,10 +8,10 @@ what the one before it returns (forward) or what the one after it returns (backw
 saved values and gradients added to the program's, when someone reads it (``unfolder``: the step runs without
 the whole plan). Stages 4-6 run on the four layers too (``fold_lowered.py``): this rank's lowered programs and
 its regions are unfolded alike. Stages 1-5 then cost four layers and a copy per other layer; the program is
-the one planning the whole model gives wherever the planner gives every middle layer the same plan, which ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code,
-layouts) reading their inputs from corresponding places, else it returns None, says why on the ``fxshard``
-logger, and the whole model is planned (the decision reads the global plan only, so every rank takes the
-same path). ``tests/test_fold.py`` compares folded steps with whole ones.
+the one planning the whole model gives wherever the planner gives every middle layer the same plan, which
+``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code, layouts) reading their
+inputs from corresponding places, else it returns None, says why on the ``fxshard`` logger, and the whole model
+is planned (the decision reads the global plan only, so every rank takes the same path). ``tests/test_fold.py`` compares folded steps with whole ones.
 """
 from __future__ import annotations
 
