@@ -11,7 +11,8 @@ its regions are unfolded alike. Stages 1-5 then cost four layers and a copy per 
 the one planning the whole model gives wherever the planner gives every middle layer the same plan, which
 ``unfold`` checks: layers 1 and L-2 of the short program must be the same program (code, layouts) reading their
 inputs from corresponding places, else it returns None, says why on the ``fxshard`` logger, and the whole model
-is planned (the decision reads the global plan only, so every rank takes the same path). ``tests/test_fold.py`` compares folded steps with whole ones.
+is planned (the decision reads the global plan only, so every rank takes the same path). ``tests/test_fold.py``
+compares folded steps with whole ones.
 """
 from __future__ import annotations
 
