@@ -305,9 +305,12 @@ def _assign(gm: fx.GraphModule, sources: Mapping[fx.Node, int], combine: Callabl
 
 
 def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending: bool = False,
-                  only: Collection[Any] | None = None) -> list[Region]:
+                  only: Collection[Any] | None = None, share: bool = False) -> list[Region]:
     """The program's computing nodes as regions, in the order they run (ascending region, or descending);
-    ``only``: just the regions of these indices (the others' graphs are not built)."""
+    ``only``: just the regions of these indices (the others' graphs are not built); ``share``: regions of the
+    same code on inputs of the same shapes, strides and dtypes share one graph (``_sharing_key``: what compiles
+    them is one program already, ``region_key``), so a model's layers build one graph, not one each (~5 ms a
+    layer)."""
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
     nodes = sorted((n for n in gm.graph.nodes if n.op == "call_function" and (only is None or region[n] in only)),
                    key=lambda n: (-region[n] if descending else region[n], position[n]))
@@ -317,16 +320,63 @@ def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending:
             groups[-1].append(node)
         else:
             groups.append([node])
-    return [_region(region[g[0]], g) for g in groups]
+    if not share:
+        return [_region(region[g[0]], g) for g in groups]
+    built: dict[tuple, Region] = {}
+    regions = []
+    for g in groups:
+        inputs, outputs = _boundary(g)
+        key = _sharing_key(g, inputs, outputs)
+        first = built.get(key)
+        if first is None:
+            first = built[key] = _region(region[g[0]], g, (inputs, outputs))
+            first.structure = program_structure(first.graph.graph)
+            regions.append(first)
+        else:
+            regions.append(Region(region[g[0]], first.graph, inputs, outputs, body=g, structure=first.structure))
+    return regions
 
 
-def _region(index: int, nodes: list[fx.Node]) -> Region:
-    """``nodes`` as a program of their own: outer values they read become placeholders."""
+def _boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The outer values ``nodes`` read, in the order they first read them, and those of theirs read outside."""
     inside = set(nodes)
-    inputs: list[fx.Node] = []
+    inputs: dict[fx.Node, None] = {}
     for node in nodes:
-        inputs += [a for a in node.all_input_nodes if a not in inside and a not in inputs]
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        for a in node.all_input_nodes:
+            if a not in inside:
+                inputs.setdefault(a)
+    return list(inputs), [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def _sharing_key(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple:
+    """Equal for two regions exactly when ``_region`` builds them the same code on inputs of the same shapes,
+    strides and dtypes (what ``region_key`` compiles one program for)."""
+    name = {x: ("in", k) for k, x in enumerate(inputs)}
+    name.update((n, ("v", k)) for k, n in enumerate(nodes))
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return name[a]
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return (type(a).__name__, repr(a))
+
+    def meta(x: fx.Node) -> Any:
+        val = x.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return (tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+        return ("value", repr(val))
+
+    return (tuple(meta(x) for x in inputs), tuple((n.target, arg(n.args), arg(n.kwargs)) for n in nodes),
+            tuple(name[o] for o in outputs))
+
+
+def _region(index: int, nodes: list[fx.Node], boundary: tuple[list[fx.Node], list[fx.Node]] | None = None) -> Region:
+    """``nodes`` as a program of their own: outer values they read become placeholders (``boundary``: the values
+    they read and those read outside, where known)."""
+    inputs, outputs = boundary if boundary is not None else _boundary(nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for k, x in enumerate(inputs):
@@ -558,7 +608,7 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
     prologue and epilogue too, an inference program's)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
-    regions = split_regions(gm, region, descending)
+    regions = split_regions(gm, region, descending, share=True)
     for r in regions:
         r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
     if len(regions) < 2 or not _pays(regions, layers_alike(gm) if alike is None else alike, ends_compiled):
@@ -599,12 +649,17 @@ def _same_outputs(regions: list[Region]) -> list[Region]:
     groups: dict[tuple, list[Region]] = {}
     for r in regions:
         if r.layer:
-            groups.setdefault(program_structure(r.graph.graph)[:-1], []).append(r)  # all but the output node
+            structure = r.structure if r.structure is not None else program_structure(r.graph.graph)
+            groups.setdefault(structure[:-1], []).append(r)  # all but the output node
     for group in groups.values():
         union = sorted({k for r in group for k in _output_positions(r)})
         for r in group:
             if _output_positions(r) != union:
                 _return(r, union)
+    returned: dict[int, tuple] = {}  # a graph regions share is returned from once: its structure read once
+    for r in regions:
+        if r.structure is None:
+            r.structure = returned.setdefault(id(r.graph), program_structure(r.graph.graph))
     return regions
 
 
@@ -621,3 +676,4 @@ def _return(region: Region, positions: list[int]) -> None:
     output.args = (tuple(inner[k] for k in positions),)
     region.graph.recompile()
     region.outputs = [region.body[k] for k in positions]
+    region.structure = None  # ``region_key`` reads the graph's (regions sharing it return alike: _same_outputs)
