@@ -176,7 +176,7 @@ def _region_computes(program, table: dict) -> tuple[list[int], list[int]]:
     def run(which, regions, args):
         schedule = region_schedule(program._region_graphs[which], regions)
         walker = RegionalProgram(None, regions, None, schedule=schedule)
-        attrs = [table.setdefault(("constant", which, k), len(table)) for k, _ in enumerate(schedule.attrs)]
+        attrs = [table.setdefault(_constant(value), len(table)) for _, value in schedule.attrs]
         return list(walker.walk(args, attrs, lambda k, inputs: _evaluate(regions[k].graph, inputs, table)))
 
     forward = program.lowered_graphs()[0]
@@ -185,6 +185,14 @@ def _region_computes(program, table: dict) -> tuple[list[int], list[int]]:
     n = program.num_outputs
     tangents = [table.setdefault(("tangent", k), len(table)) for k in range(n)]
     return results[:n], run("backward", backward_regions, results[n:] + tangents)
+
+
+def _constant(value) -> tuple:
+    """A constant the program reads (a rotary table lent to each layer: block_joint.py) by its value: two
+    programs' constants compare by content, wherever each keeps them."""
+    if isinstance(value, torch.Tensor):
+        return ("constant", str(value.dtype), tuple(value.shape), tuple(value.detach().flatten().tolist()))
+    return ("constant", repr(value))
 
 
 def _evaluate(gm, inputs, table) -> list:
@@ -289,6 +297,52 @@ def test_a_hugging_face_model_folds_and_trains_as_one_device(fake_mesh_4, name):
     assert run.graph is None  # folded
     got = run.full_grads()
     torch.testing.assert_close((run.full()[0], {n: got[n] for n in want}), (loss.detach(), want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_a_folded_hugging_face_step_runs_the_whole_models_regions(fake_mesh_4, monkeypatch, name):
+    """Hugging Face Llama (and Mixtral, slow tier) with six layers under Megatron TP: the folded step's regions,
+    bucketed on four layers and unfolded (fold_lowered.py: rotary tables lent per layer, the next layer's norm
+    gradient made in a layer's backward), are the whole model's: each region's operations and code, and what
+    every value they hand each other computes."""
+    pytest.importorskip("transformers")
+    folded, whole = (_hugging_face_step(fake_mesh_4, monkeypatch, name, fold) for fold in (True, False))
+    assert folded.plan.joint is None and whole.plan.joint is not None
+    mine, theirs = _regions(folded), _regions(whole)
+    assert [(index, layer, ops) for index, layer, ops, _ in mine] == \
+        [(index, layer, ops) for index, layer, ops, _ in theirs]
+    assert [code for *_, code in mine if code] == [code for *_, code in theirs if code]
+    assert all(REGION in n.meta for n in folded._region_graphs["forward"].graph.nodes if n.op == "call_function")
+    table: dict = {}
+    assert _region_computes(folded, table) == _region_computes(whole, table)
+
+
+def _hugging_face_step(mesh, monkeypatch, name: str, fold: bool):
+    """A six-layer Hugging Face model of ``tests/zoo.py`` under its TP plan: one step of a fresh
+    ``fxshard.compile`` of its loss (folding on or off), the program."""
+    import types
+
+    import transformers
+    from zoo import ZOO
+
+    arch = ZOO[name]
+    cells = dict(zip(arch.build.__code__.co_freevars, (c.cell_contents for c in arch.build.__closure__)))
+    config = getattr(transformers, cells["config_name"])(attn_implementation=cells["attention"],
+                                                         **{**cells["cfg"], "num_hidden_layers": 6})
+    torch.manual_seed(0)
+    model = getattr(transformers, cells["model_name"])(config).eval()
+    plan = arch.plan(model)
+    for n, p in list(model.named_parameters()):
+        owner, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(owner), attr,
+                torch.nn.Parameter(distribute_tensor(p.detach(), mesh, plan.get(n, (Replicate(),)))))
+    fn = arch.call(model)
+    loss_of = types.MethodType(lambda self, *a: fn(*a).float().pow(2).mean(), model)
+    monkeypatch.setenv("FXSHARD_FOLD", "1" if fold else "0")
+    torch._dynamo.reset()
+    compiled = fxshard.compile(loss_of, inductor=False)
+    compiled(*[distribute_tensor(a, mesh, (Replicate(),)) for a in arch.example(2, 8)]).backward()
+    return compiled.last
 
 
 def _sharded_layer(model: Llama, layer: int) -> dict:
