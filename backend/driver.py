@@ -220,9 +220,11 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
     if key is not None:
         kept_summaries = [text for text in summaries if text]
         with collector_paused():
-            if isinstance(runner, TrainingProgram):
-                runner.lowered_graphs()  # a folded step's are unfolded now: they are kept
-            store_lowered(key, runner.lowered, eager, kept_summaries)
+            if isinstance(runner, TrainingProgram) and runner.folded is not None:  # kept as its four layers
+                short, layers = runner.folded.kept
+                store_lowered(key, short, eager, kept_summaries, folded=layers)
+            else:
+                store_lowered(key, runner.lowered, eager, kept_summaries)
         if isinstance(runner, TrainingProgram):  # its regions too, once the first call has cut them
             runner.on_regions = lambda regions: store_regions(key, runner.lowered, eager, kept_summaries, regions)
     return runner

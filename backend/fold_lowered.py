@@ -8,8 +8,8 @@ of a whole program's merge was ~25 ms a layer) and each node is tagged with its 
 is unfolded (layer 1's nodes copied per dropped layer, each copy's region its layer's); and the whole bucketed
 program is cut by those regions, its gathers started a layer early and reductions waited a layer late
 (``prefetch.py``), exactly as cutting the unfolded lowered programs would. The lowered programs themselves are
-unfolded only should someone read them (``TrainingProgram.forward_graph``, the lowered cache): the step runs
-its regions. ``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what
+unfolded only should someone read them (``TrainingProgram.forward_graph``; the lowered cache keeps the four
+layers', ``unfolded_lowered`` makes them whole when a later run reads them): the step runs its regions. ``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what
 every value the regions hand each other computes).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .joint import TrainingPlan
 from .regions import Merge, Region, cut_training, program_copy, training_region_maps
 from .training import LoweredTraining, lower_training
 
-__all__ = ["FoldedLowering", "lower_folded"]
+__all__ = ["FoldedLowering", "lower_folded", "unfolded_lowered"]
 
 REGION = "fxshard_region"  # node.meta of a bucketed four-layer program: the region the node runs in
 
@@ -73,6 +73,12 @@ class FoldedLowering:
                                  "this; FXSHARD_FOLD=0 plans the whole model)")
         return whole
 
+    @property
+    def kept(self) -> tuple[LoweredTraining, tuple[int, int]]:
+        """What the lowered cache keeps of the step: the four layers' lowered programs and the layers folded
+        (template, successor), from which ``unfolded_lowered`` makes the whole ones when read."""
+        return self.short_lowered, (self.short.template, self.short.successor)
+
     def cap(self) -> int:
         """The bucket cap (``inductor_config.block_bytes``): one layer's, the same in four layers as in all."""
         return block_bytes(self.short_lowered.forward)
@@ -105,6 +111,17 @@ class FoldedLowering:
         whole_maps = tuple({n: _region_of(n, t) for n in gm.graph.nodes if n.op == "call_function"} for gm in whole)
         split = cut_training(*whole, whole_maps, None, overlap)  # type: ignore[arg-type]
         return {"forward": whole[0], "backward": whole[1]}, split
+
+
+def unfolded_lowered(short_lowered: LoweredTraining, template: int, successor: int) -> LoweredTraining:
+    """A folded step's whole lowered programs from its four layers' (``FoldedLowering.kept``); a ValueError where
+    they do not unfold (an entry of the lowered cache from another fxshard: planned again)."""
+    layers = _Layers.of(_step(short_lowered, short_lowered.forward, short_lowered.backward),
+                        Shortened(None, 0, template, successor))  # type: ignore[arg-type]
+    whole = layers.unfolded() if layers is not None else None
+    if whole is None:
+        raise ValueError("the kept four layers do not unfold")
+    return replace(short_lowered, forward=whole[0], backward=whole[1])
 
 
 def _region_of(node: fx.Node, template: int) -> Any:

@@ -18,6 +18,9 @@ layouts, which inputs get gradients) is kept under a key of everything they read
 - fxshard's own source (every module of the package) and torch's version: a change to either makes
   every entry stale.
 
+A folded step (``fold.py``) is kept as its four layers' lowered programs and the layers it folded; they are
+made whole when read (``fold_lowered.unfolded_lowered``), as a second run reads them only should someone ask.
+
 A program that holds something this key cannot read (a module call, a fake constant, an input of an
 unknown type) is planned every time, as is a program whose stages someone watches (``on_graph``,
 ``debug_dir``, DEBUG logs: they see the stages' graphs, which a loaded program never had). The store is
@@ -52,6 +55,7 @@ from fxshard.lowering.localize import program_fake_values
 
 from .cache_files import cache_path, stable, tensor_digest, write_whole
 from .graph_records import graph_from_records, graph_records
+from .fold_lowered import unfolded_lowered
 from .inference import LoweredInference
 from .regions import Region, program_structure
 from .training import KeptRegions, LoweredTraining
@@ -224,6 +228,8 @@ def _read_lowered(key: str) -> _Entry | None:
         entry: _Entry = stored["entry"]
         for attribute, kept in stored["graphs"].items():
             setattr(entry.lowered, attribute, _restored(kept, mode))
+        if stored.get("folded") is not None:  # a folded step's four layers (fold_lowered.FoldedLowering.kept)
+            entry.lowered = unfolded_lowered(entry.lowered, *stored["folded"])
     except Exception:  # a torn, foreign or stale file: planned again, and stored over it
         return None
     return entry
@@ -272,15 +278,16 @@ def _value_meta(node: fx.Node) -> tuple:
 
 
 def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_layouts: Sequence[Any],
-                  summaries: Sequence[str]) -> None:
-    """Keep ``lowered`` under ``key``. Written whole or not at all (ranks write their own keys, and a rank
-    may write one while another process reads it)."""
+                  summaries: Sequence[str], folded: tuple[int, int] | None = None) -> None:
+    """Keep ``lowered`` under ``key`` (``folded``: a folded step's four layers, and its template and successor
+    layers: made whole when read, ``fold_lowered.unfolded_lowered``). Written whole or not at all (ranks write
+    their own keys, and a rank may write one while another process reads it)."""
     attributes = ("forward", "backward") if isinstance(lowered, LoweredTraining) else ("graph",)
     try:
         graphs = {a: _kept(getattr(lowered, a), _KEPT_META) for a in attributes}
         bare = dataclasses.replace(lowered, **{a: None for a in attributes})
-        payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)), "graphs": graphs},
-                               protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)), "graphs": graphs,
+                                "folded": folded}, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # something in it does not pickle: planned again next time
         return
     write_whole(_path(key), payload)

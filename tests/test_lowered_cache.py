@@ -104,6 +104,46 @@ def test_a_second_compile_loads_the_programs_the_first_lowered(fake_mesh_4, cach
     assert warm.plan.forward.code == cold.plan.forward.code
 
 
+def test_a_folded_steps_four_layers_are_kept_and_made_whole_when_read(fake_mesh_4, cache_on, monkeypatch):
+    """Six layers of our Llama under FSDP fold (backend/fold.py): the first run keeps the four layers' lowered
+    programs without making them whole; a second run loads them and, when its lowered programs are read,
+    unfolds them into the first run's, node for node."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from models.llama import Llama, LlamaConfig, fsdp_placements
+    from train_llama import distribute_parameters
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (distribute_tensor(torch.randint(0, 64, (4, 16), generator=g), fake_mesh_4, [Shard(0)])
+                       for _ in range(2))
+
+    def step():
+        torch._dynamo.reset()
+        compiled = fxshard.compile(model.loss, inductor=False)
+        compiled(tokens, targets).backward()
+        model.zero_grad()
+        return compiled.last
+
+    from fxshard.backend import driver
+
+    kept = []
+    store = driver.store_lowered
+    monkeypatch.setattr(driver, "store_lowered", lambda key, lowered, *a, **k: (kept.append((lowered, k)),
+                                                                                 store(key, lowered, *a, **k)))
+    cold = step()
+    assert cold.folded is not None and "unfold" in cold.reporter.times
+    (lowered, options), = kept  # the four layers' programs, with the layers folded (template, successor)
+    assert options == {"folded": (1, 4)} and lowered.forward is cold.folded.short_lowered.forward
+    counters.clear()
+    warm = step()
+    assert dict(counters["fxshard"]) == {"lowered_cache_hit": 1}, dict(counters["fxshard"])
+    assert not {"trace", "localize", "lower"} & set(warm.reporter.times)
+    assert warm.forward_graph.code == cold.forward_graph.code
+    assert warm.backward_graph.code == cold.backward_graph.code
+
+
 def test_a_program_loaded_computes_what_the_model_does(fake_mesh_4, cache_on):
     """Replicated weights and input (the fake group's result is exact): the cold and the loaded program both
     compute the single-device output and gradients, on fresh random data."""
