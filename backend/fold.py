@@ -30,8 +30,8 @@ from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
 from fxshard.timing import stage
 
 from .joint import TrainingPlan
-from .regions import (Region, backward_regions, forward_regions, layer_of_inputs, program_structure, renumbered,
-                      saved_regions, split_regions)
+from .regions import (Region, backward_regions, forward_regions, indexed_layer, layer_of_inputs, program_structure,
+                      renumbered, saved_regions, split_regions)
 
 __all__ = ["Shortened", "shorten", "unfold", "unfolder", "folding_on", "MIN_LAYERS", "STAMP"]
 
@@ -52,8 +52,8 @@ class Shortened:
 
     gm: fx.GraphModule
     layers: int  # how many the model has
-    template: int  # the layer whose plan is stamped out (1)
-    successor: int  # the kept layer that follows the dropped ones (L-2), planned alike
+    template: int  # the layer whose plan is stamped out (1, the second call's)
+    successor: int  # the kept layer that follows the dropped ones (L-2, the last call but one's), planned alike
 
 
 def shorten(gm: fx.GraphModule) -> Shortened | None:
@@ -92,7 +92,17 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
     for attr in ("compile_subgraph_reason",):
         if hasattr(gm, attr):
             setattr(short, attr, getattr(gm, attr))
-    return Shortened(short, len(calls), 1, len(calls) - 2)
+    template, successor = _layer_of(calls[1]), _layer_of(calls[-2])
+    if template is None or successor is None or successor - template != len(calls) - 3:
+        return _refused("the calls' parameters do not say which layers they are")
+    return Shortened(short, len(calls), template, successor)
+
+
+def _layer_of(call: fx.Node) -> int | None:
+    """The layer a call is of: the index in its parameters' names (``layers_7_...``), one for all; None else.
+    Not always its position among the calls: Dynamo may trace a model's first layer inline."""
+    found = {indexed_layer(a.name) for a in call.args[2:] if isinstance(a, fx.Node) and a.op == "placeholder"}
+    return found.pop() if len(found) == 1 and None not in found else None
 
 
 def _erase_unread(nodes: Sequence[fx.Node]) -> None:

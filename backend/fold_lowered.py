@@ -9,8 +9,9 @@ is unfolded (layer 1's nodes copied per dropped layer, each copy's region its la
 program is cut by those regions, its gathers started a layer early and reductions waited a layer late
 (``prefetch.py``), exactly as cutting the unfolded lowered programs would. The lowered programs themselves are
 unfolded only should someone read them (``TrainingProgram.forward_graph``; the lowered cache keeps the four
-layers', ``unfolded_lowered`` makes them whole when a later run reads them): the step runs its regions. ``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what
-every value the regions hand each other computes).
+layers', ``unfolded_lowered`` makes them whole when a later run reads them): the step runs its regions.
+``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what every value the
+regions hand each other computes).
 """
 from __future__ import annotations
 

@@ -49,9 +49,9 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, graph_module
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
-__all__ = ["Region", "renumbered", "forward_regions", "backward_regions", "saved_regions", "split_regions",
-           "program_regions", "training_regions", "training_region_maps", "cut_training", "RegionalProgram",
-           "region_key", "program_copy", "layers_alike"]
+__all__ = ["Region", "renumbered", "indexed_layer", "forward_regions", "backward_regions", "saved_regions",
+           "split_regions", "program_regions", "training_regions", "training_region_maps", "cut_training",
+           "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
@@ -83,6 +83,12 @@ def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
         return {}
     prefix = prefixes.most_common(1)[0][0]
     return {p: int(m.group(2)) for p, m in found.items() if m and m.group(1) == prefix}
+
+
+def indexed_layer(name: str) -> int | None:
+    """The layer index in an indexed input's name (``layers_7_wq_weight`` -> 7), or None."""
+    m = _INDEXED.match(name)
+    return int(m.group(2)) if m else None
 
 
 def renumbered(name: str, layer: int) -> str:

@@ -345,6 +345,45 @@ def _hugging_face_step(mesh, monkeypatch, name: str, fold: bool):
     return compiled.last
 
 
+def test_a_model_whose_first_layer_dynamo_traces_inline_folds(fake_mesh_4, monkeypatch):
+    """Residual MLP blocks (``rank_programs.Blocks``) under FSDP: Dynamo traces the first block inline and calls
+    the region for the other five, so the calls are layers 1-5, not 0-4; the fold names layers by their
+    parameters (template 2, successor 4), and the folded step is the whole model's, region by region, value by
+    value, and computes what one device does."""
+    from rank_programs import Blocks, shard_parameters
+
+    def step(fold: bool, placements):
+        torch.manual_seed(0)
+        model = Blocks(32, 64, 6)
+        reference = Blocks(32, 64, 6)
+        reference.load_state_dict(model.state_dict())
+        shard_parameters(model, fake_mesh_4, placements)
+        data = torch.randn(64, 32)
+        monkeypatch.setenv("FXSHARD_FOLD", "1" if fold else "0")
+        torch._dynamo.reset()
+        compiled = fxshard.compile(model, inductor=False)
+        out = compiled(distribute_tensor(data, fake_mesh_4, [Shard(0) if placements == (Shard(0),) else Replicate()]))
+        out.sum().backward()
+        return compiled.last, model, reference, data, out
+
+    folded, *_ = step(True, (Shard(0),))
+    whole, *_ = step(False, (Shard(0),))
+    assert folded.folded is not None and (folded.folded.short.template, folded.folded.short.successor) == (2, 4)
+    assert [(i, layer, ops) for i, layer, ops, _ in _regions(folded)] == \
+        [(i, layer, ops) for i, layer, ops, _ in _regions(whole)]
+    table: dict = {}
+    assert _computes(folded, table) == _computes(whole, table)
+    assert _region_computes(folded, table) == _region_computes(whole, table)
+    # replicated weights (the fake group's result is exact): one device's output and gradients
+    program, model, reference, data, out = step(True, (Replicate(),))
+    assert program.folded is not None
+    expected = reference(data)
+    expected.sum().backward()
+    torch.testing.assert_close(out.full_tensor(), expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
 def _sharded_layer(model: Llama, layer: int) -> dict:
     """Layer ``layer``'s parameters Shard(0), every other replicated."""
     return {n: (Shard(0),) if n.startswith(f"layers.{layer}.") else (Replicate(),) for n, _ in model.named_parameters()}
