@@ -201,7 +201,7 @@ def unfolder(plan: TrainingPlan, short: Shortened) -> Callable[[], TrainingPlan 
     the copies cost ~8 ms a layer). The function returns None only where the unfolded program is out of order,
     a check no folded program has failed."""
     step = _Step(plan.forward, plan.backward, plan.num_outputs, plan.grad_inputs, plan.program.input_names)
-    layers = _Layers.of(step, short)
+    layers = _Layers.of(step, short.template, short.successor)
     if layers is None:
         return None
 
@@ -220,12 +220,6 @@ class _Step:
     num_outputs: int
     grad_inputs: Sequence[int]
     names: Sequence[str]  # of the primals
-
-
-def _unfolded(step: _Step, short: Shortened) -> tuple[fx.GraphModule, fx.GraphModule] | None:
-    """The whole step's forward and backward (``unfold``), or None."""
-    layers = _Layers.of(step, short)
-    return layers.unfolded() if layers is not None else None
 
 
 @dataclass
@@ -265,11 +259,11 @@ class _Layers:
         return graph_module(step.forward, forward), graph_module(step.backward, backward)
 
     @classmethod
-    def of(cls, step: _Step, short: Shortened, maps: tuple[dict, dict] | None = None) -> "_Layers | None":
-        """``step``'s layers, checked alike (None, the reason logged, where they are not); ``maps``: the forward's
-        and backward's regions where known (a program bucketed by them: ``fold_lowered.py``), else found here."""
+    def of(cls, step: _Step, t: int, s: int, maps: tuple[dict, dict] | None = None) -> "_Layers | None":
+        """``step``'s layers ``t`` (the template) and ``s`` (its successor: ``Shortened``), checked alike (None,
+        the reason logged, where they are not); ``maps``: the forward's and backward's regions where known (a
+        program bucketed by them: ``fold_lowered.py``), else found here."""
         forward, backward = step.forward, step.backward
-        t, s = short.template, short.successor
         region = maps[0] if maps is not None else forward_regions(forward, root_gathers_first=False)
         if not region:
             return _refused("the forward has no layers")

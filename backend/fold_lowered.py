@@ -42,7 +42,7 @@ def lower_folded(plan: TrainingPlan, short: Shortened, device_mesh: Any) -> "Fol
     coordinate = tuple(int(c) for c in device_mesh.get_coordinate())
     lowered = lower_training(plan, coordinate, MeshGroups(device_mesh))
     with stage("unfold"):
-        layers = _Layers.of(_step(lowered, lowered.forward, lowered.backward), short)
+        layers = _Layers.of(_step(lowered, lowered.forward, lowered.backward), short.template, short.successor)
     return FoldedLowering(lowered, short, layers) if layers is not None else None
 
 
@@ -104,7 +104,7 @@ class FoldedLowering:
                 if node.op == "call_function":
                     node.meta[REGION] = region[node]
         with stage("unfold"):
-            layers = _Layers.of(_step(lowered, forward, backward), self.short, maps)
+            layers = _Layers.of(_step(lowered, forward, backward), self.short.template, self.short.successor, maps)
             whole = layers.unfolded() if layers is not None else None
         if whole is None:
             return None
@@ -117,8 +117,7 @@ class FoldedLowering:
 def unfolded_lowered(short_lowered: LoweredTraining, template: int, successor: int) -> LoweredTraining:
     """A folded step's whole lowered programs from its four layers' (``FoldedLowering.kept``); a ValueError where
     they do not unfold (an entry of the lowered cache from another fxshard: planned again)."""
-    layers = _Layers.of(_step(short_lowered, short_lowered.forward, short_lowered.backward),
-                        Shortened(None, 0, template, successor))  # type: ignore[arg-type]
+    layers = _Layers.of(_step(short_lowered, short_lowered.forward, short_lowered.backward), template, successor)
     whole = layers.unfolded() if layers is not None else None
     if whole is None:
         raise ValueError("the kept four layers do not unfold")

@@ -361,13 +361,7 @@ def _sharing_key(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.N
     name.update((n, ("v", k)) for k, n in enumerate(nodes))
 
     def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return name[a]
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        return (type(a).__name__, repr(a))
+        return _argument_key(a, name)
 
     def meta(x: fx.Node) -> Any:
         val = x.meta.get("val")
@@ -412,23 +406,29 @@ def program_structure(graph: fx.Graph) -> tuple:
     """What a graph's Python code says, without writing it (code is written on demand: fxshard.graph):
     each node's op, target and arguments, a node named by its position. Equal for two graphs exactly
     when their code is, for the graphs ``_region`` makes (names by position)."""
-    position: dict[fx.Node, int] = {}
+    position: dict[fx.Node, Any] = {}
 
     def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return ("node", position[a])
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        return (type(a).__name__, repr(a))
+        return _argument_key(a, position)
 
     found = []
     for k, node in enumerate(graph.nodes):
-        position[node] = k
+        position[node] = ("node", k)
         found.append((node.op, node.target if node.op == "call_function" else repr(node.target),
                       arg(node.args), arg(node.kwargs)))
     return tuple(found)
+
+
+def _argument_key(a: Any, name: Mapping[fx.Node, Any]) -> Any:
+    """A node's argument as a comparable value: each node by ``name``, containers by their members, the rest by
+    type and ``repr`` (``program_structure``, ``_sharing_key``)."""
+    if isinstance(a, fx.Node):
+        return name[a]
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_argument_key(x, name) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _argument_key(v, name)) for k, v in a.items()))
+    return (type(a).__name__, repr(a))
 
 
 @dataclass

@@ -211,25 +211,23 @@ class TrainingProgram:
         return bucketed_uncompiled(graph, policy)
 
     def _regions(self) -> tuple[list, list]:
-        cut = None
-        if self._region_split is None and self.folded is not None:  # unfolded from four layers' (fold_lowered.py)
-            cut = self.folded.regions(merge_blocks if self.buckets else None, bool(self.buckets),
-                                      self.lowered.grad_names)
-        if cut is not None:
-            self._region_graphs, self._region_split = cut
-            self._on_cut()
         if self._region_split is None:
-            if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
-                tag_blocks(self.forward_graph)
-                tag_blocks(self.backward_graph, self.buckets["backward"].output_names)
-            # bucketed on copies of the whole programs, then each layer's gathers start a layer early (prefetch.py)
-            self._region_graphs = {"forward": program_copy(self.forward_graph),
-                                   "backward": program_copy(self.backward_graph)}
-            self._region_split = training_regions(self._region_graphs["forward"], self._region_graphs["backward"],
-                                                  self.num_outputs, merge=merge_blocks if self.buckets else None,
-                                                  overlap=bool(self.buckets))
+            merge = merge_blocks if self.buckets else None
+            # a folded step's are unfolded from its four layers' (fold_lowered.py); None: cut the whole programs
+            cut = self.folded.regions(merge, bool(self.buckets), self.lowered.grad_names) if self.folded else None
+            self._region_graphs, self._region_split = cut if cut is not None else self._cut_whole(merge)
             self._on_cut()
         return self._region_split
+
+    def _cut_whole(self, merge: Any) -> tuple[dict[str, fx.GraphModule], tuple[list, list]]:
+        """The lowered programs cut into regions: bucketed on copies of the whole programs, then each layer's
+        gathers started a layer early (prefetch.py)."""
+        if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
+            tag_blocks(self.forward_graph)
+            tag_blocks(self.backward_graph, self.buckets["backward"].output_names)
+        graphs = {"forward": program_copy(self.forward_graph), "backward": program_copy(self.backward_graph)}
+        return graphs, training_regions(graphs["forward"], graphs["backward"], self.num_outputs, merge=merge,
+                                        overlap=bool(self.buckets))
 
     def _on_cut(self) -> None:
         """The regions, once cut, to whom keeps them (``on_regions``), with their schedules."""
