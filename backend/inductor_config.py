@@ -37,6 +37,7 @@ placement, the buckets of every rank of an uneven program, and the cache keys.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,15 +46,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.graph import copy_graph_module
 from fxshard.lowering.localize import complete_fake_values
 
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
+from .cpu_wrapper import cpu_wrapper_mended, use_cpu_wrapper
 from .inductor_direct import compile_direct, takes_directly
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
 
+log = logging.getLogger("fxshard")
 _c10d = torch.ops._c10d_functional
 # A training step's forward and backward, compiled as AOTAutograd compiles a training graph. fxshard gives
 # Inductor each as a graph of its own, which Inductor takes for an inference graph and runs its
@@ -98,21 +102,46 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     leaves the collectives as fxshard lowered them. A program without all_gathers, reduce_scatters or
     all_reduces is compiled without the passes. ``training``: the forward or backward of a training
     step, or a region of one (``TRAINING_PATCHES``)."""
-    from torch._inductor import config, config_comms
-    from torch._inductor.compile_fx import compile_fx
-
     if not any(node.target in BUCKETED for node in gm.graph.nodes):
         policy = None  # nothing to bucket or overlap: the passes would only cost compile time
     patches, comms = inductor_patches(policy, _blocks(gm, policy))
     if training:
         patches = {**patches, **TRAINING_PATCHES}
     example_inputs = cacheable_inputs(inputs)
+    if use_cpu_wrapper(gm, example_inputs):  # one C++ compile per program, not per kernel (cpu_wrapper.py)
+        try:
+            with cpu_wrapper_mended():
+                return _compile(_inputs_as_given(gm, example_inputs), example_inputs, {**patches, "cpp_wrapper": True},
+                                comms)
+        except Exception as error:  # noqa: BLE001 (any failure of the C++ wrapper: the Python one instead)
+            log.warning("fxshard: Inductor's C++ wrapper could not compile a program (%s: %s); compiling it with "
+                        "the Python wrapper. FXSHARD_CPU_WRAPPER=0 skips the attempt.", type(error).__name__,
+                        str(error).splitlines()[0] if str(error) else "")
+    return _compile(gm, example_inputs, patches, comms)
+
+
+def _inputs_as_given(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    """A copy of ``gm`` whose placeholders' values are ``example_inputs``: ``compile_fx`` reads a C++-wrapped
+    program's inputs from its placeholders, and wants them all of one fake mode (a program ``make_fx``
+    traced from real tensors has one mode per placeholder)."""
+    program = copy_graph_module(gm)
+    for node, value in zip(program.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, torch.Tensor):
+            node.meta["val"] = value
+    return program
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], patches: Mapping[str, Any],
+             comms: Mapping[str, Any]) -> Callable:
+    from torch._inductor import config, config_comms
+    from torch._inductor.compile_fx import compile_fx
+
     with config_comms.patch(comms), collector_paused():
         if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (inductor_direct.py)
             with config.patch(patches):
                 return compile_direct(gm, example_inputs)  # computes the fake values it reads
         complete_fake_values(gm, example_inputs)  # a region a second run loaded comes without them
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=dict(patches))
 
 
 def cacheable_inputs(inputs: Sequence[Any]) -> list[Any]:

@@ -16,6 +16,7 @@ returns None: the caller compiles it through ``compile_fx``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -128,13 +129,22 @@ def compile_direct(gm: fx.GraphModule, example_inputs: Sequence[FakeTensor]) -> 
     output = program.graph.find_nodes(op="output")[0]
     output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))  # strides as the program's values
     context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(mode)
-    with torch._guards.tracing(context):  # Inductor's FX graph cache reads the shape environment from it
-        compiled = compile_fx_inner(program, list(example_inputs), is_inference=True)
+    with torch._guards.tracing(context), _wrapper_config():  # the FX graph cache reads the shape environment
+        compiled = compile_fx_inner(program, list(example_inputs), is_inference=True,
+                                    cpp_wrapper=torch._inductor.config.cpp_wrapper)
 
     def run(*args: Any) -> list[Any]:
         return compiled(list(args))  # Inductor's boxed convention: the list is its to empty
 
     return run
+
+
+def _wrapper_config() -> Any:
+    """The config ``compile_fx`` adds for its C++ wrapper (``config.cpp_wrapper``: ``cpu_wrapper.py``)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import get_cpp_wrapper_config
+
+    return config.patch(get_cpp_wrapper_config()) if config.cpp_wrapper else contextlib.nullcontext()
 
 
 def decompose_for_inductor(gm: fx.GraphModule, mode: FakeTensorMode) -> None:

@@ -206,11 +206,11 @@ def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     block (backend/buckets.py): both ranks issue the same buckets (a mismatch would hang), and
     two SGD steps match one device. tests/test_overlap.py checks the same buckets without ranks."""
     with examples_and_tests_on_path():
-        from test_overlap import collectives, statements
+        from inductor_code import collective_kinds
     results = run_program("fsdp_blocks", 2, timeout=900.0)
     for rank, r in sorted(results.items()):
         assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
-        kinds = [sorted(kind for kind, _ in collectives(statements(code))) for code in r["codes"]]
+        kinds = [sorted(collective_kinds(code)) for code in r["codes"]]
         # a bucket per block forward (and the loss); backward, each block's regathered weight and a bucket
         # of its gradients
         assert kinds == [["all_gather"] * 2 + ["all_reduce"], ["all_gather"] * 2 + ["reduce_scatter"] * 2], (rank, kinds)

@@ -5,7 +5,9 @@ ranks): fxshard lowers one all_gather per weight and one reduce_scatter per grad
 right behind its collective; Inductor merges each block's into one and moves waits below compute.
 Counts are read from the code Inductor generates, on a fake process group (rank 0), for whole
 programs (``regional: False``: regional compilation, backend/regions.py, compiles each block apart,
-and Inductor buckets and overlaps inside each).
+and Inductor buckets and overlaps inside each), read from Inductor's Python wrapper
+(``FXSHARD_CPU_WRAPPER=0``): fxshard's CPU programs run in its C++ wrapper, whose calls are the same
+calls in the same order (tests/test_cpu_wrapper.py).
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def lowered_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
             wait = next(j for j in range(i + 1, len(nodes)) if nodes[j].args and nodes[j].args[0] is node)
             found.append((_KIND[name], wait - i - 1))
     return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def python_wrapper():
+    """Inductor's code as Python (the module docstring)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FXSHARD_CPU_WRAPPER", "0")
+        yield
 
 
 @pytest.fixture(scope="module")

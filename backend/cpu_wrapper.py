@@ -1,0 +1,162 @@
+"""Inductor's C++ wrapper for programs on the CPU: one run of the C++ compiler per program, not per kernel.
+
+With its default (Python) wrapper, Inductor compiles each C++ kernel of a CPU program with its own run of
+the compiler, ~1 s each on this project's machine, nearly all of it fixed cost (a Llama layer's forward and
+backward: 13 kernels, 13 runs, ~15 of a 23 s first step). With its C++ wrapper (``cpp_wrapper``) the
+kernels and the code that calls them are one source and one run (forward 4.0 s, backward 5.0 s):
+``python bench/compile.py`` measures the first step with and without it. The wrapper's calls also run in
+C++ instead of Python at every step.
+
+torch 2.13's C++ wrapper does not take fxshard's programs as they are; for fxshard's compiles only (the
+code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended``) three things are mended:
+
+- the functional collectives' process group argument is typed ``Any`` in their schemas, and the wrapper
+  raises ``NotImplementedError`` for an ``Any`` argument it calls through Python: a group named by a
+  string is handed over as a string;
+- a call that writes into a buffer and returns it (``all_gather_into_tensor_out``: a bucketed gather) had
+  the one handle it returns read as a list of two (the return and the written buffer, one buffer): a read
+  past the end, a crash or worse. The buffer takes the one handle back;
+- an op the wrapper would call through the C++ dispatcher (a ``Tensor[]`` argument: the pack of a bucketed
+  reduce_scatter) pulls the dispatcher's headers into the program, ~6.5 s more of the compiler per
+  program; it is called through Python instead (one call back into Python per step, as the Python
+  wrapper calls every op).
+
+``use_cpu_wrapper`` says where it applies: every input on the CPU (on a GPU the kernels are Triton's and the
+Python wrapper compiles nothing), static sizes, about ``MIN_KERNELS`` kernels or more (``expected_kernels``;
+a smaller program compiles faster with the Python wrapper), a torch whose wrapper has what the mends
+replace, and ``FXSHARD_CPU_WRAPPER`` not ``0``. A program the C++ wrapper still cannot compile is compiled with the
+Python wrapper (``compile_local``), with a warning naming the error.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["MIN_KERNELS", "cpu_wrapper_mended", "expected_kernels", "use_cpu_wrapper"]
+
+_SWITCH = "FXSHARD_CPU_WRAPPER"
+# Programs with fewer kernels than this keep the Python wrapper: a C++-wrapped program costs the compiler
+# ~2.3 s and ~0.35 s a kernel (its precompiled header leaves the kernels' header out), a Python-wrapped one
+# ~1 s a kernel (this project's machine, 2026-11-28): even at ~3.5 kernels
+MIN_KERNELS = 4
+# the methods of torch's C++ wrapper the mends override, with the signatures torch 2.13 gives them
+_MENDED = ("generate_py_arg", "_compatible_with_cpp_boxed_dispatch",
+           "generate_fallback_kernel_with_runtime_lookup_python")
+
+
+def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether ``compile_local`` compiles this program with the C++ wrapper (the module docstring)."""
+    if os.environ.get(_SWITCH, "1") == "0" or _mended_class() is None:
+        return False
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    static = all(isinstance(n, int) for x in tensors for n in (*x.shape, *x.stride()))  # symbolic: not taken
+    cpu = bool(tensors) and all(x.device.type == "cpu" for x in tensors)
+    return cpu and static and expected_kernels(gm) >= MIN_KERNELS
+
+
+def expected_kernels(gm: fx.GraphModule) -> int:
+    """About how many kernels Inductor generates for ``gm``: the runs of its own ops (not views) between
+    calls of library kernels or collectives, which its fusion does not cross (a Llama layer's forward: 5,
+    as Inductor makes; its backward: 8)."""
+    runs, in_run = 0, False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if _is_library_call(node.target):
+            in_run = False
+        elif node.target.overloadpacket not in _VIEWS and not in_run:
+            runs, in_run = runs + 1, True
+    return runs
+
+
+def _is_library_call(op: torch._ops.OpOverload) -> bool:
+    return op.namespace != "aten" or op.overloadpacket in _LIBRARY
+
+
+aten = torch.ops.aten
+# Calls Inductor hands to a library (or falls back on) rather than generating code for
+_LIBRARY = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution,
+                      aten._scaled_dot_product_flash_attention_for_cpu,
+                      aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                      aten._scaled_dot_product_efficient_attention,
+                      aten._scaled_dot_product_efficient_attention_backward, aten.split_with_sizes_copy})
+_VIEWS = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.t, aten.transpose, aten.expand,
+                    aten.slice, aten.select, aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.as_strided,
+                    aten.split, aten.split_with_sizes, aten.unbind, aten.view_as_real, aten.view_as_complex})
+
+
+@contextlib.contextmanager
+def cpu_wrapper_mended() -> Iterator[None]:
+    """Inductor's CPU code generation with the mended C++ wrapper (the module docstring) while inside."""
+    from torch._inductor.codegen import common
+
+    common.init_backend_registration()
+    original, original_pass = common.device_codegens["cpu"], common.custom_backend_passes.get("cpu")
+    common.device_codegens["cpu"] = common.DeviceCodegen(
+        original.scheduling, original.wrapper_codegen, _mended_class(), original.fx_wrapper_codegen)
+    common.custom_backend_passes["cpu"] = _marker(original_pass)
+    try:
+        yield
+    finally:
+        common.device_codegens["cpu"] = original
+        common.custom_backend_passes["cpu"] = original_pass
+
+
+def _marker(original: Any) -> Any:
+    """A CPU pass that changes nothing but Inductor's FX graph cache key: what the mended wrapper generated
+    is never served to another code generator, nor another code generator's to it (the key holds this
+    file's hash). It runs the pass it stands in for, if any."""
+    from torch._inductor.custom_graph_pass import CustomGraphModulePass, get_hash_for_files
+
+    class MendedWrapperMarker(CustomGraphModulePass):
+        def __call__(self, gm: torch.fx.GraphModule) -> None:
+            if original is not None:
+                original(gm)
+
+        def uuid(self) -> Any:
+            theirs = original.uuid() if original is not None and hasattr(original, "uuid") else None
+            return (get_hash_for_files((__file__,)).hex(), theirs)
+
+    return MendedWrapperMarker()
+
+
+@functools.cache
+def _mended_class() -> type | None:
+    """The C++ wrapper's code generator with the mends; None where this torch's lacks what they replace."""
+    try:
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    except ImportError:
+        return None
+    if not all(hasattr(CppWrapperCpu, name) for name in _MENDED):
+        return None
+
+    class MendedCppWrapperCpu(CppWrapperCpu):
+        @staticmethod
+        def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: Any,
+                   partition_signatures: Any = None) -> "MendedCppWrapperCpu":
+            return MendedCppWrapperCpu()
+
+        def generate_py_arg(self, py_args_var: str, idx: int, raw_arg: Any, arg_type: Any) -> str:
+            if isinstance(arg_type, torch.AnyType) and isinstance(raw_arg, str):  # a process group's name
+                arg_type = torch.StringType.get()
+            return super().generate_py_arg(py_args_var, idx, raw_arg, arg_type)
+
+        @staticmethod
+        def _compatible_with_cpp_boxed_dispatch(op: torch._ops.OpOverload) -> bool:
+            return False  # through Python: the dispatcher's headers cost more to compile than the call costs
+
+        def generate_fallback_kernel_with_runtime_lookup_python(self, buf_name: str, python_kernel_name: str,
+                                                                op_overload: Any, raw_args: Any,
+                                                                output_args: Any, raw_outputs: Any) -> None:
+            named = [a for a in output_args if a is not None]
+            if len(op_overload._schema.returns) == 1 and len(output_args) > 1 and len(set(named)) == 1:
+                output_args, raw_outputs = named[:1], list(raw_outputs or ())[:1]  # one handle back: its buffer's
+            super().generate_fallback_kernel_with_runtime_lookup_python(
+                buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs)
+
+    return MendedCppWrapperCpu

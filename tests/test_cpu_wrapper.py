@@ -1,0 +1,157 @@
+"""fxshard's CPU programs compile with Inductor's C++ wrapper (backend/cpu_wrapper.py): one C++ compile per
+program, the same calls in the same order as the Python wrapper's, and the Python wrapper where the C++ one
+fails or is switched off. FSDP in miniature (``rank_programs.Blocks``, every weight Shard(0) on a fake group
+of 4): its forward and backward hold every kind of call the mends are for (bucketed gathers written into
+their buffer, reduce_scatter buckets packed, functional collectives named by their group). Numerics on real
+ranks: tests/test_e2e_gloo.py, whose compiled programs run in the C++ wrapper."""
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import fxshard
+from fxshard.backend import cpu_wrapper
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from inductor_code import calls, collective_kinds, is_cpp, kernels  # noqa: E402
+from rank_programs import Blocks, shard_parameters  # noqa: E402
+
+COST = fxshard.CostModel(default_latency=0.0)
+
+
+def _step_codes(mesh, monkeypatch, wrapper: str, dim: int = 32) -> list[str]:
+    """The code Inductor generated for one training step of ``Blocks``, under ``FXSHARD_CPU_WRAPPER=wrapper``."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("FXSHARD_CPU_WRAPPER", wrapper)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks(dim, 2 * dim)
+    shard_parameters(model, mesh)
+    compiled = torch.compile(model, backend="fxshard", options={"cost_model": COST, "regional": False})
+    x = distribute_tensor(torch.randn(256, dim), mesh, [Shard(0)])
+
+    def step() -> torch.Tensor:
+        loss = compiled(x)
+        loss.backward()
+        return loss
+    with torch._inductor.config.patch(force_disable_caches=True):  # compiled here, not read from a cache
+        _, codes = run_and_get_code(step)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def codes(fake_mesh_4) -> dict[str, list[str]]:
+    """``Blocks``' programs have fewer kernels than the C++ wrapper pays off at (``MIN_KERNELS``): taken all
+    the same here."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+        return {wrapper: _step_codes(fake_mesh_4, patch, wrapper) for wrapper in ("1", "0")}
+
+
+def test_a_cpu_program_compiles_with_the_cpp_wrapper(codes):
+    assert [is_cpp(code) for code in codes["1"]] == [True, True]
+    assert [is_cpp(code) for code in codes["0"]] == [False, False]
+
+
+def test_the_cpp_wrapper_makes_the_python_wrappers_calls_in_its_order(codes):
+    """Collectives, waits, library and generated kernels: one sequence in both (forward, backward)."""
+    assert [calls(code) for code in codes["1"]] == [calls(code) for code in codes["0"]]
+    assert [collective_kinds(code) for code in codes["1"]] == [
+        ["all_gather", "all_gather", "all_reduce"], ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]]
+    assert [kernels(code) for code in codes["1"]] == [kernels(code) for code in codes["0"]]
+
+
+def test_the_mended_calls_are_made_through_python(codes):
+    """The bucketed gather written into its buffer (``all_gather_into_tensor_out``: the wrapper keeps the
+    buffer, not the handle the call returns) and the reduce_scatter bucket's pack (a ``Tensor[]``: through
+    Python, not the dispatcher, whose headers cost seconds of compile) are calls back into Python."""
+    forward, backward = codes["1"]
+    assert 'PyUnicode_FromString("torch.ops._c10d_functional.all_gather_into_tensor_out.default")' in forward
+    assert 'PyUnicode_FromString("torch.ops.bucketing._pre_bucket_reduce_scatter.default")' in backward
+    assert "c10::Dispatcher" not in backward
+    gather = forward.split('all_gather_into_tensor_out.default")')[1].split("// Topologically Sorted")[0]
+    assert "PyCapsule_GetPointer(py_" in gather and "PyList_GET_ITEM" not in gather, gather
+
+
+def test_a_program_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper(fake_mesh_4, monkeypatch, caplog):
+    def fails(*args, **kwargs):
+        raise NotImplementedError("an argument this wrapper cannot pass")
+
+    monkeypatch.setattr(cpu_wrapper._mended_class(), "generate_py_arg", fails)
+    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    with caplog.at_level(logging.WARNING, logger="fxshard"):
+        step = _step_codes(fake_mesh_4, monkeypatch, "1", dim=16)
+    assert [is_cpp(code) for code in step] == [False, False]
+    warnings = [r.getMessage() for r in caplog.records if "C++ wrapper could not compile" in r.getMessage()]
+    assert len(warnings) == 2 and "an argument this wrapper cannot pass" in warnings[0], warnings
+
+
+def _runs(x: torch.Tensor, w: torch.Tensor, runs: int) -> torch.Tensor:
+    """``runs`` pointwise runs, each ended by a matmul."""
+    for _ in range(runs):
+        x = (torch.sigmoid(x) * 2).t() @ w
+    return x
+
+
+@pytest.mark.parametrize("runs", [3, 4])
+def test_a_program_of_as_many_kernels_as_the_cpp_wrapper_pays_off_at_takes_it(monkeypatch, runs):
+    """``expected_kernels`` counts the runs of generated ops between library calls: Inductor's kernel launches here,
+    and the C++ wrapper is taken from ``MIN_KERNELS`` on; the result is the Python wrapper's."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxshard.backend.inductor_config import compile_local
+
+    monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
+    args = [torch.randn(16, 16), torch.randn(16, 16) / 4]
+    gm = make_fx(lambda x, w: _runs(x, w, runs))(*args)
+    assert cpu_wrapper.expected_kernels(gm) == runs
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        run, (code,) = run_and_get_code(lambda: compile_local(gm, args, None))
+    launches = [call for call in calls(code) if call.startswith("cpp_fused")]  # runs alike share a kernel
+    assert len(launches) == runs and is_cpp(code) == (runs >= cpu_wrapper.MIN_KERNELS), launches
+    out = run(*args)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, _runs(*args, runs))
+
+
+def test_where_the_cpp_wrapper_applies(monkeypatch):
+    cpu, meta = torch.empty(2, 2), torch.empty(2, 2, device="meta")
+    gm = torch.fx.symbolic_trace(lambda x: x)
+    monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
+    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 0)
+    assert cpu_wrapper.use_cpu_wrapper(gm, [cpu, 3]) and not cpu_wrapper.use_cpu_wrapper(gm, [cpu, meta])
+    assert not cpu_wrapper.use_cpu_wrapper(gm, [])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        symbolic = mode.from_tensor(cpu, static_shapes=False)
+    assert not cpu_wrapper.use_cpu_wrapper(gm, [symbolic])  # sizes as symbols: the Python wrapper
+    monkeypatch.setenv("FXSHARD_CPU_WRAPPER", "0")
+    assert not cpu_wrapper.use_cpu_wrapper(gm, [cpu])
+
+
+def test_the_mended_wrapper_keys_inductors_cache_apart_and_is_put_back():
+    """Inside ``cpu_wrapper_mended`` the CPU's code generator is the mended one and a pass that changes
+    nothing carries this module's hash into Inductor's FX graph cache key; outside, both are torch's."""
+    from torch._inductor.codegen import common
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    common.init_backend_registration()
+    before = (common.device_codegens["cpu"], common.custom_backend_passes.get("cpu"))
+    with cpu_wrapper.cpu_wrapper_mended():
+        assert common.device_codegens["cpu"].cpp_wrapper_codegen is cpu_wrapper._mended_class()
+        marker = common.custom_backend_passes["cpu"]
+        assert marker.uuid()[0] == get_hash_for_files((cpu_wrapper.__file__,)).hex()
+        graph = torch.fx.symbolic_trace(lambda x: x + 1)
+        code = graph.code
+        marker(graph)
+        assert graph.code == code
+    assert (common.device_codegens["cpu"], common.custom_backend_passes.get("cpu")) == before
