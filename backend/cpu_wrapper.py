@@ -4,8 +4,8 @@ With its default (Python) wrapper, Inductor compiles each C++ kernel of a CPU pr
 the compiler, ~1 s each on this project's machine, nearly all of it fixed cost (a Llama layer's forward and
 backward: 13 kernels, 13 runs, ~15 of a 23 s first step). With its C++ wrapper (``cpp_wrapper``) the
 kernels and the code that calls them are one source and one run (forward 4.0 s, backward 5.0 s):
-``python bench/compile.py`` measures the first step with and without it. The wrapper's calls also run in
-C++ instead of Python at every step.
+``python bench/compile.py`` measures the first step (bench/results/compile.md, session 30). At every step the
+program's calls are then made from C++ (those it makes through Python excepted, below).
 
 torch 2.13's C++ wrapper does not take fxshard's programs as they are; for fxshard's compiles only (the
 code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended``) three things are mended:
