@@ -39,6 +39,17 @@ import torch.fx as fx
 
 __all__ = ["MIN_KERNELS", "cpu_wrapper_mended", "expected_kernels", "use_cpu_wrapper"]
 
+aten = torch.ops.aten
+# Calls Inductor hands to a library (or falls back on) rather than generating code for
+_LIBRARY = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution,
+                      aten._scaled_dot_product_flash_attention_for_cpu,
+                      aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                      aten._scaled_dot_product_efficient_attention,
+                      aten._scaled_dot_product_efficient_attention_backward, aten.split_with_sizes_copy})
+_VIEWS = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.t, aten.transpose, aten.expand,
+                    aten.slice, aten.select, aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.as_strided,
+                    aten.split, aten.split_with_sizes, aten.unbind, aten.view_as_real, aten.view_as_complex})
+
 _SWITCH = "FXSHARD_CPU_WRAPPER"
 # Programs with fewer kernels than this keep the Python wrapper: a C++-wrapped program costs the compiler
 # ~2.3 s and ~0.35 s a kernel (its precompiled header leaves the kernels' header out), a Python-wrapped one
@@ -77,17 +88,6 @@ def expected_kernels(gm: fx.GraphModule) -> int:
 def _is_library_call(op: torch._ops.OpOverload) -> bool:
     return op.namespace != "aten" or op.overloadpacket in _LIBRARY
 
-
-aten = torch.ops.aten
-# Calls Inductor hands to a library (or falls back on) rather than generating code for
-_LIBRARY = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution,
-                      aten._scaled_dot_product_flash_attention_for_cpu,
-                      aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                      aten._scaled_dot_product_efficient_attention,
-                      aten._scaled_dot_product_efficient_attention_backward, aten.split_with_sizes_copy})
-_VIEWS = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.t, aten.transpose, aten.expand,
-                    aten.slice, aten.select, aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.as_strided,
-                    aten.split, aten.split_with_sizes, aten.unbind, aten.view_as_real, aten.view_as_complex})
 
 
 @contextlib.contextmanager
