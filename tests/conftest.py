@@ -5,6 +5,7 @@ run only with ``--slow`` or ``FXSHARD_SLOW=1`` in the environment: CI's default 
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -31,6 +32,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fxshard_logger_restored():
+    """The ``fxshard`` logger as it was before the test. ``torch._logging.set_logs()`` (tests of TORCH_LOGS) leaves
+    it not propagating, with a handler on the stderr pytest captured for that test: a later test's ``caplog``
+    would see none of its records."""
+    logger = logging.getLogger("fxshard")
+    state = (logger.propagate, list(logger.handlers), logger.level)
+    yield
+    logger.propagate, logger.handlers[:], _ = state
+    logger.setLevel(state[2])
 
 
 @pytest.fixture(scope="module")
