@@ -1,11 +1,14 @@
-"""Inductor's C++ wrapper for programs on the CPU: one run of the C++ compiler per program, not per kernel.
+"""Inductor's C++ wrapper for programs on the CPU: two runs of the C++ compiler per program, not one per kernel.
 
 With its default (Python) wrapper, Inductor compiles each C++ kernel of a CPU program with its own run of
 the compiler, ~1 s each on this project's machine, nearly all of it fixed cost (a Llama layer's forward and
 backward: 13 kernels, 13 runs, ~15 of a 23 s first step). With its C++ wrapper (``cpp_wrapper``) the
-kernels and the code that calls them are one source and one run (forward 4.0 s, backward 5.0 s):
-``python bench/compile.py`` measures the first step (bench/results/compile.md, session 30). At every step the
-program's calls are then made from C++ (those it makes through Python excepted, below).
+kernels and the code that calls them are one program, built separately (``cpp_wrapper_build_separate``): the
+calling code at -O1 and the kernels at -O3, each on its precompiled header, then linked. Built as one source
+the kernels' header was compiled with every program (a step's forward 4.0 s, backward 5.0 s); built
+separately a program costs ~2.2 s and ~0.1 s a kernel (``python bench/compile.py`` measures the first step,
+bench/results/compile.md, sessions 30-31). At every step the program's calls are then made from C++ (those it
+makes through Python excepted, below).
 
 torch 2.13's C++ wrapper does not take fxshard's programs as they are; for fxshard's compiles only (the
 code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended``) three things are mended:
@@ -23,7 +26,7 @@ code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended
 
 ``use_cpu_wrapper`` says where it applies: every input on the CPU (on a GPU the kernels are Triton's and the
 Python wrapper compiles nothing), static sizes, about ``MIN_KERNELS`` kernels or more (``expected_kernels``;
-a smaller program compiles faster with the Python wrapper), a torch whose wrapper has what the mends
+a one-kernel program compiles faster with the Python wrapper), a torch whose wrapper has what the mends
 replace, and ``FXSHARD_CPU_WRAPPER`` not ``0``. A program the C++ wrapper still cannot compile is compiled with the
 Python wrapper (``compile_local``), with a warning naming the error.
 """
@@ -37,7 +40,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_KERNELS", "cpu_wrapper_mended", "expected_kernels", "use_cpu_wrapper"]
+__all__ = ["MIN_KERNELS", "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "use_cpu_wrapper"]
 
 aten = torch.ops.aten
 # Calls Inductor hands to a library (or falls back on) rather than generating code for
@@ -52,9 +55,10 @@ _VIEWS = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten.permute, at
 
 _SWITCH = "FXSHARD_CPU_WRAPPER"
 # Programs with fewer kernels than this keep the Python wrapper: a C++-wrapped program costs the compiler
-# ~2.3 s and ~0.35 s a kernel (its precompiled header leaves the kernels' header out), a Python-wrapped one
-# ~1 s a kernel (this project's machine, 2026-11-28): even at ~3.5 kernels
-MIN_KERNELS = 4
+# ~2.2 s and ~0.1 s a kernel, a Python-wrapped one ~1.1 s a kernel (this project's machine, 2026-11-28: one
+# Dynamo-compiled function of 1 / 2 / 4 / 8 kernels, first call 1.45 / 2.54 / 4.80 / 9.21 s Python-wrapped,
+# 2.28 / 2.35 / 2.51 / 2.87 s C++-wrapped, built separately; 3.09 / 3.23 / 3.37 / 3.72 s built as one source)
+MIN_KERNELS = 2
 # the methods of torch's C++ wrapper the mends override, with the signatures torch 2.13 gives them
 _MENDED = ("generate_py_arg", "_compatible_with_cpp_boxed_dispatch",
            "generate_fallback_kernel_with_runtime_lookup_python")
@@ -68,6 +72,15 @@ def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     static = all(isinstance(n, int) for x in tensors for n in (*x.shape, *x.stride()))  # symbolic: not taken
     cpu = bool(tensors) and all(x.device.type == "cpu" for x in tensors)
     return cpu and static and expected_kernels(gm) >= MIN_KERNELS
+
+
+def cpu_wrapper_patches() -> dict[str, Any]:
+    """Inductor's config for a C++-wrapped CPU program: the wrapper, its calling code and kernels compiled
+    separately (each on a precompiled header) where this torch can."""
+    patches: dict[str, Any] = {"cpp_wrapper": True}
+    if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
+        patches["cpp_wrapper_build_separate"] = True
+    return patches
 
 
 def expected_kernels(gm: fx.GraphModule) -> int:

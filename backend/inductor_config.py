@@ -51,7 +51,7 @@ from fxshard.lowering.localize import complete_fake_values
 
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
-from .cpu_wrapper import cpu_wrapper_mended, use_cpu_wrapper
+from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
 from .inductor_direct import compile_direct, takes_directly
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
@@ -108,11 +108,11 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     if training:
         patches = {**patches, **TRAINING_PATCHES}
     example_inputs = cacheable_inputs(inputs)
-    if use_cpu_wrapper(gm, example_inputs):  # one C++ compile per program, not per kernel (cpu_wrapper.py)
+    if use_cpu_wrapper(gm, example_inputs):  # two C++ compiles per program, not one per kernel (cpu_wrapper.py)
         try:
             with cpu_wrapper_mended():
-                return _compile(_inputs_as_given(gm, example_inputs), example_inputs, {**patches, "cpp_wrapper": True},
-                                comms)
+                return _compile(_inputs_as_given(gm, example_inputs), example_inputs,
+                                {**patches, **cpu_wrapper_patches()}, comms)
         except Exception as error:  # noqa: BLE001 (any failure of the C++ wrapper: the Python one instead)
             log.warning("fxshard: Inductor's C++ wrapper could not compile a program (%s: %s); compiling it with "
                         "the Python wrapper. FXSHARD_CPU_WRAPPER=0 skips the attempt.", type(error).__name__,

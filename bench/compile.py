@@ -121,8 +121,10 @@ def warm_up() -> None:
     """Imports and Inductor's first compile, paid once before any timing (not by the first row): with each
     of its wrappers, whose precompiled headers Inductor keeps on disk for every later process (fxshard
     compiles CPU programs with the C++ one, backend/cpu_wrapper.py; FSDP2's blocks use the Python one)."""
-    for cpp_wrapper in (False, True):
-        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+    from fxshard.backend.cpu_wrapper import cpu_wrapper_patches
+
+    for patches in ({}, cpu_wrapper_patches()):
+        with torch._inductor.config.patch(patches):
             torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(4))
         torch._dynamo.reset()
 
