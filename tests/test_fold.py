@@ -81,7 +81,9 @@ def _ops(gm) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-@pytest.mark.parametrize("style", ["fsdp", "tp", "fsdp_tp"])
+# FSDP x TP by default (both axes' collectives in one plan); FSDP alone and Megatron TP alone with --slow
+@pytest.mark.parametrize("style", [pytest.param("fsdp", marks=pytest.mark.slow),
+                                   pytest.param("tp", marks=pytest.mark.slow), "fsdp_tp"])
 def test_a_folded_program_is_the_whole_models_program(fake_mesh_4, monkeypatch, style):
     """Six layers, FSDP, Megatron TP and FSDP x TP: folded, stages 1-3 trace four layers, and the lowered
     step is the one the whole model's plan gives: per region the same code, the same schedule, the same
@@ -236,8 +238,8 @@ def test_a_folded_step_computes_what_the_model_does(fake_mesh_4, monkeypatch):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
 
-@pytest.mark.parametrize("axes, placements, regional", [
-    ({"tp": 4}, megatron_placements, False),
+@pytest.mark.parametrize("axes, placements, regional", [  # Megatron TP alone with --slow (FSDP x TP has its plan)
+    pytest.param({"tp": 4}, megatron_placements, False, marks=pytest.mark.slow),
     ({"dp": 4}, fsdp_placements, True),
     ({"dp": 2, "tp": 2}, fsdp_tp_placements, False),
 ], ids=["tp", "fsdp-regional", "fsdp_tp"])

@@ -182,7 +182,9 @@ def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize("fold, depths", [(False, (2, 4, 6)), (True, (5, 7, 9))], ids=["whole", "folded"])
+# folded by default (its regions are cut from whole programs unfolded: the cut's work is both's); whole with --slow
+@pytest.mark.parametrize("fold, depths", [pytest.param(False, (2, 4, 6), marks=pytest.mark.slow), (True, (5, 7, 9))],
+                         ids=["whole", "folded"])
 def test_compiling_a_program_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch, fold, depths):
     """Every stage reads each layer's part of the program a fixed number of times: two more layers add about
     as many nodes visited from 4 layers to 6 as from 2 to 4 (2 / 4 / 6 / 8 layers: 64k / 107k / 152k / 197k,
