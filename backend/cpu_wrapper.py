@@ -26,7 +26,7 @@ code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended
 
 ``use_cpu_wrapper`` says where it applies: every input on the CPU (on a GPU the kernels are Triton's and the
 Python wrapper compiles nothing), static sizes, about ``MIN_KERNELS`` kernels or more (``expected_kernels``;
-a one-kernel program compiles faster with the Python wrapper), a torch whose wrapper has what the mends
+a program of one or two compiles as fast with the Python wrapper), a torch whose wrapper has what the mends
 replace, and ``FXSHARD_CPU_WRAPPER`` not ``0``. A program the C++ wrapper still cannot compile is compiled with the
 Python wrapper (``compile_local``), with a warning naming the error.
 """
@@ -57,8 +57,10 @@ _SWITCH = "FXSHARD_CPU_WRAPPER"
 # Programs with fewer kernels than this keep the Python wrapper: a C++-wrapped program costs the compiler
 # ~2.2 s and ~0.1 s a kernel, a Python-wrapped one ~1.1 s a kernel (this project's machine, 2026-11-28: one
 # Dynamo-compiled function of 1 / 2 / 4 / 8 kernels, first call 1.45 / 2.54 / 4.80 / 9.21 s Python-wrapped,
-# 2.28 / 2.35 / 2.51 / 2.87 s C++-wrapped, built separately; 3.09 / 3.23 / 3.37 / 3.72 s built as one source)
-MIN_KERNELS = 2
+# 2.28 / 2.35 / 2.51 / 2.87 s C++-wrapped, built separately; 3.09 / 3.23 / 3.37 / 3.72 s built as one source).
+# At two kernels it is about even, and the Python wrapper's kernels are compiled once per process (a kernel
+# of the same code in another program is not compiled again), a C++-wrapped program's with it
+MIN_KERNELS = 3
 # the methods of torch's C++ wrapper the mends override, with the signatures torch 2.13 gives them
 _MENDED = ("generate_py_arg", "_compatible_with_cpp_boxed_dispatch",
            "generate_fallback_kernel_with_runtime_lookup_python")
