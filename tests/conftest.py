@@ -40,10 +40,10 @@ def fxshard_logger_restored():
     it not propagating, with a handler on the stderr pytest captured for that test: a later test's ``caplog``
     would see none of its records."""
     logger = logging.getLogger("fxshard")
-    state = (logger.propagate, list(logger.handlers), logger.level)
+    propagate, handlers, level = logger.propagate, list(logger.handlers), logger.level
     yield
-    logger.propagate, logger.handlers[:], _ = state
-    logger.setLevel(state[2])
+    logger.propagate, logger.handlers[:] = propagate, handlers
+    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")
