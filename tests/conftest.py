@@ -2,6 +2,8 @@
 
 Tests marked ``@pytest.mark.slow`` (minutes each, covering what a faster test covers in part)
 run only with ``--slow`` or ``FXSHARD_SLOW=1`` in the environment: CI's default run stays lean.
+Tests that sample random cases (tests/test_conformance.py, tests/test_view_properties.py) draw their slow
+tier's full count with ``FXSHARD_SLOW=1`` only: they read it when imported, before options are parsed.
 """
 from __future__ import annotations
 
