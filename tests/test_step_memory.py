@@ -57,3 +57,20 @@ CASES = {
 def test_step_memory_is_the_sum_the_plan_implies(style):
     axis, placements, (forward, kept, backward, _) = CASES[style]
     assert _step_memory(axis, placements) == (forward, kept, backward, max(forward, kept + backward))
+
+
+def test_a_symbolic_peak_keeps_only_the_sums_no_other_one_bounds():
+    """The peak over a symbolic mesh is one ``Max`` of the live sums that no other bounds term by term (what
+    sympy would otherwise compare pairwise through its assumptions); sums it cannot read so stay."""
+    import sympy
+
+    from fxshard.memory import _max
+
+    tp = sympy.Symbol("tp", integer=True, positive=True)
+    peak = _max(0, 16, 8192 + 51200 / tp, 9216 + 50176 / tp, 100 + 1 / tp, 8192 + 51200 / tp, 8000 + 51200 / tp)
+    assert peak == sympy.Max(8192 + 51200 / tp, 9216 + 50176 / tp)
+    for n in (1, 2, 4, 8, 64):  # the value of the Max of all of them
+        assert peak.subs(tp, n) == max(v.subs(tp, n) if isinstance(v, sympy.Expr) else v for v in (
+            16, 8192 + 51200 / tp, 9216 + 50176 / tp, 100 + 1 / tp, 8000 + 51200 / tp))
+    assert _max(8, 4 * sympy.ceiling(16 / tp)) == sympy.Max(8, 4 * sympy.ceiling(16 / tp))
+    assert _max(3, 0, 2) == 3
