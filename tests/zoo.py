@@ -249,10 +249,14 @@ def pin_stream(model: torch.nn.Module, modules: Sequence[str], placements: Seque
 
 
 def run(arch: Arch, world: int, sequence_parallel: bool = False, batch: int = 2, seq: int = 8, seed: int = 0) -> Result:
-    """``arch`` under Megatron TP (and SP) on ``world`` simulated ranks, against one device."""
+    """``arch`` under Megatron TP (and SP) on ``world`` simulated ranks, against one device: the output the ranks
+    compute and the collectives of the plan they ran (one capture and one plan for both, as ``simulate`` and
+    ``explain`` would each make)."""
     import warnings
 
     import fxshard
+    from fxshard.backend.explain import collectives_of
+    from fxshard.backend.simulate import simulate_ranks
 
     torch.manual_seed(seed)
     model = arch.build()
@@ -266,13 +270,13 @@ def run(arch: Arch, world: int, sequence_parallel: bool = False, batch: int = 2,
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = fxshard.simulate(fn, *args, mesh=mesh, placements=placements)
-            explanation = fxshard.explain(fn, *args, mesh=mesh, placements=placements)
+            ranks = simulate_ranks(fn, *args, mesh=mesh, placements=placements)
+            out, = ranks.full()
     finally:
         for h in hooks:
             h.remove()
     counts: dict[str, int] = {}
-    for c in explanation.collectives:
+    for c in collectives_of(ranks.graph):
         counts[c.kind] = counts.get(c.kind, 0) + 1
     ours = sorted({str(w.message) for w in caught if str(w.message).startswith("fxshard")})
     return Result(float((out - ref).abs().max()), counts, ours)
