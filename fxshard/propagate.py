@@ -68,11 +68,17 @@ class _Requested:
 
     def key(self, a: fx.Node, memo: "Decisions") -> Hashable:
         """All ``has(a, ...)`` reads: ``of(a)``; with ``foreseen`` requests, also each relabelling on the way
-        to ``a``'s sources (its structure), its input's layout and what that is moved into already."""
+        to ``a``'s sources (its structure), its input's layout and what that is moved into already. Where no
+        such source is moved into anything, ``has`` reads what it reads without ``foreseen``: the key is
+        ``of(a)`` then too, so the foreseen propagation meets the decisions the others made (it is not a
+        tuple of layouts otherwise: the keys cannot meet where the reads differ)."""
         if not self._through_sources:
             return self.of(a)
-        return self.of(a), tuple((memo.structure_of(n), n.args[0].meta[LAYOUT], self.of(n.args[0]))
-                                 for n in relabel_chain(a))
+        sources = tuple((memo.structure_of(n), n.args[0].meta[LAYOUT], self.of(n.args[0]))
+                        for n in relabel_chain(a))
+        if not any(moved for _, _, moved in sources):
+            return self.of(a)
+        return self.of(a), sources
 
 
 class Decisions:
@@ -163,11 +169,9 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
     ``memo`` carries decisions from one propagation of ``gm`` to the next (refinement: see ``Decisions``).
     ``foreseen``: redistributions taken as asked for from the start (value -> layouts: what the consumers
     of an earlier plan asked for, refine.py), so that an op before the consumer asking for one may read
-    it for free, also through relabellings of it; such a propagation keeps its decisions to itself (a
-    fresh ``Decisions``: what it reads of the requests, ``_Requested.key``, is more than others' keys say).
+    it for free, also through relabellings of it; its decisions share ``memo`` with the others' (where it
+    reads more of the requests than they do, its keys say so: ``_Requested.key``).
     """
-    if foreseen is not None:
-        memo = Decisions()
     input_layouts = dict(input_layouts or {})
     requested = _Requested(Rebuilds(cost_model), foreseen)
     wanted = wanted_at_output(gm, output_layouts or ())
