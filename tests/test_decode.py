@@ -17,6 +17,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
+from fxshard.backend.explain import collectives_of
+from fxshard.backend.simulate import simulate_ranks
+from fxshard.graph import LAYOUT
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,16 +69,19 @@ def decode(model: torch.nn.Module, cache: str, mesh: fxshard.MeshSpec, plan: dic
             want = step(ids, position, *written)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="fxshard")
-            got = fxshard.simulate(step, ids, position, *[t.clone() for t in kv], mesh=mesh, placements=placements)
-            explanation = fxshard.explain(step, ids, position, *kv, mesh=mesh, placements=placements)
+            # one capture and one plan: what the ranks compute, and the plan's collectives and layouts
+            ranks = simulate_ranks(step, ids, position, *[t.clone() for t in kv], mesh=mesh, placements=placements)
+        outs = ranks.full()
+        got = outs[0] if len(outs) == 1 else tuple(outs)
         # dynamic: the logits and the grown cache; static: the logits, which read the entries the step
         # wrote (index_copy_ into the sharded buffers)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         logits, kv = (want[0], want[1:]) if cache == "dynamic" else (want, tuple(written))
-        held = list(explanation.output_layouts[1:]) if cache == "dynamic" else \
-            [explanation.input_layouts[f"arg{2 + i}"] for i in range(len(kv))]  # written in place
+        input_layouts = {n.name: n.meta[LAYOUT] for n in ranks.graph.graph.find_nodes(op="placeholder")}
+        held = list(ranks.output_layouts[1:]) if cache == "dynamic" else \
+            [input_layouts[f"arg{2 + i}"] for i in range(len(kv))]  # written in place
         layouts = held if cache == "dynamic" else layouts
-        out.append(([c.kind for c in explanation.collectives], [str(layout) for layout in held]))
+        out.append(([c.kind for c in collectives_of(ranks.graph)], [str(layout) for layout in held]))
         ids, position = logits[:, -1].argmax(-1, keepdim=True), position[-1:] + 1
     return out
 
