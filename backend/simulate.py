@@ -12,7 +12,7 @@ graph's programs run on the ranks' blocks the graphs before it left, in their la
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -181,6 +181,9 @@ class SimulatedRun:
     grad_keys: tuple = ()  # what gradient k is of: an argument index or a parameter name
     graph: fx.GraphModule | None = None  # the planned global graph (training: the joint one; None: folded)
     region_graphs: int = 0  # regional: the distinct layer region graphs rank 0 ran, forward and backward (else 0)
+    # each rank's lowered local program (stage 5) by coordinate, as ``lowered_graphs`` gives it (training: the
+    # pair forward, backward): the collectives the ranks ran, to read without planning the program again
+    lowered: dict = field(default_factory=dict)
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""
@@ -238,7 +241,8 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
             regions = [program_regions(g) for g in graphs], None
         per_rank, compiled = _run_ranks(graphs, regions[0], [[b[c] for b in blocks] for c in coords])
         if not grad:
-            return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph, region_graphs=compiled)
+            return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph, region_graphs=compiled,
+                                lowered=dict(zip(coords, graphs)))
         n = training.num_outputs
         run = SimulatedRun(coords, [outs[:n] for outs in per_rank], training.output_layouts)
         seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
@@ -248,7 +252,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
     return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph,
-                        compiled + compiled_backward)
+                        compiled + compiled_backward, dict(zip(coords, zip(graphs, backward))))
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fxshard
-from fxshard.backend.simulate import fake_world, lowered_graphs
+from fxshard.backend.simulate import fake_world, lowered_graphs, simulate_ranks
 from fxshard.backend.traffic import collective_calls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -55,13 +55,14 @@ def collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
-def plan_counts(model: Llama, x, y, mesh: fxshard.MeshSpec, placements: dict, cost_model=None):
-    """(forward collectives, backward collectives, forward calls) of rank 0's lowered training program."""
-    with fake_world(mesh) as device_mesh:
-        graphs = lowered_graphs(model.loss, x, y, device_mesh=device_mesh, placements=placements, grad=True,
-                                cost_model=cost_model)
-        fwd, bwd = graphs[(0,) * mesh.ndim]
-        return collectives(fwd), collectives(bwd), collective_calls(fwd)
+def simulated_counts(model: Llama, x, y, mesh: fxshard.MeshSpec, placements: dict, cost_model=None):
+    """The training step on simulated ranks, planned once: the loss and gradients (as ``fxshard.simulate(...,
+    grad=True)`` gives them), and the forward collectives, backward collectives and forward calls of the lowered
+    programs rank 0 ran (as ``lowered_graphs`` gives them)."""
+    with fake_world(mesh):  # the programs' process groups live until their calls are read
+        run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements, grad=True, cost_model=cost_model)
+        fwd, bwd = run.lowered[(0,) * mesh.ndim]
+        return run.full()[0], run.full_grads(), collectives(fwd), collectives(bwd), collective_calls(fwd)
 
 
 # ~7 s: by default test_fsdp_x_tensor_parallel[shape0] trains Megatron on its tp axis (exact; the same reduces
@@ -74,12 +75,13 @@ def test_tensor_parallel_two_all_reduces_per_layer_each_way(tp):
     x, y = data(2, 16)
     ref_loss, ref_grads = reference(model, x, y)
     mesh = fxshard.MeshSpec(tp=tp)
-    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=megatron_placements(model), grad=True)
+    loss, grads, fwd, bwd, _ = simulated_counts(model, x, y, mesh, megatron_placements(model))
     assert_matches(loss, grads, ref_loss, ref_grads)
-    fwd, bwd, _ = plan_counts(model, x, y, mesh, megatron_placements(model))
     layers = CFG.n_layers
-    # forward: 2 per layer, the vocab-parallel embedding, 3 small ones in the vocab-parallel loss (max, sum, pick)
-    assert fwd == {"all_reduce": 2 * layers + 1 + 3}
+    # forward: 2 per layer, the vocab-parallel embedding, and the vocab-parallel loss's small ones: the pick's
+    # all_reduce, and each rank's max and sum gathered in one all_gather (fxshard/softmax_statistics.py: under
+    # the default cost model one call's latency beats two reductions of a few bytes)
+    assert fwd == {"all_reduce": 2 * layers + 1 + 1, "all_gather": 1}
     # backward: 2 per layer (each block's input gradient), 1 into the output projection's input
     assert bwd == {"all_reduce": 2 * layers + 1}
 
@@ -95,10 +97,8 @@ def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient(dp):
     placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
     mesh = fxshard.MeshSpec(dp=dp)
     ref_loss, ref_grads = reference(model, x, y)
-    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True,
-                                   cost_model=BANDWIDTH_BOUND)
+    loss, grads, fwd, bwd, fwd_calls = simulated_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
     assert_matches(loss, grads, ref_loss, ref_grads)
-    fwd, bwd, fwd_calls = plan_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
     n_params = len(list(model.parameters()))
     assert fwd["all_gather"] == n_params
     assert all(c.input_bytes <= 8 for c in fwd_calls if c.kind == "all_reduce")  # the loss's scalars only
@@ -122,9 +122,8 @@ def test_fsdp_under_the_default_cost_model_prices_a_blocks_gathers_as_one_call()
     placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
     mesh = fxshard.MeshSpec(dp=4)
     ref_loss, ref_grads = reference(model, x, y)
-    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True)
+    loss, grads, fwd, bwd, fwd_calls = simulated_counts(model, x, y, mesh, placements)
     assert_matches(loss, grads, ref_loss, ref_grads)
-    fwd, bwd, fwd_calls = plan_counts(model, x, y, mesh, placements)
     n_params = len(list(model.parameters()))
     assert (fwd, bwd) == ({"all_gather": n_params, "all_reduce": 2},
                           {"all_gather": 7 * config.n_layers, "reduce_scatter": n_params})
@@ -176,10 +175,8 @@ def test_fsdp_x_tensor_parallel(shape):
     placements = {**fsdp_tp_placements(model), 0: batch, 1: batch}
     mesh = fxshard.MeshSpec(dp=dp, tp=tp)
     ref_loss, ref_grads = reference(model, x, y)
-    loss, grads = fxshard.simulate(model.loss, x, y, mesh=mesh, placements=placements, grad=True,
-                                   cost_model=BANDWIDTH_BOUND)
+    loss, grads, fwd, bwd, _ = simulated_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
     assert_matches(loss, grads, ref_loss, ref_grads)
-    fwd, bwd, _ = plan_counts(model, x, y, mesh, placements, BANDWIDTH_BOUND)
     n_params = len(list(model.parameters()))
     assert bwd["reduce_scatter"] == n_params  # every gradient lands in its parameter's dp shard
     layers = CFG.n_layers
@@ -207,13 +204,14 @@ def test_tensor_and_sequence_parallel_with_parallelize_module(tp):
             parallelize_module(sharded, mesh, tensor_parallel_plan(sharded, sequence_parallel=True,
                                                                    loss_parallel=False))
             targets = distribute_tensor(y, mesh, [Replicate()])
-        loss, grads = fxshard.simulate(sharded.loss, x, targets, grad=True)
-        assert_matches(loss, grads, ref_loss, ref_grads)
-        for keep in (True, False):
-            with fake_world(fxshard.MeshSpec(tp=tp)) as device_mesh:
-                fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True,
-                                          training_split=fxshard.TrainingSplit(keep_gathered_activations=keep))[(0,)]
-            _check_sequence_parallel_counts(collectives(fwd), collectives(bwd), collective_calls(bwd), keep)
+        run = simulate_ranks(sharded.loss, x, targets, grad=True)  # the default split: gathered inputs kept
+        assert_matches(run.full()[0], run.full_grads(), ref_loss, ref_grads)
+        fwd, bwd = run.lowered[(0,)]
+        _check_sequence_parallel_counts(collectives(fwd), collectives(bwd), collective_calls(bwd), keep=True)
+        with fake_world(fxshard.MeshSpec(tp=tp)) as device_mesh:
+            fwd, bwd = lowered_graphs(sharded.loss, x, targets, device_mesh=device_mesh, grad=True,
+                                      training_split=fxshard.TrainingSplit(keep_gathered_activations=False))[(0,)]
+        _check_sequence_parallel_counts(collectives(fwd), collectives(bwd), collective_calls(bwd), keep=False)
 
 
 def _check_sequence_parallel_counts(fwd_counts: dict, bwd_counts: dict, bwd_calls: list, keep: bool) -> None:
