@@ -17,7 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fxshard
-from fxshard.backend.simulate import fake_world
+from fxshard.backend.explain import collectives_of
+from fxshard.backend.simulate import fake_world, simulate_ranks
 from fxshard.propagate import UnsupportedOpError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -38,7 +39,8 @@ def tokens(batch: int, seq: int, cfg: LlamaConfig = CFG) -> torch.Tensor:
 
 
 def run_plan(cfg: LlamaConfig, world: int, sequence_parallel: bool, x: torch.Tensor, fn: str = "forward"):
-    """(single-device output, simulated output, explanation) of the TP / TP+SP plan."""
+    """(single-device output, simulated output, the collectives of the plan the ranks ran) of the TP / TP+SP
+    plan: planned once for both (``simulate`` and ``explain`` would each capture and plan it)."""
     model = fresh_model(cfg)
     with torch.no_grad():
         ref = getattr(model, fn)(*x)
@@ -46,14 +48,15 @@ def run_plan(cfg: LlamaConfig, world: int, sequence_parallel: bool, x: torch.Ten
         with LocalTensorMode(world):
             parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
         call = getattr(model, fn) if fn != "forward" else model
-        explanation = fxshard.explain(call, *x, mesh=mesh)
-        out = fxshard.simulate(call, *x)
-    return ref, out, explanation
+        run = simulate_ranks(call, *x)
+    out, = run.full()
+    return ref, out, collectives_of(run.graph)
 
 
-def counts(explanation) -> dict[str, int]:
+def counts(explanation_or_collectives) -> dict[str, int]:
+    """Collectives by kind: of an explanation, or a list of them (``run_plan``)."""
     out: dict[str, int] = {}
-    for c in explanation.collectives:
+    for c in getattr(explanation_or_collectives, "collectives", explanation_or_collectives):
         out[c.kind] = out.get(c.kind, 0) + 1
     return out
 
