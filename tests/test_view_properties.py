@@ -556,7 +556,7 @@ COMMON = {"deadline": None, "derandomize": True, "database": None}
 EXAMPLES = 2 if os.environ.get("FXSHARD_SLOW") == "1" else 1  # the slow tier draws twice as many examples
 
 
-@settings(max_examples=30 * EXAMPLES, **COMMON)
+@settings(max_examples=24 * EXAMPLES, **COMMON)
 @given(data=st.data())
 def test_views_permutes_and_stacks_need_no_communication_when_ranks_can_view_locally(data):
     mesh = data.draw(meshes(), label="mesh")
@@ -565,7 +565,7 @@ def test_views_permutes_and_stacks_need_no_communication_when_ranks_can_view_loc
     check(mesh, x_in, ops, data.draw(st.integers(0, 2**31 - 1), label="seed"))
 
 
-@settings(max_examples=25 * EXAMPLES, **COMMON)
+@settings(max_examples=20 * EXAMPLES, **COMMON)
 @given(data=st.data())
 def test_view_like_chains_compute_the_single_device_result(data):
     mesh = data.draw(meshes(), label="mesh")
