@@ -77,9 +77,9 @@ def decode(model: torch.nn.Module, cache: str, mesh: fxshard.MeshSpec, plan: dic
         # wrote (index_copy_ into the sharded buffers)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         logits, kv = (want[0], want[1:]) if cache == "dynamic" else (want, tuple(written))
-        input_layouts = {n.name: n.meta[LAYOUT] for n in ranks.graph.graph.find_nodes(op="placeholder")}
+        placeholders = {n.name: n for n in ranks.graph.graph.find_nodes(op="placeholder")}
         held = list(ranks.output_layouts[1:]) if cache == "dynamic" else \
-            [input_layouts[f"arg{2 + i}"] for i in range(len(kv))]  # written in place
+            [placeholders[f"arg{2 + i}"].meta[LAYOUT] for i in range(len(kv))]  # written in place
         layouts = held if cache == "dynamic" else layouts
         out.append(([c.kind for c in collectives_of(ranks.graph)], [str(layout) for layout in held]))
         ids, position = logits[:, -1].argmax(-1, keepdim=True), position[-1:] + 1
