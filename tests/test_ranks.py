@@ -2,6 +2,7 @@
 how a slow or stuck rank ends the call, and that a rank leaving cleanly is never killed."""
 from __future__ import annotations
 
+import inspect
 import pathlib
 import sys
 
@@ -24,10 +25,13 @@ def ranks():
         sys.path.remove(str(HERE))
 
 
-def test_each_rank_gets_one_thread_says_what_it_does_and_may_take_its_time_to_leave(ranks, capfd):
+# 11 s (--slow): longer than the 10 s after which the launcher used to kill a rank that had already returned;
+# by default 3 s, and the grace a leaving rank gets by default is read off ``spawn``
+@pytest.mark.parametrize("exit_delay", [3.0, pytest.param(11.0, marks=pytest.mark.slow)])
+def test_each_rank_gets_one_thread_says_what_it_does_and_may_take_its_time_to_leave(ranks, capfd, exit_delay):
     launcher, programs = ranks
-    # 11 s: longer than the 10 s after which the launcher used to kill a rank that had already returned
-    results = launcher.spawn(programs.threads_and_slow_exit, 2, timeout=120, exit_delay=11.0)
+    assert inspect.signature(launcher.spawn).parameters["shutdown_grace"].default >= 60
+    results = launcher.spawn(programs.threads_and_slow_exit, 2, timeout=120, exit_delay=exit_delay)
     assert results == {r: {"threads": 1, "compile_threads": 1} for r in range(2)}
     err = capfd.readouterr().err
     assert "[rank 0, " in err and "fxshard graph toy: counting threads took" in err, err[-2000:]
