@@ -54,12 +54,11 @@ def run_plan(cfg: LlamaConfig, world: int, sequence_parallel: bool, x: torch.Ten
     return ref, out, collectives_of(run.graph)
 
 
-def simulated(fn, *args, mesh, placements, cost_model=None):
-    """(the simulated output, the collectives of the plan the ranks ran): one capture and one plan, where
-    ``simulate`` then ``explain`` would make each twice."""
-    run = simulate_ranks(fn, *args, mesh=mesh, placements=placements, cost_model=cost_model)
-    out, = run.full()
-    return out, collectives_of(run.graph)
+def simulated(fn, *args, **options):
+    """(the simulated run, the collectives of the plan its ranks ran): one capture and one plan, where
+    ``simulate`` then ``explain`` would make each twice. ``options``: ``simulate_ranks``'s."""
+    run = simulate_ranks(fn, *args, **options)
+    return run, collectives_of(run.graph)
 
 
 def counts(collectives) -> dict[str, int]:
@@ -97,7 +96,8 @@ def test_vocab_parallel_loss_moves_no_tokens_by_vocab_tensor(world):
     model = fresh_model()
     x, y = tokens(2, 16), tokens(2, 16)
     mesh = fxshard.MeshSpec(tp=world)
-    out, collectives = simulated(model.loss, x, y, mesh=mesh, placements=megatron_placements(model))
+    run, collectives = simulated(model.loss, x, y, mesh=mesh, placements=megatron_placements(model))
+    out, = run.full()
     with torch.no_grad():
         torch.testing.assert_close(out, model.loss(x, y), rtol=1e-4, atol=1e-5)
     logits_sized = [c for c in collectives if c.node.meta["val"].numel() >= x.numel() * CFG.vocab_size]
@@ -129,7 +129,8 @@ def test_llama_fsdp_gathers_parameters_only(dp):
     x = tokens(8 * dp, 64)
     pl = {**placements_fsdp(model), 0: (Shard(0),)}
     mesh = fxshard.MeshSpec(dp=dp)
-    out, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    run, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    out, = run.full()
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
     n_params = len(list(model.parameters()))
@@ -148,7 +149,8 @@ def test_fsdp_plan_never_moves_more_than_gathering_every_weight(batch, seq):
     x = tokens(batch, seq)
     pl = {**placements_fsdp(model), 0: (Shard(0),)}
     mesh = fxshard.MeshSpec(dp=dp)
-    out, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    run, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    out, = run.full()
     every_weight = sum(p.numel() * 4 * (dp - 1) // dp for p in model.parameters())
     assert sum(c.bytes_per_rank for c in collectives) < every_weight
     with torch.no_grad():
@@ -161,7 +163,8 @@ def test_llama_2d_data_and_tensor_parallel():
     x = tokens(8, 32)
     pl = {**placements_2d(model), 0: (Shard(0), Replicate())}
     mesh = fxshard.MeshSpec(dp=2, tp=4)
-    out, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    run, collectives = simulated(model, x, mesh=mesh, placements=pl, cost_model=BANDWIDTH_BOUND)
+    out, = run.full()
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
     by_axes = {}
@@ -384,17 +387,17 @@ def test_moe_expert_parallel(world, tokens_sharded):
     if tokens_sharded:
         placements[0] = (Shard(0),)
     mesh = fxshard.MeshSpec(ep=world)
-    out = fxshard.simulate(moe, x, mesh=mesh, placements=placements, strict=True)
+    run, collectives = simulated(moe, x, mesh=mesh, placements=placements, strict=True)
+    out, = run.full()
     with torch.no_grad():
         torch.testing.assert_close(out, moe(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-4, atol=1e-5)
-    e = fxshard.explain(moe, x, mesh=mesh, placements=placements, strict=True)
-    moved = {c.node.args[0].name for c in e.collectives}
+    moved = {c.node.args[0].name for c in collectives}
     assert not moved & {"w1", "w2", "w3"}, moved
     if not tokens_sharded:
-        assert e.collectives == [] and str(e.output_layouts[0]).endswith("P(sum@ep)")
+        assert collectives == [] and str(run.output_layouts[0]).endswith("P(sum@ep)")
     else:
-        assert str(e.output_layouts[0]).startswith(f"[{world}@ep 2]")
+        assert str(run.output_layouts[0]).startswith(f"[{world}@ep 2]")
 
 
 def dropout(x, w):
