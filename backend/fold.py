@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.graph import ARG_LAYOUTS, LAYOUT, graph_module, outputs
+from fxshard.graph import ARG_LAYOUTS, LAYOUT, eliminate_dead_code, graph_module, outputs
 from fxshard.timing import stage
 
 from .joint import TrainingPlan
@@ -250,7 +250,7 @@ class _Layers:
         forward, env, copies = self.forward()
         backward, saved_values = self.backward(forward, env, copies)
         forward.output(tuple([env[o] for o in outputs(step.forward)[:step.num_outputs]] + saved_values))
-        forward.eliminate_dead_code()
+        eliminate_dead_code(forward)  # linted below
         try:
             forward.lint()
             backward.lint()
@@ -476,7 +476,7 @@ class _Layers:
                 new_grads.append(benv[grad] if isinstance(grad, fx.Node) else grad)
         graph.output(tuple(new_grads))
         # the dropped layers' stand-in gradients (zeros of their parameters) and what only they read go
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)  # linted with the forward (unfolded)
         value_of = {p: v for v, p in placeholder_of.items()}
         for p in list(graph.find_nodes(op="placeholder")):
             if p in value_of and not p.users:
