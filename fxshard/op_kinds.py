@@ -51,6 +51,10 @@ class Context:
 
 class Kind:
     name = "kind"
+    # whether the decision reads ``ctx.move_cost`` (where refinement's pins weigh); a kind that does takes
+    # the first strategy of least cost (``strategies.choose``), which ``propagate.Decisions.with_fewer_pins``
+    # relies on to reuse a decision made with fewer pins
+    reads_move_costs = False
 
     def __call__(self, node: fx.Node, ctx: Context) -> Decision | None:
         raise NotImplementedError
@@ -65,6 +69,7 @@ class Declared(Kind):
 
     rule: Callable[[fx.Node], Signature | None]
     name = "signature"
+    reads_move_costs = True
 
     def __call__(self, node: fx.Node, ctx: Context) -> Decision | None:
         sig = self.rule(node)

@@ -176,6 +176,48 @@ def test_refinement_reusing_decisions_leaves_the_plan_unchanged(style):
     assert planned(Decisions()) == planned(None)
 
 
+@pytest.mark.parametrize("cost_model", [fxshard.CostModel(), BANDWIDTH_BOUND], ids=["default", "bandwidth-bound"])
+def test_every_propagation_of_a_training_step_is_the_fresh_one(fake_mesh_4, monkeypatch, cost_model):
+    """A training step's refinement (FSDP: every round runs) shares decisions, also those made with fewer
+    pins (``Decisions.with_fewer_pins``); after each of its propagations every layout is the one the same
+    propagation without shared decisions gives."""
+    from fxshard import pipeline
+
+    propagated, reused, mismatched = [0], [0], []
+    fewer = Decisions.with_fewer_pins
+
+    def counted(self, *args):
+        found = fewer(self, *args)
+        reused[0] += found is not None
+        return found
+
+    def checked(gm, mesh, *args, memo=None, **kwargs):
+        def plan() -> list:
+            return [(n.name, n.meta.get("layout"), n.meta.get("arg_layouts")) for n in gm.graph.nodes]
+        propagate(gm, mesh, *args, memo=memo, **kwargs)
+        shared = plan()
+        propagate(gm, mesh, *args, memo=None, **kwargs)
+        propagated[0] += 1
+        if plan() != shared:
+            mismatched.append(kwargs.get("pinned"))
+        return gm
+
+    monkeypatch.setattr(Decisions, "with_fewer_pins", counted)
+    monkeypatch.setattr(pipeline, "propagate", checked)
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "0")
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    for name, param in list(model.named_parameters()):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        owner.register_parameter(name.rpartition(".")[2], torch.nn.Parameter(
+            distribute_tensor(param.detach(), fake_mesh_4, fsdp_placements(model)[name])))
+    compiled = fxshard.compile(model.loss, cost_model=cost_model, inductor=False)
+    x, y = (distribute_tensor(torch.randint(0, CFG.vocab_size, (8, 16)), fake_mesh_4, [Shard(0)]) for _ in range(2))
+    compiled(x, y).backward()
+    assert propagated[0] >= 6 and reused[0] > 0, (propagated, reused)  # 8 propagations, ~160 decisions reused
+    assert not mismatched, mismatched
+
+
 def test_refinement_pins_an_input_of_every_layer_at_once():
     """Pinning one layer's norm weight prices as pinning another's: refinement pins each kind of input
     in every layer at once (``refine.smallest_classes``), so a 4-layer FSDP model is refined with no
