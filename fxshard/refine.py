@@ -42,8 +42,9 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
     buckets each into one call (``blocks.block_of``; FSDP2's grouping), so twenty small gathers of one
     layer cost one gather's latency, not twenty. ``arguments``: the nodes' tensor arguments, read once for
     the pricings of one refinement."""
+    arguments = arguments or TensorArguments()
     asked = _all_requirements(gm, arguments)
-    return _priced(asked, _asked(asked), cost_model, output_names)
+    return _priced(asked, _asked(asked), cost_model, output_names, arguments)
 
 
 def _all_requirements(gm: fx.GraphModule, arguments: TensorArguments | None = None,
@@ -54,12 +55,22 @@ def _all_requirements(gm: fx.GraphModule, arguments: TensorArguments | None = No
 
 
 class TensorArguments:
-    """Each node's tensor arguments (``graph.tensor_inputs``), read once for all the pricings of one
-    refinement: its propagations change the layouts a node requires of its arguments, never the arguments
-    (refinement prices a 64-layer program's 16k nodes about ten times)."""
+    """Each node's tensor arguments (``graph.tensor_inputs``) and the input each is a view of
+    (``input_root``), read once for all the pricings of one refinement: its propagations change the layouts
+    a node requires of its arguments, never the arguments (refinement prices a 64-layer program's 16k nodes
+    about ten times)."""
 
     def __init__(self) -> None:
         self._of: dict[fx.Node, list[fx.Node]] = {}
+        self._roots: dict[fx.Node, fx.Node | None] = {}
+
+    def root(self, node: fx.Node) -> fx.Node | None:
+        """``input_root(node)``."""
+        try:
+            return self._roots[node]
+        except KeyError:
+            root = self._roots[node] = input_root(node)
+            return root
 
     def requirements(self, node: fx.Node) -> list[tuple[fx.Node, Layout]]:
         """``graph.requirements(node)``."""
@@ -70,9 +81,9 @@ class TensorArguments:
 
 
 def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, Layout]],
-            cost_model: CostModel | None, output_names: Sequence[str | None]) -> float:
+            cost_model: CostModel | None, output_names: Sequence[str | None], arguments: TensorArguments) -> float:
     rebuilds, bare_model = Rebuilds(cost_model), _without_latency(cost_model)
-    groups = _block_groups(asked, output_names)
+    groups = _block_groups(asked, output_names, arguments)
     total, latency = 0.0, {}
     for a, want in edges:
         group = groups.get((a, want))
@@ -91,8 +102,8 @@ def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, La
     return total + sum(latency.values())
 
 
-def _block_groups(asked: list[tuple[fx.Node, list]],
-                  output_names: Sequence[str | None]) -> dict[tuple[fx.Node, Layout], tuple]:
+def _block_groups(asked: list[tuple[fx.Node, list]], output_names: Sequence[str | None],
+                  arguments: TensorArguments) -> dict[tuple[fx.Node, Layout], tuple]:
     """The moves stage 6 buckets per block: of a view of an input (``("in", block)``) and into an output
     that is an input's gradient (``("out", block)``). Training programs only (some output is a
     gradient): an inference plan priced so gathers a toy model's weights rather than move its few
@@ -107,7 +118,7 @@ def _block_groups(asked: list[tuple[fx.Node, list]],
                     groups[(a, want)] = ("out", block_of(name))
             continue
         for a, want in required:
-            root = input_root(a)
+            root = arguments.root(a)
             if root is not None and isinstance(want, Layout):
                 groups.setdefault((a, want), ("in", block_of(root.name)))
     return groups
@@ -131,7 +142,7 @@ def moved_inputs(gm: fx.GraphModule, arguments: TensorArguments | None = None) -
         if node.op == "output":
             continue
         for a, want in arguments.requirements(node):
-            root = input_root(a)
+            root = arguments.root(a)
             if root is not None and a.meta[LAYOUT] != want:
                 val = root.meta["val"]
                 moved[root.name] = val.numel() * val.element_size()
@@ -245,11 +256,12 @@ def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
                 output_names: Sequence[str | None] = (), arguments: TensorArguments | None = None) -> float:
     """``planned_cost`` with what stage 3 shares through relabellings free: a value wanted in a layout
     that a source of its relabelling chain is moved into already (``sources.served_by_source``)."""
+    arguments = arguments or TensorArguments()
     asked = _all_requirements(gm, arguments)
     edges = _asked(asked)
     return _priced(asked, [(a, want) for a, want in edges
                            if not served_by_source(a, want, lambda n, layout: (n, layout) in edges)],
-                   cost_model, output_names)
+                   cost_model, output_names, arguments)
 
 
 def _asked(asked: list[tuple[fx.Node, list]]) -> dict[tuple[fx.Node, Layout], None]:
