@@ -127,7 +127,8 @@ class Decisions:
 
     def key(self, node: fx.Node, ins: Sequence[fx.Node], layouts: Sequence[Layout], offered: Sequence[Layout],
             requested: _Requested, pinned: frozenset[str]) -> tuple:
-        """``offered``: ``reduce_shared``'s layouts, or ``layouts`` itself (the key then says nothing more)."""
+        """(structure, layouts, requests, pins, offered), which ``with_fewer_pins`` reads by position; ``offered``:
+        ``reduce_shared``'s layouts, or ``layouts`` itself (the key then says nothing more)."""
         return (self.structure_of(node), tuple(layouts), tuple(requested.key(a, self) for a in ins),
                 tuple(self.pinned(a, pinned) for a in ins), None if offered is layouts else tuple(offered))
 
