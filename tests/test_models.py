@@ -39,6 +39,13 @@ def tokens(batch: int, seq: int, cfg: LlamaConfig = CFG) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (batch, seq))
 
 
+def simulated(fn, *args, **options):
+    """(the simulated run, the collectives of the plan its ranks ran): one capture and one plan, where
+    ``simulate`` then ``explain`` would make each twice. ``options``: ``simulate_ranks``'s."""
+    run = simulate_ranks(fn, *args, **options)
+    return run, collectives_of(run.graph)
+
+
 def run_plan(cfg: LlamaConfig, world: int, sequence_parallel: bool, x: torch.Tensor, fn: str = "forward"):
     """(single-device output, simulated output, the collectives of the plan the ranks ran) of the TP / TP+SP
     plan: planned once for both (``simulate`` and ``explain`` would each capture and plan it)."""
@@ -49,16 +56,9 @@ def run_plan(cfg: LlamaConfig, world: int, sequence_parallel: bool, x: torch.Ten
         with LocalTensorMode(world):
             parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
         call = getattr(model, fn) if fn != "forward" else model
-        run = simulate_ranks(call, *x)
+        run, collectives = simulated(call, *x)
     out, = run.full()
-    return ref, out, collectives_of(run.graph)
-
-
-def simulated(fn, *args, **options):
-    """(the simulated run, the collectives of the plan its ranks ran): one capture and one plan, where
-    ``simulate`` then ``explain`` would make each twice. ``options``: ``simulate_ranks``'s."""
-    run = simulate_ranks(fn, *args, **options)
-    return run, collectives_of(run.graph)
+    return ref, out, collectives
 
 
 def counts(collectives) -> dict[str, int]:
