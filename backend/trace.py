@@ -338,12 +338,15 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     stamping: list[Templates | None] = [Templates(lambda body: _GlobalInterpreter(body, mesh, TensorMap(), coordinate),
                                                   decompositions)]
 
+    unread = unread_inputs(gm)  # made placeholders after the trace, not traced (``_with_unread_inputs``)
+    read = [k for k, pos in enumerate(positions) if pos not in unread]
+
     def run(*tensors: torch.Tensor) -> Any:
         env: list[Any] = [None] * n_inputs
         known = TensorMap()
-        for pos, t, layout in zip(positions, tensors, tensor_layouts):
-            env[pos] = t
-            known[t] = layout
+        for k, t in zip(read, tensors):
+            env[positions[k]] = t
+            known[t] = tensor_layouts[k]
         for pos, c in constants.items():
             env[pos] = c
         interp = _GlobalInterpreter(gm, mesh, known, coordinate)
@@ -358,18 +361,23 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
         return tuple(flat)
 
     joint = None
+    read_fakes = [fakes[k] for k in read]
     if tangents is None:
         with fake_mode:
             traced = _stamped(lambda: make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
-                                              decomposition_table=decompositions)(*fakes), stamping)
+                                              decomposition_table=decompositions)(*read_fakes), stamping)
+            _with_unread_inputs(traced, fakes, read, ())
     else:
         grad_inputs = tuple(k for k, g in enumerate(needs_grad) if g)
+        read_grads = tuple(read.index(k) for k in grad_inputs if k in read)
         with fake_mode:
             for k in grad_inputs:
                 fakes[k].requires_grad_(True)
             tangent_fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tangents]
-            traced = _stamped(lambda: make_fx(_joint(run, len(fakes), grad_inputs), tracing_mode="real",
-                                              decomposition_table=decompositions)(*fakes, *tangent_fakes), stamping)
+            traced = _stamped(lambda: make_fx(_joint(run, len(read_fakes), read_grads), tracing_mode="real",
+                                              decomposition_table=decompositions)(*read_fakes, *tangent_fakes),
+                              stamping)
+            _with_unread_inputs(traced, fakes, read, grad_inputs)
         tangent_names = tuple(f"tangent_{k}" for k in range(len(tangent_fakes)))
         pretty += list(tangent_names)
         tensor_layouts += [Layout.replicated(mesh, t.shape) for t in tangents]  # callers set these (joint.py)
@@ -415,6 +423,56 @@ def _stamped(trace: Callable[[], fx.GraphModule], stamping: list[Templates | Non
         return traced()
 
 
+def unread_inputs(gm: fx.GraphModule) -> set[int]:
+    """The positions of the inputs no node of ``gm`` reads: a folded model's dropped layers' parameters
+    (``fold.shorten``), which stage 1 does not trace."""
+    return {i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder")) if not ph.users}
+
+
+def _with_unread_inputs(traced: fx.GraphModule, fakes: Sequence[torch.Tensor], read: Sequence[int],
+                        grad_inputs: Sequence[int]) -> None:
+    """``traced`` (a trace of the inputs ``read`` of ``fakes``) made the program of all of them: a placeholder
+    for each input not read, where it stands among the inputs, and a ``zeros_like`` of it for its gradient
+    (where ``grad_inputs`` asks for one), what autograd gives an input no output depends on (``_joint``). Made
+    here, not traced: a 32-layer model folded to four leaves 252 parameters unread, each a fake input and a
+    ``zeros_like`` dispatched through ``make_fx`` (~1 ms each)."""
+    if len(read) == len(fakes):
+        return
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    graph = traced.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    after = placeholders[len(read)] if len(placeholders) > len(read) else next(n for n in graph.nodes
+                                                                                 if n.op != "placeholder")
+    slots = dict(zip(read, placeholders))
+    for k in range(len(fakes)):
+        if k in slots:
+            continue
+        with graph.inserting_before(slots.get(next((j for j in read if j > k), -1), after)):
+            slots[k] = graph.placeholder(f"unread_{k}")
+        slots[k].meta.update(val=fakes[k], tensor_meta=_extract_tensor_metadata(fakes[k]))
+    if not grad_inputs:
+        return
+    out = next(iter(graph.find_nodes(op="output")))
+    values = list(out.args[0])
+    read_grads = [k for k in grad_inputs if k in slots and k in read]
+    num_outputs = len(values) - len(read_grads)
+    traced_grads = dict(zip(read_grads, values[num_outputs:]))
+    grads = []
+    for k in grad_inputs:
+        if k in traced_grads:
+            grads.append(traced_grads[k])
+            continue
+        with graph.inserting_before(out):
+            zeros = graph.create_node("call_function", torch.ops.aten.zeros_like.default, (slots[k],),
+                                      {"pin_memory": False}, name="zeros_like")
+        zeros.meta.update(val=torch.zeros_like(fakes[k].detach()))
+        zeros.meta["tensor_meta"] = _extract_tensor_metadata(zeros.meta["val"])
+        grads.append(zeros)
+    out.args = (tuple(values[:num_outputs] + grads),)
+    traced.recompile()
+
+
 def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:
     """(primals, tangents) -> (forward outputs, gradients of the primals in ``grad_inputs``).
 
@@ -435,8 +493,9 @@ def _joint(forward: Any, num_primals: int, grad_inputs: Sequence[int]) -> Any:
         grads: Sequence[Any] = [None] * len(wrt)
         if pairs and wrt:
             grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, wrt)]
-        return tuple(o.detach() for o in outs) + tuple(grads)
+        detached = tuple(o.detach() for o in outs)
+        # an input no output depends on gets zeros, made last (as _with_unread_inputs makes an unread input's)
+        return detached + tuple(g if g is not None else torch.zeros_like(p) for g, p in zip(grads, wrt))
 
     return joint
 

@@ -280,3 +280,49 @@ def test_a_stamp_that_fails_leaves_the_program_traced_inline(monkeypatch):
     assert not [n for n in joint.graph.nodes if n.target in (block_joint.BLOCK_FORWARD, block_joint.BLOCK_BACKWARD)]
     monkeypatch.undo()
     assert program_structure(joint.graph) == program_structure(_joint(model, args, placements, mesh, regions=True).graph)
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["joint", "forward"])
+def test_inputs_a_folded_program_never_reads_are_added_after_its_trace_as_if_traced(forward_only, monkeypatch):
+    """A folded model's Dynamo graph keeps its dropped layers' parameters as inputs no node reads
+    (``fold.shorten``): stage 1 traces without them and adds each as a placeholder where it stands, its
+    gradient a ``zeros_like`` of it. The program is the one tracing them gives, node for node and by name."""
+    from fxshard.backend import trace
+    from fxshard.backend.fold import shorten
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    args = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    mesh = fxshard.MeshSpec(dp=4)
+    with blocks_as_regions(repeated_blocks(model)):
+        captured = capture(model.loss, args)
+    short = shorten(captured.gm)
+    assert short is not None
+    names = named_inputs(model.loss, args, captured.objects)
+    layouts = input_layouts(captured.objects, mesh, [k for _, k in names],
+                            {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)})
+    unread = trace.unread_inputs(short.gm)
+    assert len(unread) == 18  # layers 2 and 3: nine parameters each
+
+    traced_inputs: list[int] = []
+    make_fx = trace.make_fx
+
+    def counting(*a: Any, **k: Any) -> Any:
+        run = make_fx(*a, **k)
+        return lambda *inputs: (traced_inputs.append(len(inputs)), run(*inputs))[1]
+
+    def program() -> torch.fx.GraphModule:
+        return trace_global(short.gm, captured.example_inputs, mesh=mesh, layouts=layouts,
+                            tangents=None if forward_only else [torch.ones(())]).gm
+
+    monkeypatch.setattr(trace, "make_fx", counting)
+    added = program()
+    monkeypatch.setattr(trace, "unread_inputs", lambda gm: set())
+    traced = program()
+    assert traced_inputs[0] == traced_inputs[1] - 18
+    assert added.code == traced.code
+    assert program_structure(added.graph) == program_structure(traced.graph)
+    placeholders = list(added.graph.find_nodes(op="placeholder"))
+    for i in unread:
+        users = list(placeholders[i].users)
+        assert [u.target for u in users] == ([] if forward_only else [torch.ops.aten.zeros_like.default])
