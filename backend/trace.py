@@ -445,17 +445,19 @@ def _with_unread_inputs(traced: fx.GraphModule, fakes: Sequence[torch.Tensor], r
     after = placeholders[len(read)] if len(placeholders) > len(read) else next(n for n in graph.nodes
                                                                                  if n.op != "placeholder")
     slots = dict(zip(read, placeholders))
-    for k in range(len(fakes)):
-        if k in slots:
-            continue
-        with graph.inserting_before(slots.get(next((j for j in read if j > k), -1), after)):
-            slots[k] = graph.placeholder(f"unread_{k}")
-        slots[k].meta.update(val=fakes[k], tensor_meta=_extract_tensor_metadata(fakes[k]))
+    following = after  # the input after k's: k's placeholder goes before it
+    for k in reversed(range(len(fakes))):
+        if k not in slots:
+            with graph.inserting_before(following):
+                slots[k] = graph.placeholder(f"unread_{k}")
+            slots[k].meta.update(val=fakes[k], tensor_meta=_extract_tensor_metadata(fakes[k]))
+        following = slots[k]
     if not grad_inputs:
         return
     out = next(iter(graph.find_nodes(op="output")))
     values = list(out.args[0])
-    read_grads = [k for k in grad_inputs if k in slots and k in read]
+    is_read = set(read)
+    read_grads = [k for k in grad_inputs if k in is_read]
     num_outputs = len(values) - len(read_grads)
     traced_grads = dict(zip(read_grads, values[num_outputs:]))
     grads = []
