@@ -369,12 +369,13 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
             _with_unread_inputs(traced, fakes, read, ())
     else:
         grad_inputs = tuple(k for k, g in enumerate(needs_grad) if g)
-        read_grads = tuple(read.index(k) for k in grad_inputs if k in read)
+        traced_at = {k: i for i, k in enumerate(read)}  # an input's position among the traced ones
+        traced_grads = tuple(traced_at[k] for k in grad_inputs if k in traced_at)
         with fake_mode:
             for k in grad_inputs:
                 fakes[k].requires_grad_(True)
             tangent_fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tangents]
-            traced = _stamped(lambda: make_fx(_joint(run, len(read_fakes), read_grads), tracing_mode="real",
+            traced = _stamped(lambda: make_fx(_joint(run, len(read_fakes), traced_grads), tracing_mode="real",
                                               decomposition_table=decompositions)(*read_fakes, *tangent_fakes),
                               stamping)
             _with_unread_inputs(traced, fakes, read, grad_inputs)
