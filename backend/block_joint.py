@@ -34,7 +34,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 
-from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT
+from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT, copy_node
 from fxshard.lowering.localize import fresh_fake
 from fxshard.ops import CONSTRAIN
 
@@ -321,5 +321,5 @@ def _copied(gm: fx.GraphModule, at: fx.Node, template: BlockTemplate, nodes: Seq
                 env[n] = graph.get_attr(name)
                 env[n].meta = dict(n.meta)
             else:
-                env[n] = graph.node_copy(n, lambda a: env[a])
+                env[n] = copy_node(graph, n, lambda a: env[a])
     return env

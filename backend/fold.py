@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.graph import ARG_LAYOUTS, LAYOUT, eliminate_dead_code, graph_module, outputs
+from fxshard.graph import (ARG_LAYOUTS, LAYOUT, copy_node, copy_nodes, eliminate_dead_code, graph_module, new_node,
+                           outputs)
 from fxshard.timing import stage
 
 from .joint import TrainingPlan
@@ -73,7 +74,7 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
         return None  # _chain_operands says why
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
+    graph.output(copy_nodes(graph, gm.graph, env))
     copies = [env[c] for c in calls]
     dropped, successor = copies[2:-2], copies[-2]
     for position, k in chained.items():  # layer L-2 reads layer 1's outputs
@@ -362,7 +363,7 @@ class _Layers:
         env: dict[fx.Node, fx.Node] = {}
         for node in self.step.forward.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
-                env[node] = graph.node_copy(node, lambda a: env[a])
+                env[node] = copy_node(graph, node, lambda a: env[a])
         copies: dict[int, dict[fx.Node, fx.Node]] = {}
 
         def stamp() -> None:
@@ -403,11 +404,11 @@ class _Layers:
         placeholders = list(backward.graph.find_nodes(op="placeholder"))
         placeholder_of: dict[fx.Node, fx.Node] = {}  # new forward value -> new backward placeholder
         for node in placeholders:
-            benv[node] = graph.node_copy(node)
+            benv[node] = copy_node(graph, node)
             if node in saved_of:
                 placeholder_of[env[saved_of[node]]] = benv[node]
         for node in backward.graph.find_nodes(op="get_attr"):
-            benv[node] = graph.node_copy(node)
+            benv[node] = copy_node(graph, node)
         first_tangent = next(benv[p] for p in placeholders if p not in saved_of)
 
         def saved(value: fx.Node, like: fx.Node) -> fx.Node:
@@ -607,7 +608,7 @@ def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None, s
     """``node`` appended to ``graph``, each argument node ``a`` read as ``value(a)``; a copy for layer ``stamp``
     says so (``STAMP``)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
-    new = graph.create_node(node.op, node.target, args, kwargs)
+    new = new_node(graph, node.op, node.target, args, kwargs)
     new.meta = dict(node.meta)
     if stamp is not None:
         new.meta[STAMP] = stamp

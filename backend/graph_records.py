@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate, map_arg
 
-from fxshard.graph import graph_module
+from fxshard.graph import graph_module, new_node
 
 __all__ = ["graph_records", "graph_from_records"]
 
@@ -64,7 +64,7 @@ def graph_from_records(records: list[tuple], attributes: dict[str, Any]) -> fx.G
         if type(target) is _Op:
             target = target.resolve()
         args, kwargs = map_aggregate((args, kwargs), node_of)
-        node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+        node = new_node(graph, op, target, args, kwargs, name=name, type_expr=type_expr)
         if node.name != name:
             raise ValueError(f"a kept program's node {name!r} came back as {node.name!r}")
         node.meta.update(meta)

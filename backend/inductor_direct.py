@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fxshard.graph import copy_graph_module, metadata
+from fxshard.graph import copy_graph_module, copy_node, metadata
 from fxshard.lowering.localize import fake_values, program_fake_values
 
 from .prepared_cache import load_prepared, prepared_key, store_prepared
@@ -223,7 +223,7 @@ def _splice(gm: fx.GraphModule, node: fx.Node, decomposed: fx.GraphModule, mode:
                 env[n] = gm.graph.get_attr(name)
                 added.append(env[n])
             else:
-                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+                env[n] = copy_node(gm.graph, n, lambda a: env[a])
                 added.append(env[n])
     fake_values(gm, added, mode)
     if isinstance(result, fx.Node):

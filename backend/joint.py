@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from fxshard.costs import CostModel
-from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, graph_module, output_layouts, outputs
+from fxshard.graph import CHECKPOINTED, LAYOUT, SRC_LAYOUT, copy_node, graph_module, output_layouts, outputs
 from fxshard.layout import Layout, LayoutError
 from fxshard.mesh import MeshSpec
 from fxshard.ops import REDISTRIBUTE
@@ -334,7 +334,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
     env: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         if n in forward:
-            env[n] = fwd_graph.node_copy(n, env.__getitem__)
+            env[n] = copy_node(fwd_graph, n, env.__getitem__)
     fwd_graph.output(tuple(env[n] for n in list(forward_outs) + saved))
 
     bwd_graph = fx.Graph()
@@ -344,9 +344,9 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
         p.meta.update({k: v for k, v in n.meta.items() if k in ("val", LAYOUT, "tensor_meta")})
         benv[n] = p
     for t in tangents:
-        benv[t] = bwd_graph.node_copy(t)
+        benv[t] = copy_node(bwd_graph, t)
     for n in nodes:
         if n in in_backward and n.op != "placeholder":
-            benv[n] = bwd_graph.node_copy(n, benv.__getitem__)
+            benv[n] = copy_node(bwd_graph, n, benv.__getitem__)
     bwd_graph.output(tuple(benv[g] for g in grads))
     return graph_module(joint, fwd_graph), graph_module(joint, bwd_graph)

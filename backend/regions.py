@@ -44,7 +44,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.graph import LAYOUT, LOWERED_MOVE, graph_module
+from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_node
 
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
@@ -384,7 +384,7 @@ def _region(index: int, nodes: list[fx.Node], boundary: tuple[list[fx.Node], lis
         env[x].meta = {key: v for key, v in x.meta.items() if key not in _NO_META}
     for k, node in enumerate(nodes):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
-        env[node] = graph.create_node("call_function", node.target, args, kwargs, name=f"v{k}")
+        env[node] = new_node(graph, "call_function", node.target, args, kwargs, name=f"v{k}")
         env[node].meta = {key: v for key, v in node.meta.items() if key not in _NO_META}
     graph.output(tuple(env[o] for o in outputs))
     return Region(index, graph_module(torch.nn.Module(), graph), inputs, outputs, body=nodes)
@@ -591,7 +591,7 @@ def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of a program to cut: bucketing its collectives before the cut (``merge``) rewrites the
     graph, and the lowered program stays what fxshard lowered (the one users and tests read)."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(copy_nodes(graph, gm.graph, {}))
     return graph_module(gm, graph)
 
 

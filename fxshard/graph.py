@@ -170,9 +170,50 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy with its own nodes (and their meta dicts), so a rewrite leaves ``gm`` as it was."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    out = copy_nodes(graph, gm.graph, {})
     graph.output(out)
     return graph_module(gm, graph)
+
+
+def new_node(graph: fx.Graph, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
+             name: str | None = None, type_expr: Any = None) -> fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` in about half its time.
+
+    torch 2.13's ``create_node`` walks every call's arguments with pytree (~23 of its ~50 us) for a raw
+    symbolic size, only to warn of one; fxshard's stages copy tens of thousands of nodes a step (copies of
+    programs, layers stamped and unfolded, regions) whose sizes are ints. The node is made without arguments
+    and they are set after (the setter updates users as the constructor does); a graph whose module watches
+    nodes being made (a create-node hook would see them without arguments) takes ``create_node``."""
+    module = graph.owning_module
+    if module is not None and getattr(module, "_create_node_hooks", None):
+        return graph.create_node(op, target, args, kwargs, name, type_expr)
+    node = graph.create_node(op, target, name=name, type_expr=type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform: Any = lambda a: a) -> fx.Node:
+    """``graph.node_copy(node, arg_transform)`` made by ``new_node``: its name (if free), type and a copy of its
+    meta."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg_transform)
+    copied = new_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
+    copied.meta = dict(node.meta)
+    return copied
+
+
+def copy_nodes(graph: fx.Graph, source: fx.Graph, val_map: dict[fx.Node, Any]) -> Any:
+    """``graph.graph_copy(source, val_map)`` made by ``copy_node``: every node of ``source`` not in ``val_map``
+    copied (and entered there) up to its output, whose value it returns (None without an output)."""
+    for node in source.nodes:
+        if node in val_map:
+            continue
+        if node.op == "output":
+            return fx.node.map_arg(node.args[0], val_map.__getitem__)
+        val_map[node] = copy_node(graph, node, val_map.__getitem__)
+    return None
 
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .costs import DEFAULT_COST_MODEL, CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, tensor_inputs
+from .graph import ARG_LAYOUTS, LAYOUT, copy_node, tensor_inputs
 from .layout import Layout, LayoutError
 from .planner import redistribute_cost
 from .registry import CHEAP_FOLLOWERS, RELABELS
@@ -105,7 +105,7 @@ def replay(graph: fx.Graph, plan: Rebuild, value_of: Callable[[fx.Node, Layout],
             return source(original, need)
 
         with graph.inserting_before(before):
-            copy = graph.node_copy(node, arg)
+            copy = copy_node(graph, node, arg)
         copy.meta.update({ARG_LAYOUTS: tuple(_replay_layouts(node, layout) or ()), LAYOUT: layout})
         made[(node, layout)] = copy
     return made

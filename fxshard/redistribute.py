@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .costs import CostModel
-from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT, argument_leaves
+from .graph import ARG_LAYOUTS, LAYOUT, NEEDED_BY, PLAN, SRC_LAYOUT, argument_leaves, copy_node
 from .layout import Layout
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .planner import plan_redistribute
@@ -132,7 +132,7 @@ def _replay(graph: fx.Graph, move: SourceMove, moved: fx.Node, before: fx.Node) 
     value = moved
     for original, layout in zip(move.chain, move.layouts):
         with graph.inserting_before(before):
-            value = graph.node_copy(original, lambda a, src=original.args[0], new=value: new if a is src else a)
+            value = copy_node(graph, original, lambda a, src=original.args[0], new=value: new if a is src else a)
         value.meta.update({ARG_LAYOUTS: (value.args[0].meta[LAYOUT],), LAYOUT: layout})
     return value
 

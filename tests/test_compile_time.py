@@ -317,3 +317,46 @@ def test_the_collector_is_paused_while_fxshard_plans_and_on_again_after(fake_mes
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_nodes_made_without_create_nodes_argument_scan_are_the_nodes_it_makes():
+    """fxshard's copies make their nodes with ``graph.new_node`` / ``copy_node`` / ``copy_nodes``, which skip
+    ``create_node``'s pytree scan of the arguments for symbolic sizes: the same graph as ``graph_copy`` /
+    ``node_copy`` gives (names, arguments, keyword arguments, readers, types, meta its own dict), names
+    deduplicated alike; a graph whose module watches nodes being made sees each with its arguments."""
+    import torch.fx as fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxshard.graph import copy_node, copy_nodes, new_node
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> tuple:
+        y = torch.nn.functional.linear(x, w).relu()
+        return y.sum(dim=[0], keepdim=True), torch.split(y, [1, 2], dim=0)[1], x.new_zeros((3,), dtype=torch.int64)
+
+    source = make_fx(program)(torch.randn(3, 4), torch.randn(5, 4)).graph
+    for node in source.nodes:
+        node.meta["mark"] = node.name
+    copies = []
+    for copy_all in (lambda g, m: g.graph_copy(source, m), lambda g, m: copy_nodes(g, source, m)):
+        graph, made = fx.Graph(), {}
+        graph.output(copy_all(graph, made))
+        graph.output(copy_all(graph, {}))  # a second copy in the same graph: every name taken once already
+        copies.append((graph, made))
+    (torch_graph, torch_made), (ours, ours_made) = copies
+    ours.lint()
+    assert ours.python_code("self").src == torch_graph.python_code("self").src
+    assert any(n.kwargs for n in ours.nodes) and any(len(n.users) > 1 for n in ours.nodes)
+    for node in source.nodes:
+        if node.op == "output":
+            continue
+        a, b = torch_made[node], ours_made[node]
+        assert (b.name, b.op, b.target, b.type, b.meta) == (a.name, a.op, a.target, a.type, a.meta)
+        assert b.meta is not node.meta
+        assert [u.name for u in b.users] == [u.name for u in a.users]
+    seen: list[tuple] = []
+    watched = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    watched._register_create_node_hook(lambda n: seen.append((n.args, dict(n.kwargs))))
+    x = watched.graph.placeholder("x")
+    made = new_node(watched.graph, "call_function", torch.ops.aten.sum.dim_IntList, (x, [0]), {"keepdim": True})
+    copy_node(watched.graph, made, lambda a: a)
+    assert seen == [((), {}), ((x, [0]), {"keepdim": True}), ((x, [0]), {"keepdim": True})]
