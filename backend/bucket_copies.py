@@ -26,23 +26,38 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["gather_key", "merge_all_gathers", "merge_reduce_scatters", "unpack_gathered"]
+__all__ = ["gather_key", "merge_all_gathers", "merge_reduce_scatters", "unflatten_shapes", "unpack_gathered"]
 
 _c10d = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("fxshard::unpack_gathered", mutates_args=())
-def unpack_gathered(gathered: torch.Tensor, group_size: int, numels: Sequence[int]) -> list[torch.Tensor]:
-    """The members of a gathered bucket, each ``(group_size, numels[k])``: rank r's piece of member k is
-    ``numels[k]`` elements at its offset in rank r's chunk of ``gathered``."""
-    outs = [gathered.new_empty((group_size, n)) for n in numels]
-    torch.split_with_sizes_copy(gathered.view(group_size, -1), list(numels), dim=1, out=outs)
+def unpack_gathered(gathered: torch.Tensor, group_size: int, numels: Sequence[int], dims: Sequence[int],
+                    ranks: Sequence[int]) -> list[torch.Tensor]:
+    """The members of a gathered bucket: rank r's piece of member k is ``numels[k]`` elements at its offset in
+    rank r's chunk of ``gathered``; member k comes out contiguous, its ``group_size`` pieces one after another,
+    in the shape ``dims`` and ``ranks`` give it (``unflatten_shapes``): the gathered member's own (no view after
+    the trace: each view is an op to trace per member), or ``(group_size, numels[k])`` for a member of another
+    dtype, viewed as its own after."""
+    outs = [gathered.new_empty(shape) for shape in unflatten_shapes(dims, ranks)]
+    torch.split_with_sizes_copy(gathered.view(group_size, -1), list(numels), dim=1,
+                                out=[out.view(group_size, -1) for out in outs])
     return outs
 
 
 @unpack_gathered.register_fake
-def _(gathered: torch.Tensor, group_size: int, numels: Sequence[int]) -> list[torch.Tensor]:
-    return [gathered.new_empty((group_size, n)) for n in numels]
+def _(gathered: torch.Tensor, group_size: int, numels: Sequence[int], dims: Sequence[int],
+      ranks: Sequence[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty(shape) for shape in unflatten_shapes(dims, ranks)]
+
+
+def unflatten_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
+    """Shapes given flat, as a custom op's schema takes them (no list of lists): ``ranks[k]`` sizes each."""
+    shapes, start = [], 0
+    for rank in ranks:
+        shapes.append(list(dims[start:start + rank]))
+        start += rank
+    return shapes
 
 
 def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dtype: torch.dtype,
@@ -61,8 +76,12 @@ def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dt
         out = pack(ins, group_size, dtype, dtype_ints, rank, None)
     gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
         out.narrow(0, total * rank, total), group_size, group_name, out=out))
-    members = torch.ops.fxshard.unpack_gathered(gathered, group_size, numels)
-    return [m.view(d).view(x.shape[0] * group_size, *x.shape[1:]) for m, x, d in zip(members, ins, out_dtypes)]
+    shapes = [(x.shape[0] * group_size, *x.shape[1:]) if d == dtype else (group_size, n)
+              for x, d, n in zip(ins, out_dtypes, numels)]
+    members = torch.ops.fxshard.unpack_gathered(gathered, group_size, numels, [n for s in shapes for n in s],
+                                                [len(s) for s in shapes])
+    return [m if d == dtype else m.view(d).view(x.shape[0] * group_size, *x.shape[1:])
+            for m, x, d in zip(members, ins, out_dtypes)]
 
 
 def gather_key(node: fx.Node) -> tuple:

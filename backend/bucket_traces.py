@@ -1,4 +1,4 @@
-"""What Inductor's bucket merges redo at every layer, done once or not at all.
+"""What Inductor's bucket merges redo at every layer, done once, cheaply, or not at all.
 
 One trace per kind of bucket: the layers' buckets are alike, so their merges are traced once.
 
@@ -9,25 +9,48 @@ shapes, strides and dtypes, the same group): its trace is the same graph, made a
 milliseconds each (an 8-layer FSDP program merges 26 buckets; bench/results/compile.md). Within
 ``traces_reused`` a trace is made once per function and signature of its arguments and the copies
 read it (Inductor copies a trace's nodes into the program and never changes the trace).
+
+And a trace is made without ``make_fx`` (``recorded``) where the function is one whose recording is
+tested to be make_fx's graph (``RECORDED``: the bucket functions, a handful of ops each on fake tensors of
+static sizes): make_fx's proxies and their bookkeeping cost about as much again as the fake tensors' own
+dispatch (a nine-member gather: ~40 ms against ~20).
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["traces_reused", "inputs_not_sorted"]
+__all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded"]
+
+# the functions ``recorded`` traces (by name: in torch/_inductor/fx_passes/bucketing.py, or this project's),
+# each checked against make_fx's trace of it by tests/test_overlap.py; any other is traced by make_fx
+RECORDED = ("fxshard.backend.bucket_copies._gather_bucket",
+            "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace",
+            "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace_custom_ops",
+            "torch._inductor.fx_passes.bucketing.reduce_scatter_merge_fn_to_trace",
+            "torch._inductor.fx_passes.bucketing.reduce_scatter_merge_fn_to_trace_custom_ops",
+            "torch._inductor.fx_passes.bucketing.all_reduce_merge_fn_to_trace")
+_CONSTANTS = (str, int, float, bool, type(None), torch.dtype, torch.device)  # arguments a trace bakes in
 
 
 @contextlib.contextmanager
 def traces_reused() -> Iterator[None]:
-    """Within the block, Inductor's bucket merges trace each (function, argument signature) once."""
+    """Within the block, Inductor's bucket merges trace each (function, argument signature) once, and
+    those of ``RECORDED`` functions by ``recorded``."""
     from torch._inductor.fx_passes import bucketing
 
     original: Callable[[Any, Any], fx.GraphModule] = bucketing._trace
     traces: dict = {}
+
+    def made(fn: Any, inputs: Any) -> fx.GraphModule:
+        gm = recorded(fn, inputs)
+        return gm if gm is not None else original(fn, inputs)
 
     def trace(fn: Any, inputs: Any) -> fx.GraphModule:
         try:
@@ -35,7 +58,7 @@ def traces_reused() -> Iterator[None]:
         except _Unkeyed:
             return original(fn, inputs)
         if key not in traces:
-            traces[key] = original(fn, inputs)
+            traces[key] = made(fn, inputs)
         return traces[key]
 
     bucketing._trace = trace
@@ -91,3 +114,99 @@ def _signature(value: Any) -> Any:
     except TypeError:
         raise _Unkeyed from None
     return ("value", value)
+
+
+def recorded(fn: Any, inputs: Any) -> fx.GraphModule | None:
+    """``fn`` traced as Inductor's ``bucketing._trace`` traces it (``make_fx`` in the inputs' fake mode with
+    the Python dispatcher, its ``detach`` nodes dropped), by recording the ops it dispatches: the same nodes,
+    names, values and metadata. None where ``fn`` is not one of ``RECORDED`` or an input is not a fake tensor
+    of static sizes or a constant, or ``fn`` reads a tensor from elsewhere: make_fx traces those."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+
+    leaves = pytree.tree_leaves(inputs)
+    fake_mode = detect_fake_mode(leaves)
+    if (f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}" not in RECORDED or fake_mode is None
+            or _should_save_eager_input_vals is None
+            or not all(isinstance(x, _CONSTANTS) or _static_fake(x) for x in leaves)):
+        return None
+    recorder = _Recorder()
+    for k, x in enumerate(leaves):  # make_fx makes one placeholder per argument, constants too
+        placeholder = recorder.graph.placeholder(f"arg{k}")
+        if isinstance(x, torch.Tensor):
+            recorder.bind(x, placeholder)
+    try:
+        with fake_mode, enable_python_dispatcher(), recorder:
+            out = fn(*inputs)
+        recorder.graph.output([recorder.node_of(x) for x in pytree.tree_leaves(out)])
+    except _Unrecorded:
+        return None
+    for node in recorder.graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default):
+        node.replace_all_uses_with(node.args[0])
+        recorder.graph.erase_node(node)
+    return fx.GraphModule(torch.nn.Module(), recorder.graph)
+
+
+try:  # which calls make_fx gives the fake values of their arguments (``eager_input_vals``)
+    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals
+except ImportError:  # a torch without it: make_fx traces
+    _should_save_eager_input_vals = None
+
+
+def _static_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor) and all(type(n) is int for n in (*x.shape, *x.stride()))
+
+
+class _Unrecorded(Exception):
+    """The function read a tensor that is neither an input nor made by a recorded op."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Each op dispatched, a node of ``graph`` as make_fx's proxy mode makes it: named after the op, its
+    tensors the nodes that made them, its value (``val``, ``tensor_meta``) and, where make_fx keeps them,
+    its arguments' values; a list result gets a ``getitem`` node per element, made at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self._nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # id -> (the tensor, kept alive; its node)
+
+    def node_of(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        known = self._nodes.get(id(x))
+        if known is None:
+            raise _Unrecorded
+        return known[1]
+
+    def bind(self, x: torch.Tensor, node: fx.Node) -> None:
+        """``x`` is now ``node``'s value (an op writing into its ``out`` argument makes it the op's)."""
+        from torch.fx.experimental.proxy_tensor import snapshot_fake
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        self._nodes[id(x)] = (x, node)
+        node.meta["val"] = snapshot_fake(x)
+        node.meta["tensor_meta"] = _extract_tensor_metadata(x)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch.fx.experimental.proxy_tensor import extract_val
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out)):
+            return out  # a device, a size: make_fx records none (static sizes are constants to it too)
+        node_args, node_kwargs = pytree.tree_map(self.node_of, (args, kwargs))
+        node = self.graph.create_node("call_function", func, node_args, node_kwargs,
+                                      name=self.graph._target_to_str(func.overloadpacket.__name__))
+        if _should_save_eager_input_vals(func, (node_args, node_kwargs)):
+            node.meta["eager_input_vals"] = fx.node.map_aggregate(
+                (node_args, node_kwargs), lambda v: extract_val(v.meta["val"]) if isinstance(v, fx.Node) else None)
+        if isinstance(out, torch.Tensor):
+            self.bind(out, node)
+        else:
+            node.meta["val"] = extract_val(out)
+            for k, x in enumerate(out):
+                self.bind(x, self.graph.create_node("call_function", operator.getitem, (node, k), name="getitem"))
+        return out

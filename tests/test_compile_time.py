@@ -360,3 +360,85 @@ def test_nodes_made_without_create_nodes_argument_scan_are_the_nodes_it_makes():
     made = new_node(watched.graph, "call_function", torch.ops.aten.sum.dim_IntList, (x, [0]), {"keepdim": True})
     copy_node(watched.graph, made, lambda a: a)
     assert seen == [((), {}), ((x, [0]), {"keepdim": True}), ((x, [0]), {"keepdim": True})]
+
+
+def _bucket_trace_arguments(name: str, group: str) -> list[tuple]:
+    """Arguments of a bucket function of ``bucket_traces.RECORDED`` (fake tensors of the program's mode):
+    members of several shapes, and for fxshard's gather, which packs bytes, of several dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fakes(*specs: tuple) -> list[torch.Tensor]:
+        with mode:
+            return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+
+    f32, cpu = torch.float32, torch.device("cpu")
+    alike = fakes(((6,), f32), ((6, 8), f32), ((2, 8), f32), ((3, 4, 2), f32))
+    mixed = fakes(((3,), torch.int64), ((5, 2), f32), ((7,), torch.uint8))
+    scattered = fakes(((8, 3), f32), ((12,), f32), ((4, 2, 2), f32))
+    if name.endswith("_gather_bucket"):  # fxshard's: Inductor's own views a strided slice of bytes, as fxshard does not
+        return [(alike, group, 4, f32, [f32] * 4, 1), (mixed, group, 4, torch.uint8, [x.dtype for x in mixed], 2)]
+    if "all_gather" in name:
+        return [(alike, group, 4, f32, [f32] * 4, 1)]
+    if "reduce_scatter" in name:
+        return [(scattered, group, 4, "sum", f32, cpu)]
+    return [(fakes(((), f32), ((), f32)), group, "sum", f32, cpu), (alike, group, "avg", f32, cpu)]
+
+
+def _trace_record(gm) -> list[tuple]:
+    """What a bucket trace gives the program it is copied into: every node but the placeholders (which the
+    copy maps by position), with its arguments by position, name, metadata and values' sizes and strides."""
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+
+    position = {node: k for k, node in enumerate(gm.graph.nodes)}
+
+    def sized(value):
+        return pytree.tree_map(lambda t: (tuple(t.shape), t.stride(), t.dtype, t.device)
+                               if isinstance(t, torch.Tensor) else t, value)
+
+    return [(node.op, node.target, node.name, fx.node.map_arg((node.args, node.kwargs), position.__getitem__),
+             sorted(node.meta), sized(node.meta.get("val")), sized(node.meta.get("eager_input_vals")),
+             str(node.meta.get("tensor_meta")))
+            for node in gm.graph.nodes if node.op != "placeholder"]
+
+
+@pytest.mark.parametrize("name", __import__("fxshard.backend.bucket_traces", fromlist=["RECORDED"]).RECORDED)
+def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
+    """``bucket_traces.recorded`` records the ops a bucket function dispatches instead of tracing it with
+    ``make_fx``: for every function it records, the graph Inductor's ``bucketing._trace`` makes (nodes,
+    names, arguments, metadata, values), on members of several shapes and dtypes; and within
+    ``traces_reused`` Inductor's merges take it, make_fx only tracing a function it does not record."""
+    import importlib
+
+    from torch._inductor.fx_passes import bucketing
+
+    from fxshard.backend.bucket_traces import recorded, traces_reused
+
+    module, _, attribute = name.rpartition(".")
+    fn = getattr(importlib.import_module(module), attribute)
+    group = fake_mesh_4.get_group().group_name
+    for arguments in _bucket_trace_arguments(name, group):
+        made = recorded(fn, arguments)
+        assert made is not None
+        assert _trace_record(made) == _trace_record(bucketing._trace(fn, arguments))
+    traced: list = []
+
+    def make_fx_trace(fn, inputs):
+        traced.append(fn)
+        return made
+
+    def unrecorded(*args):
+        return fn(*args)
+
+    original = bucketing._trace
+    bucketing._trace = make_fx_trace
+    try:
+        with traces_reused():
+            bucketing._trace(fn, arguments)
+            bucketing._trace(unrecorded, arguments)
+    finally:
+        bucketing._trace = original
+    assert traced == [unrecorded]

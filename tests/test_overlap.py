@@ -11,6 +11,7 @@ calls in the same order (tests/test_cpu_wrapper.py).
 """
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 import sys
@@ -154,15 +155,20 @@ def test_a_gathered_bucket_is_unpacked_by_one_call(training_step, program, unpac
 
 def test_unpack_gathered_gives_every_ranks_piece_of_each_member():
     """What an all_gather of a packed bucket holds, rank after rank (each rank's members back to back),
-    comes out member by member, ``(ranks, numel)`` each; its fake implementation agrees (``opcheck``)."""
+    comes out member by member in the shape asked for: a gathered member's own (its ranks' pieces stacked
+    on dim 0), or ``(ranks, numel)``; its fake implementation agrees (``opcheck``)."""
     from fxshard.backend import bucket_copies  # noqa: F401  (registers the op)
 
-    ranks, numels = 3, [5, 1, 7]
-    pieces = [[torch.randn(n) for n in numels] for _ in range(ranks)]  # rank r's shard of member k
-    gathered = torch.cat([torch.cat(p) for p in pieces])
-    members = torch.ops.fxshard.unpack_gathered(gathered, ranks, numels)
-    torch.testing.assert_close(members, [torch.stack([p[k] for p in pieces]) for k in range(len(numels))])
-    torch.library.opcheck(torch.ops.fxshard.unpack_gathered.default, (gathered, ranks, numels))
+    ranks, shards = 3, [(5,), (1,), (2, 3), (7,)]  # each rank's shard of each member
+    numels = [math.prod(s) for s in shards]
+    shapes = [(ranks * 5,), (ranks, 1), (ranks * 2, 3), (ranks, 7)]  # members 1 and 3 as (ranks, numel)
+    pieces = [[torch.randn(s) for s in shards] for _ in range(ranks)]  # rank r's shard of member k
+    gathered = torch.cat([torch.cat([x.flatten() for x in p]) for p in pieces])
+    arguments = (gathered, ranks, numels, [n for s in shapes for n in s], [len(s) for s in shapes])
+    members = torch.ops.fxshard.unpack_gathered(*arguments)
+    torch.testing.assert_close(members, [torch.cat([p[k] for p in pieces]).reshape(shapes[k])
+                                         for k in range(len(shards))])
+    torch.library.opcheck(torch.ops.fxshard.unpack_gathered.default, arguments)
 
 
 def test_bucketing_false_leaves_each_collective_and_its_wait(fake_mesh_4):
