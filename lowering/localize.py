@@ -313,9 +313,10 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
     """``meta["val"]`` of each of ``nodes`` (in program order, their arguments' values known) computed
     in ``mode``. What ``FakeTensorProp`` does for the functional aten graphs stages 4 and 5 write, for
     much less: no interpreter; a value is copied (``detach``) only where a later op could change it in
-    place (a mutating op's result); and a call repeating an earlier one (the same op on arguments of the
-    same metadata: every layer's matmul) gets a fresh value of the earlier result's metadata
-    (``_Repeats``) without dispatching (an 8-layer FSDP step's two local programs: 617 -> 142-233 ms)."""
+    place (a mutating op's result); and a call repeating an earlier one, of this program or another (the
+    same op on arguments of the same metadata: every layer's matmul) gets a fresh value of the earlier
+    result's metadata (``_Repeats``) without dispatching (an 8-layer FSDP step's two local programs: 617 ->
+    142-233 ms)."""
     repeats = _Repeats(mode)
     with mode:
         for node in nodes:
@@ -338,16 +339,41 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
             node.meta["val"] = (_snapshot(result) if schema is not None and schema.is_mutable else result)
 
 
+class ResultSpecs:
+    """An explicit cache for the process: the metadata of each output of a call, by op and argument metadata
+    (``_Repeats``). A non-mutating op's fake result depends on nothing else, whichever program and fake mode
+    asked: a backward repeats its forward's calls (norms, activations), the programs Inductor is given (the
+    regions) repeat the lowered ones' (8 layers: ~160 of the ~400 calls dispatched in a step's compile).
+    Emptied when it holds ``limit`` entries."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self.limit = limit
+        self._specs: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        return self._specs.get(key)
+
+    def put(self, key: Any, entry: Any) -> None:
+        if len(self._specs) >= self.limit:
+            self._specs.clear()
+        self._specs[key] = entry
+
+    def clear(self) -> None:
+        self._specs.clear()
+
+
+RESULT_SPECS = ResultSpecs()
+
+
 class _Repeats:
-    """The results of the calls of one ``fake_values`` by op and argument metadata (``graph.metadata``),
-    as the metadata of each output: a non-mutating operator's fake result depends on nothing else. An output
-    that shares an argument's storage (a view; ``_unsafe_view``) shares the same argument's storage
-    when made again. Ops whose results are not plain fake tensors of static shapes (a scalar, a
-    constant) are dispatched each time, as are mutating ops."""
+    """The results of calls by op and argument metadata (``graph.metadata``), as the metadata of each output
+    (``RESULT_SPECS``): a non-mutating operator's fake result depends on nothing else. An output that shares
+    an argument's storage (a view; ``_unsafe_view``) shares the same argument's storage when made again.
+    Ops whose results are not plain fake tensors of static shapes (a scalar, a constant) are dispatched
+    each time, as are mutating ops."""
 
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
-        self.seen: dict[Any, Any] = {}
 
     def key(self, target: Any, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         """``leaves``: ``args`` and ``kwargs``'s (``graph.argument_leaves``)."""
@@ -381,10 +407,10 @@ class _Repeats:
                 return  # a result inside a larger buffer, or sharing another's: not a fresh tensor of its metadata
             fresh.add(storage)
             specs.append((tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, out.device, base))
-        self.seen[key] = (type(result) if isinstance(result, (tuple, list)) else None, tuple(specs))
+        RESULT_SPECS.put(key, (type(result) if isinstance(result, (tuple, list)) else None, tuple(specs)))
 
     def get(self, key: Any, leaves: list[Any]) -> Any:
-        entry = self.seen.get(key) if key is not None else None
+        entry = RESULT_SPECS.get(key) if key is not None else None
         if entry is None:
             return None
         container, specs = entry

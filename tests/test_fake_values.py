@@ -109,6 +109,7 @@ def test_a_repeated_call_gets_the_value_a_dispatch_would():
     """The second layer's calls repeat the first's (same op, same argument metadata): their values are
     made from the first's metadata without dispatching, and equal the dispatched ones, storage sharing
     included (a view, ``_unsafe_view`` and a split share their input's storage; a clone does not)."""
+    localize.RESULT_SPECS.clear()  # the process's cache: another test's calls may have filled it
     gm = _repeated_program()
     made = []
     get = localize._Repeats.get
@@ -122,3 +123,28 @@ def test_a_repeated_call_gets_the_value_a_dispatch_would():
     calls = sum(1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload))
     assert sum(v is not None for v in made) == calls // 2  # the second layer's op calls: none dispatched
     assert repeated == _values(_repeated_program(), dispatch_every_call=True)
+
+
+def test_another_programs_repeated_calls_get_the_values_a_dispatch_would():
+    """``localize.RESULT_SPECS`` serves every program and fake mode of the process: a second program (its
+    own fake mode) whose calls repeat the first's dispatches none of them, and its values are the
+    dispatched ones, storage sharing included; the cache empties itself at its limit."""
+    localize.RESULT_SPECS.clear()
+    _values(_repeated_program(), dispatch_every_call=False)
+    made = []
+    get = localize._Repeats.get
+
+    def recording(self, *args):
+        made.append(get(self, *args))
+        return made[-1]
+
+    gm = _repeated_program()
+    with mock.patch.object(localize._Repeats, "get", recording):
+        again = _values(gm, dispatch_every_call=False)
+    calls = sum(1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload))
+    assert sum(v is not None for v in made) == calls  # every op call (not the getitems): none dispatched
+    assert again == _values(_repeated_program(), dispatch_every_call=True)
+    specs = localize.ResultSpecs(limit=2)
+    for k in range(3):
+        specs.put(k, k)
+    assert (specs.get(0), specs.get(1), specs.get(2)) == (None, None, 2)
