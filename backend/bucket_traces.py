@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded"]
+__all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded", "users_kept"]
 
 # the functions ``recorded`` traces (by name: in torch/_inductor/fx_passes/bucketing.py, or this project's),
 # each checked against make_fx's trace of it by tests/test_overlap.py; any other is traced by make_fx
@@ -93,6 +93,46 @@ def inputs_not_sorted() -> Iterator[None]:
         yield
     finally:
         bucketing._sort_bucket_region = original
+
+
+@contextlib.contextmanager
+def users_kept() -> Iterator[None]:
+    """Within the block, a merge whose merged values have the metadata of those they replace leaves their
+    readers' fake values as they are.
+
+    After a merge Inductor recomputes the fake value of every reader of a replaced value (the op run again
+    on its new arguments' values, ``_recompute_changed_user_metadata``), for the case where the merged one
+    is laid out otherwise (a strided slice of the bucket); it keeps a recomputed value only where its
+    metadata changed. fxshard's gathers give each member back contiguous, as it was: nothing can change,
+    and the readers (each layer's weights' matmuls) were dispatched again for nothing (~6 ms a merge).
+    A merge whose values do change is recomputed as before."""
+    from torch._inductor.fx_passes import bucketing
+
+    insert = getattr(bucketing, "_insert_fn_trace_before_node", None)
+    recompute = getattr(bucketing, "_recompute_changed_user_metadata", None)
+    same = getattr(bucketing, "_same_metadata", None)
+    if insert is None or recompute is None or same is None:  # a torch that merges otherwise
+        yield
+        return
+
+    def inserted(graph: fx.Graph, fn: Any, inputs: Any, before: fx.Node, graph_inputs: list[fx.Node],
+                 graph_outputs: list[fx.Node]) -> tuple[dict[fx.Node, fx.Node], list[fx.Node]]:
+        replaced = [(node, node.meta.get("val")) for node in graph_outputs]
+        readers: list[fx.Node] = []
+        bucketing._recompute_changed_user_metadata = readers.extend
+        try:
+            replacements, new_nodes = insert(graph, fn, inputs, before, graph_inputs, graph_outputs)
+        finally:
+            bucketing._recompute_changed_user_metadata = recompute
+        if not all(same(val, replacements[node].meta.get("val")) for node, val in replaced):
+            recompute(readers)
+        return replacements, new_nodes
+
+    bucketing._insert_fn_trace_before_node = inserted
+    try:
+        yield
+    finally:
+        bucketing._insert_fn_trace_before_node = insert
 
 
 class _Unkeyed(Exception):

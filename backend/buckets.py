@@ -27,7 +27,7 @@ from fxshard.blocks import ROOT, block_of
 from fxshard.graph import reachable
 
 from .bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
-from .bucket_traces import inputs_not_sorted, traces_reused
+from .bucket_traces import inputs_not_sorted, traces_reused, users_kept
 
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
 
@@ -139,8 +139,9 @@ def merge_blocks(gm: fx.GraphModule, region: dict[fx.Node, Any]) -> None:
     the block's tag (``BlockBuckets`` then leaves it as it is)."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    # every layer's buckets are alike: each kind is traced once; no merge walks the program (bucket_traces.py)
-    with traces_reused(), inputs_not_sorted():
+    # every layer's buckets are alike: each kind is traced once; no merge walks the program or recomputes what
+    # it cannot change (bucket_traces.py)
+    with traces_reused(), inputs_not_sorted(), users_kept():
         for kind, is_kind, _, _ in _kinds():
             ours = _ours(gm.graph, is_kind)
             for home in dict.fromkeys(region[n] for n in ours):  # in program order: the same on every rank

@@ -49,7 +49,7 @@ import torch.fx as fx
 from fxshard.graph import copy_graph_module
 from fxshard.lowering.localize import complete_fake_values
 
-from .bucket_traces import traces_reused
+from .bucket_traces import traces_reused, users_kept
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
 from .collector import collector_paused
 from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
@@ -137,7 +137,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], patches: Mapping[str
     from torch._inductor import config, config_comms
     from torch._inductor.compile_fx import compile_fx
 
-    with config_comms.patch(comms), collector_paused(), traces_reused():  # bucket merges traced cheaply
+    with config_comms.patch(comms), collector_paused(), traces_reused(), users_kept():  # cheap bucket merges
         if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (inductor_direct.py)
             with config.patch(patches):
                 return compile_direct(gm, example_inputs)  # computes the fake values it reads
@@ -171,7 +171,7 @@ def bucketed_uncompiled(gm: fx.GraphModule, policy: BucketPolicy | None) -> fx.G
         from torch._inductor.fx_passes.bucketing import bucket_all_reduce
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        with traces_reused():
+        with traces_reused(), users_kept():
             BlockBuckets(policy.cap, _blocks(gm, policy))(gm.graph)
             bucket_all_reduce(gm, functools.partial(_cap_mb, policy.cap))  # as ``bucket_all_reduces_fx`` in Inductor
         stable_topological_sort(gm.graph)  # a merged collective's users may precede it (Inductor sorts too)

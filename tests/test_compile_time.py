@@ -442,3 +442,55 @@ def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
     finally:
         bucketing._trace = original
     assert traced == [unrecorded]
+
+
+@pytest.mark.parametrize("laid_out_otherwise", [False, True])
+def test_a_merge_that_keeps_its_values_metadata_leaves_their_readers_values(laid_out_otherwise):
+    """``bucket_traces.users_kept``: after a merge replaces values, Inductor recomputes their readers' fake
+    values; where every replacement has the metadata of the value it replaces (fxshard's gathers: contiguous,
+    as before) nothing is recomputed, and where one is laid out otherwise the readers are recomputed as
+    without it: the graph and every value's metadata as Inductor's merge leaves them."""
+    import torch.fx as fx
+    from torch._inductor.fx_passes import bucketing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxshard.backend.bucket_traces import users_kept
+
+    aten = torch.ops.aten
+
+    def merged(fn_output, kept: bool) -> tuple[list, int]:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        y = graph.call_function(aten.clone.default, (x,))
+        z = graph.call_function(aten.t.default, (y,))
+        graph.output((z,))
+        with mode:
+            x.meta["val"] = torch.empty(4, 6)
+            y.meta["val"] = torch.empty(4, 6)
+            z.meta["val"] = y.meta["val"].t()
+        recomputed = []
+        recompute = bucketing._recompute_changed_user_metadata
+
+        def counted(users):
+            recomputed.append(len(users))
+            recompute(users)
+
+        bucketing._recompute_changed_user_metadata = counted
+        try:
+            with users_kept() if kept else contextlib.nullcontext():
+                bucketing._insert_fn_trace_before_node(graph, lambda a: [fn_output(a)], (x.meta["val"],), z, [x], [y])
+        finally:
+            bucketing._recompute_changed_user_metadata = recompute
+        graph.erase_node(y)
+        values = [(n.name, str(n.target), tuple(n.meta["val"].shape), n.meta["val"].stride())
+                  for n in graph.nodes if n.op == "call_function"]
+        return values, sum(recomputed)
+
+    fn_output = (lambda a: a.t().contiguous().t()) if laid_out_otherwise else (lambda a: a.clone())
+    (ours, ours_recomputed), (inductors, inductors_recomputed) = merged(fn_output, True), merged(fn_output, False)
+    assert ours == inductors and inductors_recomputed == 1
+    assert ours_recomputed == (1 if laid_out_otherwise else 0)
+    if laid_out_otherwise:
+        assert ours[-1][-1] == (4, 1)  # the reader's value recomputed: the transpose of a column-major input
