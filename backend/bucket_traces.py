@@ -190,9 +190,10 @@ def recorded(fn: Any, inputs: Any) -> fx.GraphModule | None:
     return fx.GraphModule(torch.nn.Module(), recorder.graph)
 
 
-try:  # which calls make_fx gives the fake values of their arguments (``eager_input_vals``)
-    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals
-except ImportError:  # a torch without it: make_fx traces
+try:  # what make_fx's proxy mode does per op, which the recorder does as it does
+    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals, extract_val, snapshot_fake
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+except ImportError:  # a torch without them: make_fx traces
     _should_save_eager_input_vals = None
 
 
@@ -226,16 +227,11 @@ class _Recorder(TorchDispatchMode):
 
     def bind(self, x: torch.Tensor, node: fx.Node) -> None:
         """``x`` is now ``node``'s value (an op writing into its ``out`` argument makes it the op's)."""
-        from torch.fx.experimental.proxy_tensor import snapshot_fake
-        from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
         self._nodes[id(x)] = (x, node)
         node.meta["val"] = snapshot_fake(x)
         node.meta["tensor_meta"] = _extract_tensor_metadata(x)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from torch.fx.experimental.proxy_tensor import extract_val
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out)):
