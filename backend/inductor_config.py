@@ -54,6 +54,7 @@ from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_
 from .collector import collector_paused
 from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
 from .inductor_direct import compile_direct, takes_directly
+from .reduce_windows import ReduceWindows
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
@@ -195,8 +196,9 @@ def inductor_patches(policy: BucketPolicy | None, tags: Sequence[str | None] = (
         return {}, {}
     cap = functools.partial(_cap_mb, policy.cap)  # picklable: the FX graph cache hashes it with the config
     patches: dict[str, Any] = {
-        # all_gathers and reduce_scatters: by block, and the others capped, in one pass of ours
-        "post_grad_custom_post_pass": BlockBuckets(policy.cap, tags),
+        # all_gathers and reduce_scatters: by block, and the others capped, in one pass of ours; then the
+        # lone all_reduces' windows (reduce_windows.py), before Inductor buckets the other all_reduces
+        "post_grad_custom_post_pass": [BlockBuckets(policy.cap, tags), ReduceWindows()],
         "bucket_all_reduces_fx": "all", "bucket_all_reduces_fx_bucket_size_determinator": cap,
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [

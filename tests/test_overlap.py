@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
 from fxshard.backend.buckets import BLOCK_KEY, block_buckets, nodes_made, tag_blocks
@@ -32,6 +32,8 @@ COST = fxshard.CostModel(default_latency=0.0)  # bytes decide: weights are gathe
 DIM, HIDDEN, TOKENS = 32, 64, 256
 
 _COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\w*\.default\(")
+# a call's first argument: a buffer, or a view of one (an in-place all_reduce of a reshaped matmul output)
+_ARGUMENT = re.compile(r"\.default\((?:reinterpret_tensor\()?(\w+)[,)]")
 _KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
@@ -47,15 +49,17 @@ def collectives(lines: list[str]) -> list[tuple[str, int]]:
     """(kind, statements of compute between its start and its wait) for each collective, in order.
 
     Compute: an extern kernel (the matmuls; fused C++ kernels also copy into and out of buckets). The wait is the ``wait_tensor`` of the
-    collective's buffer (its result, its ``out=``, or the in-place all_reduce's argument)."""
+    collective's buffer (its result, its ``out=``, or the in-place all_reduce's argument), or the program's end."""
     found = []
     for i, line in enumerate(lines):
         match = _COLLECTIVE.search(line)
         if match is None:
             continue
         buffer = (re.search(r"out=(\w+)\)", line) or re.match(r"(\w+) = ", line)
-                  or re.search(r"\.default\((\w+),", line)).group(1)
-        wait = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({buffer})" in lines[j])
+                  or re.search(_ARGUMENT, line)).group(1)
+        wait = next((j for j in range(i + 1, len(lines))
+                     if "wait_tensor.default(" in lines[j] and re.search(_ARGUMENT, lines[j]).group(1) == buffer),
+                    len(lines))  # none: the program returns the buffer, and a later program waits
         compute = sum(1 for s in lines[i + 1:wait] if s.startswith("extern_kernels."))
         found.append((_KIND[match.group(1)], compute))
     return found
@@ -338,3 +342,96 @@ def test_a_gather_bucket_of_several_dtypes_is_one_call_and_gives_each_member_bac
     for x, out in zip(values, outs):
         assert out.dtype == x.dtype and out.shape == (4 * x.shape[0], *x.shape[1:])
         assert torch.equal(out[:x.shape[0]], x)
+
+
+class NormMLPBlock(torch.nn.Module):
+    """A Llama MLP in miniature: RMSNorm, then up, relu and down, and the residual."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_step(fake_mesh_4):
+    """{program: (fxshard's lowered collectives, Inductor's)} of a Megatron-style training step: two
+    ``NormMLPBlock``s, ``up`` column-parallel (Shard(0)), ``down`` row-parallel (Shard(1)), the norms'
+    weights and the batch replicated; whole programs."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NormMLPBlock(64, 256), NormMLPBlock(64, 256))
+    for name, _ in list(model.named_parameters()):
+        shard_parameters(model.get_submodule(name.rpartition(".")[0]), fake_mesh_4,
+                         {"up": (Shard(0),), "down": (Shard(1),)}.get(name.split(".")[1], (Replicate(),)))
+    lowered: dict = {}
+    options = {"regional": False, "on_graph": lambda stage, gm: lowered.setdefault(stage, lowered_collectives(gm))
+               if stage.startswith("lower") else None}
+    compiled = torch.compile(model, backend="fxshard", options=options)
+    x = distribute_tensor(torch.randn(8, 64), fake_mesh_4, [Replicate()])  # few tokens: activations move, not weights
+
+    def step() -> None:
+        compiled(x).sum().backward()
+    _, (forward, backward) = run_and_get_code(step)
+    return {"forward": (lowered["lower"], collectives(statements(forward))),
+            "backward": (lowered["lower_backward"], collectives(statements(backward)))}
+
+
+@pytest.mark.parametrize("program, compiled", [
+    # each block's output reduced: the next block reads it, nothing else is left to compute meanwhile
+    ("forward", [("all_reduce", 0), ("all_reduce", 0)]),
+    # each block's input gradient (up's partial sums) reduced while the block's two weight gradients
+    # compute (Megatron's asynchronous all-reduce); Inductor alone: 0 and 4 (the second block's weight
+    # gradients left behind the first wait, all four under the last; in a Llama layer 0 and 0: the norm's
+    # recomputed output, which up's weight gradient reads, fused with the norm's backward behind the wait)
+    ("backward", [("all_reduce", 2), ("all_reduce", 2)]),
+])
+def test_a_lone_all_reduce_overlaps_the_compute_that_does_not_need_it(tensor_parallel_step, program, compiled):
+    """``backend/reduce_windows.py``: fxshard lowers each wait right behind its all_reduce; in Inductor's code
+    the matmuls that neither feed an all_reduce nor read its result run between its start and its wait."""
+    fxshard_lowered, inductor = tensor_parallel_step[program]
+    assert [(kind, compute) for kind, compute in fxshard_lowered] == [(kind, 0) for kind, _ in compiled]
+    assert inductor == compiled
+
+
+def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_gets_none():
+    """``reduce_windows`` on a graph of its own: two chained all_reduces (the second reduces what the first
+    gave) and three matmuls: one feeding the first, one free of both (the first window's), one reading the
+    first's result (the second window's); and then a third all_reduce independent of the second (Inductor
+    may bucket the two: neither gets a window). Each window's kernel comes to lie between its start and wait."""
+    from fxshard.backend.reduce_windows import reduce_windows
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    mm = lambda x, y: graph.call_function(aten.mm.default, (x, y))  # noqa: E731
+
+    def reduce(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+        start = graph.call_function(c10d.all_reduce.default, (x, "sum", "0"))
+        return start, graph.call_function(c10d.wait_tensor.default, (start,))
+    free = mm(b, b)  # before both starts in program order
+    fed = mm(a, b)
+    first, first_wait = reduce(fed)
+    reads = mm(first_wait, b)
+    second, second_wait = reduce(reads)
+    late = mm(first_wait, a)
+    graph.output([free, second_wait, late])
+    windows = reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph)  # its edges need a module
+    assert {start.name: [k.name for k in kernels] for start, kernels in windows.items()} == \
+        {first.name: [free.name], second.name: [late.name]}
+    order = [n.name for n in graph.nodes]
+    assert order.index(first.name) < order.index(free.name) < order.index(first_wait.name)
+    assert order.index(second.name) < order.index(late.name) < order.index(second_wait.name)
+    graph.lint()
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    first, first_wait = reduce(mm(a, b))
+    second, second_wait = reduce(mm(b, a))  # independent of the first: a bucket for Inductor
+    graph.output([first_wait, second_wait, mm(b, b)])
+    assert reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}

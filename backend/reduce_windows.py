@@ -1,0 +1,150 @@
+"""An all_reduce's window: the compute that does not need its result runs between its start and its wait.
+
+Tensor parallelism's backward all-reduces each block's input gradient (the column-parallel projections'
+partial sums) while that block's weight gradients, which read only the gradient before it and a saved or
+recomputed activation, have yet to run: Megatron-LM issues the all-reduce asynchronously and computes the
+weight gradients meanwhile. Inductor's scheduler would too (``sink_waits_iterative`` moves a wait below
+compute that does not read its result), but two things stop it:
+
+- its topological order puts the weight gradients' matmuls *before* the all_reduce's start, among the
+  input gradients' (they read the same gradient), where no pass moves them past the start;
+- its fusion merges the recomputed norm output, which those matmuls read, with the norm's backward, which
+  reads the reduced gradient: the matmuls then follow the wait (one kernel writes both).
+
+``ReduceWindows``, an Inductor post-grad pass, adds ordering edges (Inductor's ``control_deps``): each
+all_reduce's start before every compute kernel (``COMPUTE``: matmuls, attention) that neither feeds it
+nor reads its result, and that kernel before its wait. A kernel goes to the first such all_reduce in
+program order (one window; later windows see the edges already made, so no edge closes a cycle), and a
+fusion that would put the kernel's inputs behind the wait becomes a cycle Inductor refuses.
+
+Only an all_reduce that Inductor's greedy all_reduce bucketing would leave alone (no other all_reduce
+independent of it): the pass runs before that bucketing, which expects a collective's wait as it was
+made. FSDP's gathers and reduce_scatters are left to the block buckets and Inductor's reordering
+(``backend/buckets.py``), which prefetch them already. ``tests/test_overlap.py`` reads the generated code.
+"""
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils._ordered_set import OrderedSet
+
+from fxshard.graph import reachable
+
+__all__ = ["COMPUTE", "ReduceWindows", "reduce_windows"]
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+# the kernels worth overlapping with a collective: a library's, not fused by Inductor
+COMPUTE = frozenset({
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten.convolution_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+})
+
+
+class ReduceWindows(CustomGraphPass):
+    """Inductor's post-grad pass (``reduce_windows``); its cache key is this file."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        reduce_windows(graph)
+
+    def uuid(self) -> str:
+        return hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()
+
+
+def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each lone all_reduce of ``graph`` -> the compute kernels put between its start and its wait (the
+    module docstring); the edges are made with Inductor's ``control_deps``. None where this torch has no
+    ``preserve_node_ordering``."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    except ImportError:  # a torch without ordering edges: the order Inductor chooses
+        return {}
+    windows = _windows(graph)
+    if not windows:
+        return {}
+    after: dict[fx.Node, list[fx.Node]] = {}  # node -> the nodes it must follow, beyond its inputs
+    for start, kernels in windows.items():
+        wait = _wait_of(start)
+        for kernel in kernels:
+            after.setdefault(kernel, []).append(start)
+        after.setdefault(wait, []).extend(kernels)
+    _sort(graph, after)
+    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})
+    return windows
+
+
+def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each lone all_reduce's start -> its window's kernels, in program order (first window first)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    reduces = [n for n in nodes if n.target is _c10d.all_reduce.default and _wait_of(n) is not None]
+    kernels = [n for n in nodes if getattr(n.target, "overloadpacket", None) in COMPUTE]
+    if not reduces or not kernels:
+        return {}
+    extra_inputs: dict[fx.Node, list[fx.Node]] = {}
+    extra_users: dict[fx.Node, list[fx.Node]] = {}
+
+    def inputs(n: fx.Node) -> Iterable[fx.Node]:
+        return [*n.all_input_nodes, *extra_inputs.get(n, ())]
+
+    def users(n: fx.Node) -> Iterable[fx.Node]:
+        return [*n.users, *extra_users.get(n, ())]
+
+    placed: set[fx.Node] = set()
+    windows: dict[fx.Node, list[fx.Node]] = {}
+    for start in reduces:
+        before, behind = reachable(start, inputs), reachable(start, users)
+        if any(other not in before and other not in behind for other in reduces if other is not start):
+            continue  # Inductor may bucket it with that one
+        window = [k for k in kernels if k not in placed and k not in before and k not in behind]
+        if not window:
+            continue
+        wait = _wait_of(start)
+        for kernel in window:
+            extra_inputs.setdefault(kernel, []).append(start)
+            extra_users.setdefault(start, []).append(kernel)
+            extra_inputs.setdefault(wait, []).append(kernel)
+            extra_users.setdefault(kernel, []).append(wait)
+        placed.update(window)
+        windows[start] = window
+    return windows
+
+
+def _wait_of(start: fx.Node) -> fx.Node | None:
+    """The collective's ``wait_tensor``: its one reader, as fxshard lowers it."""
+    readers = list(start.users)
+    if len(readers) == 1 and readers[0].target is _c10d.wait_tensor.default:
+        return readers[0]
+    return None
+
+
+def _sort(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
+    """``graph``'s nodes reordered so each follows its inputs and the nodes ``after`` names for it, in
+    program order otherwise (a node moves only as far as a new edge makes it)."""
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    for root in graph.nodes:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in done:
+                continue
+            if expanded:
+                done.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for dep in reversed([*node.all_input_nodes, *after.get(node, ())]):
+                if dep not in done:
+                    stack.append((dep, False))
+    if order == list(graph.nodes):
+        return
+    for previous, node in zip(order, order[1:]):
+        previous.append(node)
