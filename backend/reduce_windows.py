@@ -76,20 +76,28 @@ def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         for kernel in kernels:
             after.setdefault(kernel, []).append(start)
         after.setdefault(wait, []).extend(kernels)
-    _sort(graph, after)
+    issued = _issue_order(graph)
+    _sort(graph, {node: [*after.get(node, ()), *issued.get(node, ())] for node in {*after, *issued}})
     preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})
     return windows
 
 
 def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Each lone all_reduce's start -> its window's kernels, in program order (first window first)."""
+    """Each lone all_reduce's start -> its window's kernels, in program order (first window first).
+
+    A kernel joins a window only if it neither leads to the start nor follows from it, counting the
+    windows made before and the order collectives are issued in: no window makes a collective start
+    before one that started before it in the program (each rank must issue them in one order)."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     reduces = [n for n in nodes if n.target is _c10d.all_reduce.default and _wait_of(n) is not None]
     kernels = [n for n in nodes if getattr(n.target, "overloadpacket", None) in COMPUTE]
     if not reduces or not kernels:
         return {}
-    extra_inputs: dict[fx.Node, list[fx.Node]] = {}
+    extra_inputs: dict[fx.Node, list[fx.Node]] = {k: list(v) for k, v in _issue_order(graph).items()}
     extra_users: dict[fx.Node, list[fx.Node]] = {}
+    for node, previous in extra_inputs.items():
+        for p in previous:
+            extra_users.setdefault(p, []).append(node)
 
     def inputs(n: fx.Node) -> Iterable[fx.Node]:
         return [*n.all_input_nodes, *extra_inputs.get(n, ())]
@@ -100,9 +108,9 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     placed: set[fx.Node] = set()
     windows: dict[fx.Node, list[fx.Node]] = {}
     for start in reduces:
+        if not _lone(start, reduces):
+            continue  # Inductor may bucket it with another
         before, behind = reachable(start, inputs), reachable(start, users)
-        if any(other not in before and other not in behind for other in reduces if other is not start):
-            continue  # Inductor may bucket it with that one
         window = [k for k in kernels if k not in placed and k not in before and k not in behind]
         if not window:
             continue
@@ -115,6 +123,19 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         placed.update(window)
         windows[start] = window
     return windows
+
+
+def _lone(start: fx.Node, reduces: list[fx.Node]) -> bool:
+    """No other all_reduce is independent of ``start`` in the program's data flow (none to bucket it with)."""
+    related = reachable(start, lambda n: n.all_input_nodes) | reachable(start, lambda n: n.users)
+    return all(other is start or other in related for other in reduces)
+
+
+def _issue_order(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each collective -> the one issued before it in program order (waits aside)."""
+    issued = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+              and n.target.namespace == "_c10d_functional" and n.target is not _c10d.wait_tensor.default]
+    return {later: [earlier] for earlier, later in zip(issued, issued[1:])}
 
 
 def _wait_of(start: fx.Node) -> fx.Node | None:

@@ -435,3 +435,24 @@ def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_g
     second, second_wait = reduce(mm(b, a))  # independent of the first: a bucket for Inductor
     graph.output([first_wait, second_wait, mm(b, b)])
     assert reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
+
+
+def test_no_window_makes_a_collective_start_before_one_that_started_before_it():
+    """A matmul free of an all_reduce's data but reading a gather issued after a later all_reduce gets no
+    window: in the first's it would pull the gather before the second all_reduce (each rank must issue
+    collectives in one order), in the second's likewise."""
+    from fxshard.backend.reduce_windows import reduce_windows
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    first = graph.call_function(c10d.all_reduce.default, (graph.call_function(aten.mm.default, (a, b)), "sum", "0"))
+    first_wait = graph.call_function(c10d.wait_tensor.default, (first,))
+    second = graph.call_function(c10d.all_reduce.default, (first_wait, "sum", "0"))
+    second_wait = graph.call_function(c10d.wait_tensor.default, (second,))
+    gather = graph.call_function(c10d.all_gather_into_tensor.default, (b, 4, "0"))
+    late = graph.call_function(aten.mm.default, (graph.call_function(c10d.wait_tensor.default, (gather,)), a))
+    graph.output([second_wait, late])
+    issued = [first, second, gather]
+    assert reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
+    assert [n for n in graph.nodes if n in issued] == issued
