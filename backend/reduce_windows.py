@@ -14,8 +14,10 @@ compute that does not read its result), but two things stop it:
 ``ReduceWindows``, an Inductor post-grad pass, adds ordering edges (Inductor's ``control_deps``): each
 all_reduce's start before every compute kernel (``COMPUTE``: matmuls, attention) that neither feeds it
 nor reads its result, and that kernel before its wait. A kernel goes to the first such all_reduce in
-program order (one window; later windows see the edges already made, so no edge closes a cycle), and a
-fusion that would put the kernel's inputs behind the wait becomes a cycle Inductor refuses.
+program order (one window; later windows see the edges already made, so no edge closes a cycle), never
+to one where it would make a collective start before another that started before it (every rank must
+issue the same collectives in one order), and a fusion that would put the kernel's inputs behind the
+wait becomes a cycle Inductor refuses.
 
 Only an all_reduce that Inductor's greedy all_reduce bucketing would leave alone (no other all_reduce
 independent of it): the pass runs before that bucketing, which expects a collective's wait as it was
