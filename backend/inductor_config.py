@@ -16,7 +16,9 @@ lowered program (the whole program, or one region of it: nothing here looks past
   gather every parameter before the first layer and give up FSDP's memory bound);
 - Inductor's scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute that
   does not need its result and raise collectives earlier, as far as peak memory allows: a block's
-  merged gather, placed before the first use of its weights, is prefetched during the block before.
+  merged gather, placed before the first use of its weights, is prefetched during the block before;
+- a lone all_reduce (TP's) gets the matmuls that do not need it between its start and its wait by
+  ordering edges (``backend/reduce_windows.py``), where Inductor's order and fusion would leave none.
 
 Every rank must issue the same collectives, of the same sizes, in the same order, or the job
 hangs. Here, also for uneven layouts whose local programs differ by rank:
