@@ -66,6 +66,7 @@ def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     module docstring); the edges are made with Inductor's ``control_deps``. None where this torch has no
     ``preserve_node_ordering``."""
     try:
+        from torch._dynamo.graph_deduplication import _stable_topological_sort
         from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     except ImportError:  # a torch without ordering edges: the order Inductor chooses
         return {}
@@ -78,9 +79,10 @@ def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         for kernel in kernels:
             after.setdefault(kernel, []).append(start)
         after.setdefault(wait, []).extend(kernels)
-    issued = _issue_order(graph)
-    _sort(graph, {node: [*after.get(node, ()), *issued.get(node, ())] for node in {*after, *issued}})
-    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items()})
+    edges = {node: OrderedSet(deps) for node, deps in after.items()}
+    # each node after its inputs and its edges, moved no further than they make it (raises on a cycle)
+    _stable_topological_sort(graph, edges)
+    preserve_node_ordering(graph, edges)
     return windows
 
 
@@ -146,28 +148,3 @@ def _wait_of(start: fx.Node) -> fx.Node | None:
     if len(readers) == 1 and readers[0].target is _c10d.wait_tensor.default:
         return readers[0]
     return None
-
-
-def _sort(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
-    """``graph``'s nodes reordered so each follows its inputs and the nodes ``after`` names for it, in
-    program order otherwise (a node moves only as far as a new edge makes it)."""
-    order: list[fx.Node] = []
-    done: set[fx.Node] = set()
-    for root in graph.nodes:
-        stack = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in done:
-                continue
-            if expanded:
-                done.add(node)
-                order.append(node)
-                continue
-            stack.append((node, True))
-            for dep in reversed([*node.all_input_nodes, *after.get(node, ())]):
-                if dep not in done:
-                    stack.append((dep, False))
-    if order == list(graph.nodes):
-        return
-    for previous, node in zip(order, order[1:]):
-        previous.append(node)
