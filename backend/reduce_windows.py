@@ -63,8 +63,8 @@ class ReduceWindows(CustomGraphPass):
 
 def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """Each lone all_reduce of ``graph`` -> the compute kernels put between its start and its wait (the
-    module docstring); the edges are made with Inductor's ``control_deps``. None where this torch has no
-    ``preserve_node_ordering``."""
+    module docstring); the edges are made with Inductor's ``control_deps``. Nothing where this torch has no
+    ``preserve_node_ordering`` or ``_stable_topological_sort``."""
     try:
         from torch._dynamo.graph_deduplication import _stable_topological_sort
         from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
@@ -97,11 +97,12 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     kernels = [n for n in nodes if getattr(n.target, "overloadpacket", None) in COMPUTE]
     if not reduces or not kernels:
         return {}
-    extra_inputs: dict[fx.Node, list[fx.Node]] = {k: list(v) for k, v in _issue_order(graph).items()}
+    extra_inputs: dict[fx.Node, list[fx.Node]] = {}  # the edges beyond the data flow, both ways
     extra_users: dict[fx.Node, list[fx.Node]] = {}
-    for node, previous in extra_inputs.items():
-        for p in previous:
-            extra_users.setdefault(p, []).append(node)
+
+    def link(earlier: fx.Node, later: fx.Node) -> None:
+        extra_inputs.setdefault(later, []).append(earlier)
+        extra_users.setdefault(earlier, []).append(later)
 
     def inputs(n: fx.Node) -> Iterable[fx.Node]:
         return [*n.all_input_nodes, *extra_inputs.get(n, ())]
@@ -109,6 +110,9 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     def users(n: fx.Node) -> Iterable[fx.Node]:
         return [*n.users, *extra_users.get(n, ())]
 
+    issued = _issued(graph)
+    for earlier, later in zip(issued, issued[1:]):
+        link(earlier, later)
     placed: set[fx.Node] = set()
     windows: dict[fx.Node, list[fx.Node]] = {}
     for start in reduces:
@@ -120,10 +124,8 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
             continue
         wait = _wait_of(start)
         for kernel in window:
-            extra_inputs.setdefault(kernel, []).append(start)
-            extra_users.setdefault(start, []).append(kernel)
-            extra_inputs.setdefault(wait, []).append(kernel)
-            extra_users.setdefault(kernel, []).append(wait)
+            link(start, kernel)
+            link(kernel, wait)
         placed.update(window)
         windows[start] = window
     return windows
@@ -135,11 +137,10 @@ def _lone(start: fx.Node, reduces: list[fx.Node]) -> bool:
     return all(other is start or other in related for other in reduces)
 
 
-def _issue_order(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Each collective -> the one issued before it in program order (waits aside)."""
-    issued = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-              and n.target.namespace == "_c10d_functional" and n.target is not _c10d.wait_tensor.default]
-    return {later: [earlier] for earlier, later in zip(issued, issued[1:])}
+def _issued(graph: fx.Graph) -> list[fx.Node]:
+    """The collectives of ``graph`` in the order they are issued (waits aside)."""
+    return [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "_c10d_functional" and n.target is not _c10d.wait_tensor.default]
 
 
 def _wait_of(start: fx.Node) -> fx.Node | None:

@@ -402,8 +402,8 @@ def test_a_lone_all_reduce_overlaps_the_compute_that_does_not_need_it(tensor_par
 def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_gets_none():
     """``reduce_windows`` on a graph of its own: two chained all_reduces (the second reduces what the first
     gave) and three matmuls: one feeding the first, one free of both (the first window's), one reading the
-    first's result (the second window's); and then a third all_reduce independent of the second (Inductor
-    may bucket the two: neither gets a window). Each window's kernel comes to lie between its start and wait."""
+    first's result (the second window's). Each window's kernel comes to lie between its start and wait. Then
+    a graph of two independent all_reduces (Inductor may bucket the two): neither gets a window."""
     from fxshard.backend.reduce_windows import reduce_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
