@@ -17,8 +17,9 @@ lowered program (the whole program, or one region of it: nothing here looks past
 - Inductor's scheduler passes (``torch/_inductor/comms.py``) sink each wait below the compute that
   does not need its result and raise collectives earlier, as far as peak memory allows: a block's
   merged gather, placed before the first use of its weights, is prefetched during the block before;
-- a lone all_reduce (TP's) gets the matmuls that do not need it between its start and its wait by
-  ordering edges (``backend/reduce_windows.py``), where Inductor's order and fusion would leave none.
+- a lone collective (TP's all_reduces, TP + SP's reduce_scatters and gathers: none of its kind independent
+  of it) gets the matmuls that do not need it between its start and its wait by ordering edges
+  (``backend/collective_windows.py``), where Inductor's order and fusion would leave none.
 
 Every rank must issue the same collectives, of the same sizes, in the same order, or the job
 hangs. Here, also for uneven layouts whose local programs differ by rank:
@@ -56,7 +57,7 @@ from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_
 from .collector import collector_paused
 from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
 from .inductor_direct import compile_direct, takes_directly
-from .reduce_windows import ReduceWindows
+from .collective_windows import CollectiveWindows
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
@@ -199,8 +200,8 @@ def inductor_patches(policy: BucketPolicy | None, tags: Sequence[str | None] = (
     cap = functools.partial(_cap_mb, policy.cap)  # picklable: the FX graph cache hashes it with the config
     patches: dict[str, Any] = {
         # all_gathers and reduce_scatters: by block, and the others capped, in one pass of ours; then the
-        # lone all_reduces' windows (reduce_windows.py), before Inductor buckets the other all_reduces
-        "post_grad_custom_post_pass": [BlockBuckets(policy.cap, tags), ReduceWindows()],
+        # lone collectives' windows (collective_windows.py), before Inductor buckets the other all_reduces
+        "post_grad_custom_post_pass": [BlockBuckets(policy.cap, tags), CollectiveWindows()],
         "bucket_all_reduces_fx": "all", "bucket_all_reduces_fx_bucket_size_determinator": cap,
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [

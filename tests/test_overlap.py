@@ -392,7 +392,7 @@ def tensor_parallel_step(fake_mesh_4):
     ("backward", [("all_reduce", 2), ("all_reduce", 2)]),
 ])
 def test_a_lone_all_reduce_overlaps_the_compute_that_does_not_need_it(tensor_parallel_step, program, compiled):
-    """``backend/reduce_windows.py``: fxshard lowers each wait right behind its all_reduce; in Inductor's code
+    """``backend/collective_windows.py``: fxshard lowers each wait right behind its all_reduce; in Inductor's code
     the matmuls that neither feed an all_reduce nor read its result run between its start and its wait."""
     fxshard_lowered, inductor = tensor_parallel_step[program]
     assert [(kind, compute) for kind, compute in fxshard_lowered] == [(kind, 0) for kind, _ in compiled]
@@ -400,11 +400,11 @@ def test_a_lone_all_reduce_overlaps_the_compute_that_does_not_need_it(tensor_par
 
 
 def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_gets_none():
-    """``reduce_windows`` on a graph of its own: two chained all_reduces (the second reduces what the first
+    """``collective_windows`` on a graph of its own: two chained all_reduces (the second reduces what the first
     gave) and three matmuls: one feeding the first, one free of both (the first window's), one reading the
     first's result (the second window's). Each window's kernel comes to lie between its start and wait. Then
     a graph of two independent all_reduces (Inductor may bucket the two): neither gets a window."""
-    from fxshard.backend.reduce_windows import reduce_windows
+    from fxshard.backend.collective_windows import collective_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     graph = torch.fx.Graph()
@@ -421,7 +421,7 @@ def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_g
     second, second_wait = reduce(reads)
     late = mm(first_wait, a)
     graph.output([free, second_wait, late])
-    windows = reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph)  # its edges need a module
+    windows = collective_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph)  # its edges need a module
     assert {start.name: [k.name for k in kernels] for start, kernels in windows.items()} == \
         {first.name: [free.name], second.name: [late.name]}
     order = [n.name for n in graph.nodes]
@@ -434,14 +434,14 @@ def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_g
     first, first_wait = reduce(mm(a, b))
     second, second_wait = reduce(mm(b, a))  # independent of the first: a bucket for Inductor
     graph.output([first_wait, second_wait, mm(b, b)])
-    assert reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
+    assert collective_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
 
 
 def test_no_window_makes_a_collective_start_before_one_that_started_before_it():
     """A matmul free of an all_reduce's data but reading a gather issued after a later all_reduce gets no
     window: in the first's it would pull the gather before the second all_reduce (each rank must issue
     collectives in one order), in the second's likewise."""
-    from fxshard.backend.reduce_windows import reduce_windows
+    from fxshard.backend.collective_windows import collective_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     graph = torch.fx.Graph()
@@ -454,5 +454,107 @@ def test_no_window_makes_a_collective_start_before_one_that_started_before_it():
     late = graph.call_function(aten.mm.default, (graph.call_function(c10d.wait_tensor.default, (gather,)), a))
     graph.output([second_wait, late])
     issued = [first, second, gather]
-    assert reduce_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
+    assert collective_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph) == {}
     assert [n for n in graph.nodes if n in issued] == issued
+
+
+class SwiGLUBlock(torch.nn.Module):
+    """A Llama feed-forward block in miniature: RMSNorm, gate and up, SiLU-gated, down, and the residual.
+    Its backward sums two input gradients (gate's and up's): the weight gradients come before that sum's
+    reduction in Inductor's order."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_step(fake_mesh_4):
+    """{program: Inductor's collectives} of a training step of two ``SwiGLUBlock``s under torchtitan's
+    tensor + sequence parallel plan (``parallelize_module``: the norms and the residual stream sharded on
+    the tokens, gate and up column-parallel, down row-parallel to token shards); whole programs."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SwiGLUBlock(64, 256), SwiGLUBlock(64, 256))
+    plan = {}
+    for i in range(2):
+        plan.update({f"{i}.norm": SequenceParallel(sequence_dim=0),
+                     f"{i}.gate": ColwiseParallel(input_layouts=Shard(0)),
+                     f"{i}.up": ColwiseParallel(input_layouts=Shard(0)),
+                     f"{i}.down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False)})
+    parallelize_module(model, fake_mesh_4, plan)
+    compiled = torch.compile(model, backend="fxshard", options={"regional": False})
+    x = distribute_tensor(torch.randn(32, 64), fake_mesh_4, [Shard(0)])
+
+    def step() -> None:
+        compiled(x).sum().backward()
+    _, (forward, backward) = run_and_get_code(step)
+    return {"forward": collectives(statements(forward)), "backward": collectives(statements(backward))}
+
+
+@pytest.mark.parametrize("program, compiled", [
+    # each block: the tokens gathered for gate and up, down's partial sums reduce_scattered to the token
+    # shards; each reads the one before, nothing is left to compute meanwhile
+    ("forward", [("all_gather", 0), ("reduce_scatter", 0)] * 2),
+    # the output's gradient gathered (none before it), the second block's input gradient reduce_scattered,
+    # the norms' weight gradients all-reduced (one bucket), the residual's gradient gathered for the first
+    # block, the first block's input gradient reduce_scattered. The second block's three weight gradients
+    # run while the gather for the first block is in flight (the reduce_scatter before it leads to it
+    # through the norm's backward alone); the first block's three while the norms' all_reduce is. Inductor
+    # alone: none anywhere (the weight gradients come before each reduce_scatter's start in its order)
+    ("backward", [("all_gather", 0), ("reduce_scatter", 0), ("all_gather", 3), ("reduce_scatter", 0),
+                  ("all_reduce", 3)]),
+])
+def test_sequence_parallel_gathers_overlap_the_compute_that_does_not_need_them(sequence_parallel_step, program,
+                                                                               compiled):
+    """``backend/collective_windows.py`` with sequence parallelism: a lone reduce_scatter or all_gather gets
+    the matmuls that neither feed it nor read its result, where Inductor's own reordering keeps them there."""
+    assert sequence_parallel_step[program] == compiled
+
+
+def test_a_collective_that_leads_straight_to_another_leaves_its_kernels_to_the_second():
+    """A reduce_scatter whose result reaches an all_gather through elementwise nodes alone (TP + SP's
+    backward: the norm's backward between them) gets no window: Inductor's reordering would raise the
+    gather, and the reduce_scatter's wait with it, over any kernel in between. The free matmul goes to the
+    gather's window. When what follows is not lone (two all_reduces Inductor may bucket), the reduce_scatter
+    keeps its window."""
+    from fxshard.backend.collective_windows import collective_windows
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+
+    def program(then_gather: bool) -> tuple[torch.fx.Graph, dict, torch.fx.Node, list[torch.fx.Node], list[str]]:
+        """(graph, its windows, the free matmul, [the reduce_scatter, what follows it], the latter's waits' names)."""
+        graph = torch.fx.Graph()
+        a, b = graph.placeholder("a"), graph.placeholder("b")
+        start = graph.call_function(c10d.reduce_scatter_tensor.default,
+                                    (graph.call_function(aten.mm.default, (a, b)), "sum", 4, "0"))
+        scattered = graph.call_function(aten.mul.Tensor, (graph.call_function(c10d.wait_tensor.default, (start,)), 2))
+        free = graph.call_function(aten.mm.default, (b, b))
+        if then_gather:
+            after = [graph.call_function(c10d.all_gather_into_tensor.default, (scattered, 4, "0"))]
+        else:
+            after = [graph.call_function(c10d.all_reduce.default, (scattered, "sum", "0")),
+                     graph.call_function(c10d.all_reduce.default, (b, "sum", "0"))]
+        waits = [graph.call_function(c10d.wait_tensor.default, (n,)) for n in after]
+        graph.output([free, *waits])
+        names = [w.name for w in waits]
+        windows = collective_windows(torch.fx.GraphModule(torch.nn.Module(), graph).graph)
+        graph.lint()
+        return graph, windows, free, [start, *after], names
+
+    graph, windows, free, (_, gather), (gathered,) = program(then_gather=True)
+    assert windows == {gather: [free]}
+    order = [n.name for n in graph.nodes]  # the window's nodes are replaced by Inductor's control_deps, named as they were
+    assert order.index(gather.name) < order.index(free.name) < order.index(gathered)
+    _, windows, free, (scatter, *_), _ = program(then_gather=False)
+    assert windows == {scatter: [free]}

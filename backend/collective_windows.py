@@ -1,28 +1,35 @@
-"""An all_reduce's window: the compute that does not need its result runs between its start and its wait.
+"""A collective's window: the compute that does not need its result runs between its start and its wait.
 
-Tensor parallelism's backward all-reduces each block's input gradient (the column-parallel projections'
-partial sums) while that block's weight gradients, which read only the gradient before it and a saved or
-recomputed activation, have yet to run: Megatron-LM issues the all-reduce asynchronously and computes the
-weight gradients meanwhile. Inductor's scheduler would too (``sink_waits_iterative`` moves a wait below
-compute that does not read its result), but two things stop it:
+Tensor parallelism's backward reduces each block's input gradient (the column-parallel projections'
+partial sums: an all_reduce, or with sequence parallelism a reduce_scatter) while that block's weight
+gradients, which read only the gradient before it and a saved or recomputed activation, have yet to run:
+Megatron-LM issues the reduction asynchronously and computes the weight gradients meanwhile. Inductor's
+scheduler would too (``sink_waits_iterative`` moves a wait below compute that does not read its result),
+but two things stop it:
 
-- its topological order puts the weight gradients' matmuls *before* the all_reduce's start, among the
+- its topological order puts the weight gradients' matmuls *before* the collective's start, among the
   input gradients' (they read the same gradient), where no pass moves them past the start;
 - its fusion merges the recomputed norm output, which those matmuls read, with the norm's backward, which
   reads the reduced gradient: the matmuls then follow the wait (one kernel writes both).
 
-``ReduceWindows``, an Inductor post-grad pass, adds ordering edges (Inductor's ``control_deps``): each
-all_reduce's start before every compute kernel (``COMPUTE``: matmuls, attention) that neither feeds it
-nor reads its result, and that kernel before its wait. A kernel goes to the first such all_reduce in
+``CollectiveWindows``, an Inductor post-grad pass, adds ordering edges (Inductor's ``control_deps``): each
+lone collective's start before every compute kernel (``COMPUTE``: matmuls, attention) that neither feeds
+it nor reads its result, and that kernel before its wait. A kernel goes to the first such collective in
 program order (one window; later windows see the edges already made, so no edge closes a cycle), never
 to one where it would make a collective start before another that started before it (every rank must
 issue the same collectives in one order), and a fusion that would put the kernel's inputs behind the
-wait becomes a cycle Inductor refuses.
+wait becomes a cycle Inductor refuses. The sort that applies the edges moves nodes later, never earlier:
+a kernel goes behind a start, and a start gets ahead only of the kernels its window took (a gathered
+buffer lives through its window: TP + SP's gathered gradients, one block's activation each).
 
-Only an all_reduce that Inductor's greedy all_reduce bucketing would leave alone (no other all_reduce
-independent of it): the pass runs before that bucketing, which expects a collective's wait as it was
-made. FSDP's gathers and reduce_scatters are left to the block buckets and Inductor's reordering
-(``backend/buckets.py``), which prefetch them already. ``tests/test_overlap.py`` reads the generated code.
+Lone: no other collective of its kind (all_reduce, reduce_scatter, all_gather) is independent of it in
+the data flow, as in a chain of activations and their gradients (TP's, TP + SP's). A lone all_reduce is
+one Inductor's greedy all_reduce bucketing, which runs after this pass and expects a collective's wait as
+it was made, would leave alone; the gathers and reduce_scatters were bucketed before it
+(``backend/buckets.py``). FSDP's gathers and reduce_scatters, independent of each other across blocks,
+are not lone: Inductor's reordering prefetches them within the memory it allows, which a window that
+holds every independent kernel behind a start would not. ``tests/test_overlap.py`` reads the generated
+code.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from fxshard.graph import reachable
 
-__all__ = ["COMPUTE", "ReduceWindows", "reduce_windows"]
+__all__ = ["COMPUTE", "CollectiveWindows", "collective_windows"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -49,20 +56,23 @@ COMPUTE = frozenset({
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
     aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
 })
+# the collectives that get windows, where lone (the module docstring)
+WINDOWED = frozenset({_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default,
+                      _c10d.all_gather_into_tensor.default})
 
 
-class ReduceWindows(CustomGraphPass):
-    """Inductor's post-grad pass (``reduce_windows``); its cache key is this file."""
+class CollectiveWindows(CustomGraphPass):
+    """Inductor's post-grad pass (``collective_windows``); its cache key is this file."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        reduce_windows(graph)
+        collective_windows(graph)
 
     def uuid(self) -> str:
         return hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()
 
 
-def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Each lone all_reduce of ``graph`` -> the compute kernels put between its start and its wait (the
+def collective_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each lone collective of ``graph`` -> the compute kernels put between its start and its wait (the
     module docstring); the edges are made with Inductor's ``control_deps``. Nothing where this torch has no
     ``preserve_node_ordering`` or ``_stable_topological_sort``."""
     try:
@@ -87,15 +97,15 @@ def reduce_windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
 
 
 def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Each lone all_reduce's start -> its window's kernels, in program order (first window first).
+    """Each lone collective's start -> its window's kernels, in program order (first window first).
 
     A kernel joins a window only if it neither leads to the start nor follows from it, counting the
     windows made before and the order collectives are issued in: no window makes a collective start
     before one that started before it in the program (each rank must issue them in one order)."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    reduces = [n for n in nodes if n.target is _c10d.all_reduce.default and _wait_of(n) is not None]
+    starts = [n for n in nodes if n.target in WINDOWED and _wait_of(n) is not None]
     kernels = [n for n in nodes if getattr(n.target, "overloadpacket", None) in COMPUTE]
-    if not reduces or not kernels:
+    if not starts or not kernels:
         return {}
     extra_inputs: dict[fx.Node, list[fx.Node]] = {}  # the edges beyond the data flow, both ways
     extra_users: dict[fx.Node, list[fx.Node]] = {}
@@ -115,9 +125,12 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         link(earlier, later)
     placed: set[fx.Node] = set()
     windows: dict[fx.Node, list[fx.Node]] = {}
-    for start in reduces:
-        if not _lone(start, reduces):
-            continue  # Inductor may bucket it with another
+    # a collective another of its kind is independent of: Inductor may bucket the two, or prefetch them (FSDP's)
+    lone = [n for n in starts if _lone(n, [other for other in starts if other.target is n.target])]
+    collectives, lone_starts = set(issued), set(lone)
+    for start in lone:
+        if _starts_another(_wait_of(start), collectives, lone_starts):
+            continue  # Inductor would raise that one over this window: the kernels go to its window
         before, behind = reachable(start, inputs), reachable(start, users)
         window = [k for k in kernels if k not in placed and k not in before and k not in behind]
         if not window:
@@ -131,10 +144,30 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return windows
 
 
-def _lone(start: fx.Node, reduces: list[fx.Node]) -> bool:
-    """No other all_reduce is independent of ``start`` in the program's data flow (none to bucket it with)."""
+def _lone(start: fx.Node, kind: list[fx.Node]) -> bool:
+    """No other collective of ``kind`` (``start``'s own) is independent of ``start`` in the data flow."""
     related = reachable(start, lambda n: n.all_input_nodes) | reachable(start, lambda n: n.users)
-    return all(other is start or other in related for other in reduces)
+    return all(other is start or other in related for other in kind)
+
+
+def _starts_another(wait: fx.Node, collectives: set[fx.Node], lone: set[fx.Node]) -> bool:
+    """Whether a lone collective reads ``wait``'s result through no compute kernel and no other collective
+    (TP + SP's backward: a block's input gradient reduce_scattered, the norm's backward, the residual
+    gradient gathered for the block before). Inductor's ``reorder_communication_preserving_peak_memory``
+    raises a collective together with the nodes it reads, up to the first matmul or collective, over any
+    node it does not read, and counts no ordering edge: it would raise that collective, ``wait`` with it,
+    over ``wait``'s window, whose kernels would overlap the second collective instead. They are given to
+    the second's window from the start."""
+    stack, seen = [wait], {wait}
+    while stack:
+        for user in stack.pop().users:
+            if user in lone:
+                return True
+            if user not in seen and user not in collectives \
+                    and getattr(user.target, "overloadpacket", None) not in COMPUTE:
+                seen.add(user)
+                stack.append(user)
+    return False
 
 
 def _issued(graph: fx.Graph) -> list[fx.Node]:
