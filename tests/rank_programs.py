@@ -248,3 +248,76 @@ def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, 
     param_error = max((p.full_tensor() - q).abs().max().item()
                       for p, q in zip(model.parameters(), reference.parameters()))
     return {"loss_error": loss_error, "param_error": param_error, "codes": codes}
+
+
+class SwiGLUBlock(torch.nn.Module):
+    """A Llama feed-forward block in miniature: RMSNorm, gate and up, SiLU-gated, down, and the residual.
+    Its backward sums two input gradients (gate's and up's): the weight gradients come before that sum's
+    reduction in Inductor's order."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def sequence_parallel(model: torch.nn.Sequential, mesh) -> None:
+    """torchtitan's tensor + sequence parallel plan for a ``Sequential`` of ``SwiGLUBlock``s on [tokens, dim]
+    inputs sharded on the tokens (``parallelize_module``): the norms and the residual stream on token
+    shards, gate and up column-parallel, down row-parallel back to token shards."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    plan = {}
+    for i in range(len(model)):
+        plan.update({f"{i}.norm": SequenceParallel(sequence_dim=0),
+                     f"{i}.gate": ColwiseParallel(input_layouts=Shard(0)),
+                     f"{i}.up": ColwiseParallel(input_layouts=Shard(0)),
+                     f"{i}.down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False)})
+    parallelize_module(model, mesh, plan)
+
+
+def sequence_parallel_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 32, hidden: int = 64,
+                             tokens: int = 16, steps: int = 2) -> dict:
+    """SGD steps of two ``SwiGLUBlock``s under ``sequence_parallel`` through torch.compile(backend="fxshard")
+    (whole programs: the collectives' windows, backend/collective_windows.py, span both blocks); the same
+    steps on one device. Returns the worst loss and parameter errors and the compiled programs' code."""
+    from torch._inductor.utils import run_and_get_code
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(SwiGLUBlock(dim, hidden), SwiGLUBlock(dim, hidden))
+    model = copy.deepcopy(reference)
+    sequence_parallel(model, mesh)
+    compiled = torch.compile(model, backend="fxshard", options={"regional": False})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_error, codes = 0.0, []
+    for step in range(steps):
+        x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step))
+        target = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(100 + step))
+
+        def train_step() -> torch.Tensor:
+            loss = ((compiled(distribute_tensor(x, mesh, [Shard(0)])) - distribute_tensor(target, mesh, [Shard(0)])) ** 2).mean()
+            loss.backward()
+            return loss
+        if step == 0:
+            loss, codes = run_and_get_code(train_step)
+        else:
+            loss = train_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = ((reference(x) - target) ** 2).mean()
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        loss_error = max(loss_error, abs(loss.full_tensor().item() - ref_loss.item()) / abs(ref_loss.item()))
+    param_error = max(((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
+                      for p, q in zip(model.parameters(), reference.parameters()))
+    return {"loss_error": loss_error, "param_error": param_error, "codes": codes}

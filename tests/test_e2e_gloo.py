@@ -190,6 +190,25 @@ def test_generate_on_two_gloo_ranks(generate, cache, new_tokens, programs):
         assert r["decode_collectives"] == {"all_reduce": 5, "all_gather_into_tensor": 1}, r["decode_collectives"]
 
 
+def test_sequence_parallel_training_with_windows_on_two_gloo_ranks():
+    """Two SwiGLU blocks under torchtitan's tensor + sequence parallel plan, trained through
+    torch.compile(backend="fxshard") as whole programs: the backward's gather for the first block runs
+    while the second block's weight gradients compute (backend/collective_windows.py; tests/test_overlap.py
+    reads the same code on a fake group). Two SGD steps match one device on both ranks."""
+    with examples_and_tests_on_path():
+        from inductor_code import calls, collective_kinds
+    results = run_program("sequence_parallel_blocks", 2, timeout=900.0)
+    for rank, r in sorted(results.items()):
+        assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
+        kinds = [sorted(collective_kinds(code)) for code in r["codes"]]
+        assert kinds == [["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"],
+                         ["all_gather", "all_gather", "all_reduce", "reduce_scatter", "reduce_scatter"]], (rank, kinds)
+        backward = [c for c in calls(r["codes"][1]) if not c.startswith("cpp_fused")]
+        second_gather = [i for i, c in enumerate(backward) if c == "_c10d_functional.all_gather_into_tensor"][1]
+        window = backward[second_gather + 1:]
+        assert window[:window.index("_c10d_functional.wait_tensor")] == ["mm"] * 3, (rank, backward)
+
+
 @pytest.mark.slow
 def test_regional_fsdp_with_uneven_shards_on_two_gloo_ranks():
     """The same uneven FSDP blocks compiled regionally (backend/regions.py): each rank compiles its block

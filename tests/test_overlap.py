@@ -26,7 +26,7 @@ from fxshard.backend.inductor_config import BucketPolicy, block_bytes, inductor_
 from fxshard.backend.simulate import fake_world, lowered_graphs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from rank_programs import Blocks, MLPBlock, shard_parameters  # noqa: E402
+from rank_programs import Blocks, MLPBlock, SwiGLUBlock, sequence_parallel, shard_parameters  # noqa: E402
 
 COST = fxshard.CostModel(default_latency=0.0)  # bytes decide: weights are gathered, not activations
 DIM, HIDDEN, TOKENS = 32, 64, 256
@@ -458,41 +458,16 @@ def test_no_window_makes_a_collective_start_before_one_that_started_before_it():
     assert [n for n in graph.nodes if n in issued] == issued
 
 
-class SwiGLUBlock(torch.nn.Module):
-    """A Llama feed-forward block in miniature: RMSNorm, gate and up, SiLU-gated, down, and the residual.
-    Its backward sums two input gradients (gate's and up's): the weight gradients come before that sum's
-    reduction in Inductor's order."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(dim)
-        self.gate = torch.nn.Linear(dim, hidden, bias=False)
-        self.up = torch.nn.Linear(dim, hidden, bias=False)
-        self.down = torch.nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
 @pytest.fixture(scope="module")
 def sequence_parallel_step(fake_mesh_4):
     """{program: Inductor's collectives} of a training step of two ``SwiGLUBlock``s under torchtitan's
-    tensor + sequence parallel plan (``parallelize_module``: the norms and the residual stream sharded on
-    the tokens, gate and up column-parallel, down row-parallel to token shards); whole programs."""
+    tensor + sequence parallel plan (``rank_programs.sequence_parallel``); whole programs. Numerics on gloo
+    ranks: tests/test_e2e_gloo.py."""
     from torch._inductor.utils import run_and_get_code
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(SwiGLUBlock(64, 256), SwiGLUBlock(64, 256))
-    plan = {}
-    for i in range(2):
-        plan.update({f"{i}.norm": SequenceParallel(sequence_dim=0),
-                     f"{i}.gate": ColwiseParallel(input_layouts=Shard(0)),
-                     f"{i}.up": ColwiseParallel(input_layouts=Shard(0)),
-                     f"{i}.down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False)})
-    parallelize_module(model, fake_mesh_4, plan)
+    sequence_parallel(model, fake_mesh_4)
     compiled = torch.compile(model, backend="fxshard", options={"regional": False})
     x = distribute_tensor(torch.randn(32, 64), fake_mesh_4, [Shard(0)])
 
