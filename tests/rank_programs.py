@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +214,6 @@ def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, 
     loss and parameter errors and the collectives of the compiled forward and backward (Inductor's code:
     whole programs, or with ``regional`` each distinct region's)."""
     import fxshard
-    from torch._inductor.utils import run_and_get_code
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
@@ -223,29 +222,41 @@ def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, 
     shard_parameters(model, mesh)
     compiled = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel(default_latency=0.0),
                                                                 "regional": regional})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step))
+    return sgd_against_one_device(lambda step: compiled(distribute_tensor(batch(step), mesh, [Shard(0)])),
+                                  lambda step: reference(batch(step)), model, reference, steps, lr=0.01)
+
+
+def sgd_against_one_device(loss: Callable[[int], torch.Tensor], reference_loss: Callable[[int], torch.Tensor],
+                           model: torch.nn.Module, reference: torch.nn.Module, steps: int, lr: float) -> dict:
+    """``steps`` SGD steps of ``model`` on ``loss(step)`` (compiled, sharded) and of ``reference`` on
+    ``reference_loss(step)`` (one device): the worst relative loss error, the worst parameter error, and
+    the code Inductor generated for the first step."""
+    from torch._inductor.utils import run_and_get_code
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     loss_error, codes = 0.0, []
     for step in range(steps):
-        x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step))
-
         def train_step() -> torch.Tensor:
-            loss = compiled(distribute_tensor(x, mesh, [Shard(0)]))
-            loss.backward()
-            return loss
+            value = loss(step)
+            value.backward()
+            return value
         if step == 0:
-            loss, codes = run_and_get_code(train_step)
+            value, codes = run_and_get_code(train_step)
         else:
-            loss = train_step()
+            value = train_step()
         optimizer.step()
         optimizer.zero_grad()
-        ref_loss = reference(x)
-        ref_loss.backward()
+        ref_value = reference_loss(step)
+        ref_value.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
-    param_error = max((p.full_tensor() - q).abs().max().item()
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        loss_error = max(loss_error, abs(value.item() - ref_value.item()) / abs(ref_value.item()))
+    param_error = max(((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
                       for p, q in zip(model.parameters(), reference.parameters()))
     return {"loss_error": loss_error, "param_error": param_error, "codes": codes}
 
@@ -288,36 +299,22 @@ def sequence_parallel_blocks(rank: int, world_size: int, device: str = "cpu", di
     """SGD steps of two ``SwiGLUBlock``s under ``sequence_parallel`` through torch.compile(backend="fxshard")
     (whole programs: the collectives' windows, backend/collective_windows.py, span both blocks); the same
     steps on one device. Returns the worst loss and parameter errors and the compiled programs' code."""
-    from torch._inductor.utils import run_and_get_code
-
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     reference = torch.nn.Sequential(SwiGLUBlock(dim, hidden), SwiGLUBlock(dim, hidden))
     model = copy.deepcopy(reference)
     sequence_parallel(model, mesh)
     compiled = torch.compile(model, backend="fxshard", options={"regional": False})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    loss_error, codes = 0.0, []
-    for step in range(steps):
-        x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step))
-        target = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(100 + step))
 
-        def train_step() -> torch.Tensor:
-            loss = ((compiled(distribute_tensor(x, mesh, [Shard(0)])) - distribute_tensor(target, mesh, [Shard(0)])) ** 2).mean()
-            loss.backward()
-            return loss
-        if step == 0:
-            loss, codes = run_and_get_code(train_step)
-        else:
-            loss = train_step()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_loss = ((reference(x) - target) ** 2).mean()
-        ref_loss.backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        loss_error = max(loss_error, abs(loss.full_tensor().item() - ref_loss.item()) / abs(ref_loss.item()))
-    param_error = max(((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-                      for p, q in zip(model.parameters(), reference.parameters()))
-    return {"loss_error": loss_error, "param_error": param_error, "codes": codes}
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(tokens, dim, generator=torch.Generator().manual_seed(step)),
+                torch.randn(tokens, dim, generator=torch.Generator().manual_seed(100 + step)))
+
+    def loss(step: int) -> torch.Tensor:
+        x, target = (distribute_tensor(t, mesh, [Shard(0)]) for t in batch(step))
+        return ((compiled(x) - target) ** 2).mean()
+
+    def reference_loss(step: int) -> torch.Tensor:
+        x, target = batch(step)
+        return ((reference(x) - target) ** 2).mean()
+    return sgd_against_one_device(loss, reference_loss, model, reference, steps, lr=0.1)
