@@ -20,7 +20,10 @@ to one where it would make a collective start before another that started before
 issue the same collectives in one order), and a fusion that would put the kernel's inputs behind the
 wait becomes a cycle Inductor refuses. The sort that applies the edges moves nodes later, never earlier:
 a kernel goes behind a start, and a start gets ahead only of the kernels its window took (a gathered
-buffer lives through its window: TP + SP's gathered gradients, one block's activation each).
+buffer lives through its window: TP + SP's gathered gradients, one block's activation each). A collective
+whose result another lone one reads through no matmul (TP + SP's backward: the reduce_scattered input
+gradient, the norm's backward, the residual's gradient gathered) gets no window of its own: Inductor's
+reordering would raise the second over it (``_starts_another``), so its kernels go to the second's.
 
 Lone: no other collective of its kind (all_reduce, reduce_scatter, all_gather) is independent of it in
 the data flow, as in a chain of activations and their gradients (TP's, TP + SP's). A lone all_reduce is

@@ -54,10 +54,10 @@ from fxshard.lowering.localize import complete_fake_values
 
 from .bucket_traces import traces_reused, users_kept
 from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
+from .collective_windows import CollectiveWindows
 from .collector import collector_paused
 from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
 from .inductor_direct import compile_direct, takes_directly
-from .collective_windows import CollectiveWindows
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
