@@ -485,8 +485,10 @@ def sequence_parallel_step(fake_mesh_4):
     # the norms' weight gradients all-reduced (one bucket), the residual's gradient gathered for the first
     # block, the first block's input gradient reduce_scattered. The second block's three weight gradients
     # run while the gather for the first block is in flight (the reduce_scatter before it leads to it
-    # through the norm's backward alone); the first block's three while the norms' all_reduce is. Inductor
-    # alone: none anywhere (the weight gradients come before each reduce_scatter's start in its order)
+    # through the norm's backward alone); the first block's three while the norms' all_reduce is (they go
+    # to the last reduce_scatter's window, whose successor is no lone collective; Inductor raises the
+    # all_reduce over them). Inductor alone: none anywhere (the weight gradients come before each
+    # reduce_scatter's start in its order)
     ("backward", [("all_gather", 0), ("reduce_scatter", 0), ("all_gather", 3), ("reduce_scatter", 0),
                   ("all_reduce", 3)]),
 ])
