@@ -107,7 +107,7 @@ def _windows(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     before one that started before it in the program (each rank must issue them in one order)."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     starts = [n for n in nodes if n.target in WINDOWED and _wait_of(n) is not None]
-    kernels = [n for n in nodes if getattr(n.target, "overloadpacket", None) in COMPUTE]
+    kernels = [n for n in nodes if _is_compute(n)]
     if not starts or not kernels:
         return {}
     extra_inputs: dict[fx.Node, list[fx.Node]] = {}  # the edges beyond the data flow, both ways
@@ -161,16 +161,13 @@ def _starts_another(wait: fx.Node, collectives: set[fx.Node], lone: set[fx.Node]
     node it does not read, and counts no ordering edge: it would raise that collective, ``wait`` with it,
     over ``wait``'s window, whose kernels would overlap the second collective instead. They are given to
     the second's window from the start."""
-    stack, seen = [wait], {wait}
-    while stack:
-        for user in stack.pop().users:
-            if user in lone:
-                return True
-            if user not in seen and user not in collectives \
-                    and getattr(user.target, "overloadpacket", None) not in COMPUTE:
-                seen.add(user)
-                stack.append(user)
-    return False
+    reached = reachable(wait, lambda n: () if n in collectives or _is_compute(n) else n.users)
+    return not reached.isdisjoint(lone)
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """A kernel worth overlapping (``COMPUTE``)."""
+    return getattr(node.target, "overloadpacket", None) in COMPUTE
 
 
 def _issued(graph: fx.Graph) -> list[fx.Node]:
