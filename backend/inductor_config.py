@@ -169,8 +169,8 @@ def cacheable_inputs(inputs: Sequence[Any]) -> list[Any]:
 def bucketed_uncompiled(gm: fx.GraphModule, policy: BucketPolicy | None) -> fx.GraphModule:
     """``gm`` to run as it is, without Inductor, its collectives bucketed by the passes ``compile_local``
     gives Inductor (the same buckets; no overlap: the graph runs in its order). For a
-    region that runs once per step, whose compile nothing would amortize (regional compilation's
-    prologue and epilogue)."""
+    region of collectives alone, with nothing for Inductor to compile (regional compilation's regions
+    between two layers, ``prefetch.py``)."""
     if policy is not None and any(node.target in BUCKETED for node in gm.graph.nodes):
         from torch._inductor.fx_passes.bucketing import bucket_all_reduce
         from torch._inductor.pattern_matcher import stable_topological_sort

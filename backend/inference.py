@@ -108,10 +108,9 @@ class InferenceProgram:
         return self.write_outputs(outs)
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
-        """Any region compiled, the prologue and the epilogue too (a training step runs them as their graphs):
-        an inference program runs once per token, where an uncompiled prologue's (embedding, rotary tables,
-        masks) and epilogue's ops cost more per call than the layers' compiled ones (a 2-layer decode step
-        at 0.64x the tokens/s, bench/results/overhead.md)."""
+        """Any region compiled, the prologue and the epilogue too, as a training step's (regions.py): an
+        uncompiled prologue's (embedding, rotary tables, masks) and epilogue's ops cost more per call than
+        the layers' compiled ones (a 2-layer decode step at 0.64x the tokens/s, bench/results/overhead.md)."""
         policy = self.buckets and BucketPolicy(self.buckets.cap, tagged=True)  # tagged before the split
         return compile_local(region.graph, inputs, policy)
 

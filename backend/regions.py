@@ -5,12 +5,12 @@ weights. So the local forward (backward) is cut into contiguous regions, prologu
 (``layers.N``), epilogue; a region is keyed by its code (nodes renamed by position) and its inputs'
 shapes, strides and dtypes; one region per key goes to ``compile_local`` and every region with that
 key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
-In a training step the prologue and the epilogue (embedding, final norm, output projection, loss) run
-as their graphs, without Inductor, as torchtitan compiles only the blocks: each is one region whose
-compile nothing amortizes, and a compile costs seconds of fixed overhead (bench/results/compile.md);
-their collectives are bucketed all the same (``inductor_config.bucketed_uncompiled``). An inference
-program compiles them too: it runs once per token, and their ops run uncompiled cost more per call
-than the layers' compiled code (``inference.py``).
+The prologue and the epilogue (embedding, final norm, output projection, loss) are compiled too, once
+each: their ops run uncompiled cost more per step than their compile costs once (a training step of
+bench/train.py's Llama under TP, one process: ~48 ms with them uncompiled, ~43 compiled, ~42 the whole
+program; 1.5-3 s more on the first step, whatever the number of layers). What runs between two layers
+(a layer's gathers started early, its reductions waited late: ``prefetch.py``) is only collectives and
+runs as its graph, its collectives bucketed all the same (``inductor_config.bucketed_uncompiled``).
 
 Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
 (the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other
@@ -26,10 +26,9 @@ region follows its inputs'. Collectives move with their region, in the same orde
 and stay in the region that makes their input (a layer holds its own, the same in every layer), as do
 the other nodes stage 5 wrote for a redistribution (``LOWERED_MOVE``: a partial sum's copy on one
 rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. Cutting
-pays only where a compiled layer serves another (layers whose parameters have the same names but for
-the index, and the same global layouts) or a prologue or epilogue runs uncompiled; otherwise (a
-tensor-parallel MLP of two different Linears) each program is compiled whole: one call, not one per
-layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
+pays only where a compiled layer serves ``SHARED_LAYERS`` layers or more (layers whose parameters have the
+same names but for the index, and the same global layouts); otherwise (a 2-layer model, a tensor-parallel
+MLP of two different Linears) each program is compiled whole: one call, not one per layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
 reductions to the backward's end: one bucket each, as FSDP2 gathers the root before the first layer.
 With bucketing, the buckets are merged on a copy of the whole program before the cut, and a layer's
 gathers start a layer early, its reductions waited a layer late, in regions between two layers (``prefetch.py``).
@@ -49,12 +48,16 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_no
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
-__all__ = ["Region", "renumbered", "indexed_layer", "forward_regions", "backward_regions", "saved_regions",
+__all__ = ["SHARED_LAYERS", "Region", "renumbered", "indexed_layer", "forward_regions", "backward_regions", "saved_regions",
            "split_regions", "program_regions", "training_regions", "training_region_maps", "cut_training",
            "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
+# a program is cut only where one compiled layer serves this many layers: the cut adds the prologue's and the
+# epilogue's compiles, which cost what a layer's code does (bench/train.py's Llama under TP, first step, one
+# process: 2 layers 16.0 s whole against 17.4 cut, 3 layers 17.4 / 17.7 both ways, 4 layers 19.3 / 18.0)
+SHARED_LAYERS = 3
 _NO_META = ("stack_trace",)  # node meta not copied into a region: it would make equal layers' code differ
 _c10d = torch.ops._c10d_functional
 Merge = Callable[[fx.GraphModule, dict], None]  # buckets a program's collectives, given its region map
@@ -73,6 +76,11 @@ class Region:
     # ``program_structure(graph.graph)`` where known before the graph may change (regions loaded from disk
     # share one graph per key, which bucketing an uncompiled region rewrites): what ``region_key`` reads
     structure: tuple | None = None
+
+    @property
+    def between_layers(self) -> bool:
+        """A region ``prefetch.py`` made between two layers: collectives alone, nothing to compile."""
+        return not float(self.index).is_integer()
 
 
 def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -542,12 +550,11 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
 
 def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
     """A forward (inference) program's regions; empty where regions gain nothing (one region, or no two
-    layers alike: an inference program compiles its ends too, ``_pays``) or an op other than a function
-    call, which a region cannot hold. ``merge(gm, region)`` buckets the collectives on the whole program
+    layers alike: ``_worth_it``) or an op other than a function call, which a region cannot hold. ``merge(gm, region)`` buckets the collectives on the whole program
     first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer early and waits what only leaves
     the program a layer late (``prefetch.py``)."""
     region, last = forward_regions(gm), _last_layer(gm)
-    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last, ends_compiled=True)
+    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last)
 
 
 def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
@@ -608,40 +615,34 @@ def _last_layer(gm: fx.GraphModule) -> int:
 
 
 def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False,
-              alike: bool | None = None, ends_compiled: bool = False) -> list[Region]:
-    """The program's regions, or none where cutting gains nothing (``_pays``; ``alike``: ``layers_alike``
-    of the program, or of the forward whose backward this is; ``ends_compiled``: Inductor compiles the
-    prologue and epilogue too, an inference program's)."""
+              alike: bool | None = None) -> list[Region]:
+    """The program's regions, or none where cutting gains nothing: one region, or no layer's compiled
+    program serving ``SHARED_LAYERS`` layers (``alike``: ``layers_alike`` of the program, or of the forward
+    whose backward this is). Otherwise (two layers, a tensor-parallel MLP's two different Linears) the whole
+    program compiled as one costs no more to compile and less to run: one call instead of one per region,
+    and fusion across the cuts. Both facts come from names and global layouts, so every rank decides alike (the cut decides the
+    buckets, which must be the same on every rank)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     regions = split_regions(gm, region, descending, share=True)
     for r in regions:
-        r.layer = float(r.index).is_integer() and 0 <= r.index <= last  # not a region between two layers
-    if len(regions) < 2 or not _pays(regions, layers_alike(gm) if alike is None else alike, ends_compiled):
+        r.layer = not r.between_layers and 0 <= r.index <= last
+    if len(regions) < 2 or not (layers_alike(gm) if alike is None else alike):
         return []
     return _same_outputs(regions)
 
 
-def _pays(regions: Sequence[Region], alike: bool, ends_compiled: bool) -> bool:
-    """Whether cutting saves Inductor work: a layer's compiled program serves others (``alike``), or,
-    unless ``ends_compiled``, a prologue or epilogue runs uncompiled (a training step's embedding and
-    loss: compute no compile amortizes). Otherwise (a tensor-parallel MLP's two different Linears) the
-    whole program compiled as one costs no more to compile and less to run: one call instead of one per
-    region, and fusion across the cuts. Both facts come from names and global layouts, so every rank
-    decides alike (the cut decides the buckets, which must be the same on every rank)."""
-    return alike or not ends_compiled and any(not r.layer and float(r.index).is_integer() for r in regions)
-
-
 def layers_alike(gm: fx.GraphModule) -> bool:
-    """Whether two layers of ``gm`` take alike parameters: the same names but for the layer's index, in the
-    same layouts (global shapes and shardings, not local shapes: those may differ by rank) and dtypes."""
+    """Whether ``SHARED_LAYERS`` layers of ``gm`` or more take alike parameters: the same names but for the
+    layer's index, in the same layouts (global shapes and shardings, not local shapes: those may differ by
+    rank) and dtypes."""
     params: dict[int, list[tuple]] = {}
     for p, k in layer_of_inputs(gm).items():
         val = p.meta.get("val")
         params.setdefault(k, []).append((p.name[_INDEXED.match(p.name).end():], p.meta.get(LAYOUT),
                                          getattr(val, "dtype", None)))
-    kinds = [tuple(sorted(v, key=lambda t: t[0])) for v in params.values()]
-    return len(set(kinds)) < len(kinds)
+    kinds = Counter(tuple(sorted(v, key=lambda t: t[0])) for v in params.values())
+    return max(kinds.values(), default=0) >= SHARED_LAYERS
 
 
 def _same_outputs(regions: list[Region]) -> list[Region]:

@@ -199,10 +199,11 @@ class TrainingProgram:
                                schedule=self._schedules.get(which))
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
-        """A layer's region compiled; the prologue and the epilogue run as their graphs (regions.py). Both
-        bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
+        """A layer's region, the prologue or the epilogue compiled; a region between two layers (collectives
+        alone) runs as its graph (regions.py). All bucket their collectives by the blocks ``_regions`` tagged
+        on the whole programs."""
         policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
-        if region.layer:
+        if not region.between_layers:
             return compile_local(region.graph, inputs, policy, training=True)
         # bucketing rewrites the graph it is given: the region's stays as cut (regions a second run loads
         # share one graph per key, lowered_cache.store_regions, and come without fake values)

@@ -59,10 +59,11 @@ def _sharded_blocks(mesh, placements=(Shard(0),), layers: int = 2) -> Blocks:
 
 
 def _replicated(mesh) -> tuple[Blocks, Blocks, torch.Tensor, torch.Tensor]:
-    """Blocks with replicated weights (the fake group's result is exact), the same model on one device, fresh
-    random data and that data replicated."""
-    model = _sharded_blocks(mesh, (Replicate(),))
-    reference = Blocks(DIM, HIDDEN)
+    """Three blocks (a program is cut into regions from three alike layers: ``regions.SHARED_LAYERS``) with
+    replicated weights (the fake group's result is exact), the same model on one device, fresh random data
+    and that data replicated."""
+    model = _sharded_blocks(mesh, (Replicate(),), layers=3)
+    reference = Blocks(DIM, HIDDEN, 3)
     reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
     data = torch.randn(TOKENS, DIM)
     return model, reference, data, distribute_tensor(data, mesh, [Replicate()])

@@ -96,15 +96,16 @@ def _record_compiles(monkeypatch) -> list[torch.fx.GraphModule]:
 
 
 def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
-    """(region graphs given to compile_local, layer regions run) for one FSDP training step of ``layers`` layers."""
+    """(region graphs given to compile_local, regions run that are compiled: every region but those between
+    two layers) for one FSDP training step of ``layers`` layers."""
     compiled = _record_compiles(monkeypatch)
     runner = _fsdp_program(mesh, layers)
-    return len(compiled), sum(r.layer for r in runner._forward.regions + runner._backward.regions)
+    return len(compiled), sum(not r.between_layers for r in runner._forward.regions + runner._backward.regions)
 
 
 def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch):
-    """A layer each way (and the first or last layer where the plan lays it out differently; prologue and
-    epilogue run uncompiled): as many region graphs at 5 layers as at 3, fewer than the layers run."""
+    """A layer each way (and the first or last layer where the plan lays it out differently), the prologue
+    and the epilogue each way: as many region graphs at 5 layers as at 3, fewer than the regions run."""
     (three, ran_three), (five, _) = (_compiled_regions(n, fake_mesh_4, monkeypatch) for n in (3, 5))
     assert five == three < ran_three, (three, five, ran_three)
 
@@ -229,10 +230,12 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
     monkeypatch.setattr(training, "compile_local", recording_region)
     _fsdp_program(fake_mesh_4)
     assert len(saved) > 10 and len(alive_per_region) >= CFG.n_layers, (len(saved), alive_per_region)
-    # each layer's region (the last layer's first) finds fewer alive than the one before it; the epilogue
-    # (the output projection's backward, uncompiled: not counted) has freed its own before the first
+    # the epilogue's region (the output projection's backward) finds every saved value alive and frees its own;
+    # each layer's region after it (the last layer's first) finds fewer alive than the one before it
+    epilogue, *layers, prologue = alive_per_region
+    assert epilogue == len(saved) and len(layers) == CFG.n_layers, (len(saved), alive_per_region)
     assert all(a > b for a, b in zip(alive_per_region, alive_per_region[1:])), alive_per_region
-    assert alive_per_region[0] < len(saved) and alive_per_region[-1] < len(saved) / 2, (len(saved), alive_per_region)
+    assert layers[-1] < len(saved) / 2, (len(saved), alive_per_region)
 
 
 def test_a_retained_graph_runs_its_backward_again(fake_mesh_4, monkeypatch):
@@ -363,8 +366,9 @@ def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatc
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, monkeypatch, sequence_parallel):
     """torchtitan's TP plan (and TP + SP) through ``torch.compile(backend="fxshard")``: every layer's forward
-    is one program, the first layer's too, and every layer's backward another: two region graphs for
-    three layers. (With sequence parallelism the embedding's reduce_scatter leaves a flat buffer viewed
+    is one program, the first layer's too, and every layer's backward another: two layer graphs for
+    three layers (and the prologue's and the epilogue's each way). (With sequence parallelism the
+    embedding's reduce_scatter leaves a flat buffer viewed
     back to the residual stream's shape; that view belongs to the prologue, or the first layer would be
     a program of its own, compiled again.)"""
     import torch.nn.functional as F
@@ -382,7 +386,8 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
     with loss_parallel():
         F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     torch._dynamo.reset()
-    assert len(compiled) == 2, [len(gm.graph.nodes) for gm in compiled]
+    # a layer's program each way, and the prologue's and the epilogue's each way
+    assert len(compiled) == 6, [len(gm.graph.nodes) for gm in compiled]
 
 
 def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
@@ -392,7 +397,7 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
     partial sums for the next norm, which the next layer reads beside the partial sums themselves, and
     the epilogue does not. Each layer keeps the conversions of its values (stage 5's, ``LOWERED_MOVE``)
     and the last returns what the others do (``regions._same_outputs``): one forward program for three
-    layers, and one backward."""
+    layers, and one backward (besides the prologue's and the epilogue's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from train_llama import distribute_parameters
 
@@ -405,7 +410,8 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
     tokens = distribute_tensor(torch.randint(0, 2048, (8, 128)), mesh, (Shard(0), Replicate()))
     step(tokens, tokens).backward()
     layers = [r.index for program in (step.last._forward, step.last._backward) for r in program.regions if r.layer]
-    assert sorted(layers) == [0, 0, 1, 1, 2, 2] and len(compiled) == 2, (layers, [len(g.graph.nodes) for g in compiled])
+    # a layer's program each way, and the prologue's and the epilogue's each way
+    assert sorted(layers) == [0, 0, 1, 1, 2, 2] and len(compiled) == 6, (layers, [len(g.graph.nodes) for g in compiled])
 
 
 
@@ -418,11 +424,31 @@ def _tp_mlp() -> torch.nn.Sequential:
 MLP_PLACEMENTS = {"0.weight": (Shard(0),), "0.bias": (Shard(0),), "2.weight": (Shard(1),)}
 
 
+@pytest.mark.parametrize("layers", [2, 3])
+def test_a_program_is_cut_where_one_layer_program_serves_three_layers(layers):
+    """The cut adds the prologue's and the epilogue's compiles to the layer's: it pays from three alike layers
+    (``regions.SHARED_LAYERS``). Two layers are compiled whole, one program each way; three run region by
+    region, a layer on another's graph; both compute what one device does."""
+    from fxshard.backend.regions import SHARED_LAYERS
+
+    assert SHARED_LAYERS == 3
+    torch.manual_seed(layers)
+    model = Llama(dataclasses.replace(CFG, n_layers=layers))
+    x, y = torch.randint(0, CFG.vocab_size, (4, 16)), torch.randint(0, CFG.vocab_size, (4, 16))
+    ref_loss, ref_grads = reference(model, x, y, True)
+    run = simulate_ranks(model.loss, x, y, mesh=fxshard.MeshSpec(tp=4), placements=megatron_placements(model),
+                         grad=True, cost_model=BANDWIDTH_BOUND, regional=True)
+    if layers < SHARED_LAYERS:
+        assert run.region_graphs == 0
+    else:
+        assert 0 < run.region_graphs < 2 * layers
+    torch.testing.assert_close((run.full()[0], run.full_grads()), (ref_loss, ref_grads), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_a_model_whose_layers_differ_is_compiled_whole(grad):
-    """Cutting pays where a layer's compiled program serves another, or a prologue or epilogue runs
-    uncompiled. The MLP's two layers differ and nothing is left out of Inductor: no regions, one program
-    each way (one call per step instead of one per layer), the same numbers as one device."""
+    """Cutting pays where a layer's compiled program serves others. The MLP's two layers differ: no regions,
+    one program each way (one call per step instead of one per layer), the same numbers as one device."""
     torch.manual_seed(3)
     model = _tp_mlp()
     x = torch.randn(4, 4, requires_grad=grad)
