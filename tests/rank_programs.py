@@ -208,16 +208,16 @@ def shard_parameters(model: torch.nn.Module, mesh, placements: Sequence[Any] = (
 
 
 def fsdp_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 15, hidden: int = 31,
-                tokens: int = 128, steps: int = 2, regional: bool = False) -> dict:
-    """SGD steps of ``Blocks`` with every parameter Shard(0) (uneven rows for odd sizes) through
-    torch.compile(backend="fxshard") with bucketing on; the same steps on one device. Returns the worst
-    loss and parameter errors and the collectives of the compiled forward and backward (Inductor's code:
-    whole programs, or with ``regional`` each distinct region's)."""
+                tokens: int = 128, steps: int = 2, regional: bool = False, layers: int = 2) -> dict:
+    """SGD steps of ``Blocks`` (``layers`` of them) with every parameter Shard(0) (uneven rows for odd sizes)
+    through torch.compile(backend="fxshard") with bucketing on; the same steps on one device. Returns the
+    worst loss and parameter errors and the collectives of the compiled forward and backward (Inductor's
+    code: whole programs, or with ``regional`` each distinct region's, from three layers on)."""
     import fxshard
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
-    reference = Blocks(dim, hidden)
+    reference = Blocks(dim, hidden, layers)
     model = copy.deepcopy(reference)
     shard_parameters(model, mesh)
     compiled = torch.compile(model, backend="fxshard", options={"cost_model": fxshard.CostModel(default_latency=0.0),

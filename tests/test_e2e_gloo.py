@@ -211,12 +211,16 @@ def test_sequence_parallel_training_with_windows_on_two_gloo_ranks():
 
 @pytest.mark.slow
 def test_regional_fsdp_with_uneven_shards_on_two_gloo_ranks():
-    """The same uneven FSDP blocks compiled regionally (backend/regions.py): each rank compiles its block
-    once and runs it for both; the ranks' collectives agree (a mismatch would hang) and two SGD steps
-    match one device."""
-    results = run_program("fsdp_blocks", 2, timeout=900.0, regional=True)
+    """The same uneven FSDP blocks, three of them, compiled regionally (backend/regions.py): each rank
+    compiles its block once and runs it for all three; the ranks' collectives agree (a mismatch would hang)
+    and two SGD steps match one device."""
+    results = run_program("fsdp_blocks", 2, timeout=900.0, regional=True, layers=3)
     for rank, r in sorted(results.items()):
-        assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-5, (rank, r["loss_error"], r["param_error"])
+        # the parameters after two steps differ by 4.6e-5 at most, the whole programs' too: three blocks'
+        # float32 rounding (one step: 2.4e-7)
+        assert r["loss_error"] <= 1e-5 and r["param_error"] <= 1e-4, (rank, r["loss_error"], r["param_error"])
+        # a layer's program each way, the prologue's and the epilogue's: regions, not the two whole programs
+        assert len(r["codes"]) > 2, (rank, len(r["codes"]))
 
 
 @pytest.mark.slow
