@@ -26,9 +26,10 @@ region follows its inputs'. Collectives move with their region, in the same orde
 and stay in the region that makes their input (a layer holds its own, the same in every layer), as do
 the other nodes stage 5 wrote for a redistribution (``LOWERED_MOVE``: a partial sum's copy on one
 rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. Cutting
-pays only where a compiled layer serves ``SHARED_LAYERS`` layers or more (layers whose parameters have the
-same names but for the index, and the same global layouts); otherwise (a 2-layer model, a tensor-parallel
-MLP of two different Linears) each program is compiled whole: one call, not one per layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
+pays only where a compiled layer serves ``SHARED_LAYERS`` layers or more (layers whose parameters have
+the same names but for the index, and the same global layouts); otherwise (a 2-layer model, a
+tensor-parallel MLP of two different Linears) each program is compiled whole: one call, not one per
+layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
 reductions to the backward's end: one bucket each, as FSDP2 gathers the root before the first layer.
 With bucketing, the buckets are merged on a copy of the whole program before the cut, and a layer's
 gathers start a layer early, its reductions waited a layer late, in regions between two layers (``prefetch.py``).
@@ -48,9 +49,9 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_no
 from .buckets import BLOCK_KEY, ROOT
 from .prefetch import start_early_wait_late
 
-__all__ = ["SHARED_LAYERS", "Region", "renumbered", "indexed_layer", "forward_regions", "backward_regions", "saved_regions",
-           "split_regions", "program_regions", "training_regions", "training_region_maps", "cut_training",
-           "RegionalProgram", "region_key", "program_copy", "layers_alike"]
+__all__ = ["SHARED_LAYERS", "Region", "renumbered", "indexed_layer", "forward_regions",
+           "backward_regions", "saved_regions", "split_regions", "program_regions", "training_regions",
+           "training_region_maps", "cut_training", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
 # a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
 _INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
@@ -549,10 +550,11 @@ def _mapped(structure: Any, env: list[Any]) -> Any:
 
 
 def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
-    """A forward (inference) program's regions; empty where regions gain nothing (one region, or no two
-    layers alike: ``_worth_it``) or an op other than a function call, which a region cannot hold. ``merge(gm, region)`` buckets the collectives on the whole program
-    first (``buckets.merge_blocks``); ``overlap`` starts gathers a layer early and waits what only leaves
-    the program a layer late (``prefetch.py``)."""
+    """A forward (inference) program's regions; empty where regions gain nothing (one region, or fewer than
+    ``SHARED_LAYERS`` layers alike: ``_worth_it``) or an op other than a function call, which a region cannot
+    hold. ``merge(gm, region)`` buckets the collectives on the whole program first (``buckets.merge_blocks``);
+    ``overlap`` starts gathers a layer early and waits what only leaves the program a layer late
+    (``prefetch.py``)."""
     region, last = forward_regions(gm), _last_layer(gm)
     return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last)
 
@@ -620,8 +622,8 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
     program serving ``SHARED_LAYERS`` layers (``alike``: ``layers_alike`` of the program, or of the forward
     whose backward this is). Otherwise (two layers, a tensor-parallel MLP's two different Linears) the whole
     program compiled as one costs no more to compile and less to run: one call instead of one per region,
-    and fusion across the cuts. Both facts come from names and global layouts, so every rank decides alike (the cut decides the
-    buckets, which must be the same on every rank)."""
+    and fusion across the cuts. Both facts come from names and global layouts, so every rank decides alike
+    (the cut decides the buckets, which must be the same on every rank)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     regions = split_regions(gm, region, descending, share=True)
