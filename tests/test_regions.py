@@ -232,7 +232,7 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
     assert len(saved) > 10 and len(alive_per_region) >= CFG.n_layers, (len(saved), alive_per_region)
     # the epilogue's region (the output projection's backward) finds every saved value alive and frees its own;
     # each layer's region after it (the last layer's first) finds fewer alive than the one before it
-    epilogue, *layers, prologue = alive_per_region
+    epilogue, *layers, _prologue = alive_per_region
     assert epilogue == len(saved) and len(layers) == CFG.n_layers, (len(saved), alive_per_region)
     assert all(a > b for a, b in zip(alive_per_region, alive_per_region[1:])), alive_per_region
     assert layers[-1] < len(saved) / 2, (len(saved), alive_per_region)
@@ -368,9 +368,8 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
     """torchtitan's TP plan (and TP + SP) through ``torch.compile(backend="fxshard")``: every layer's forward
     is one program, the first layer's too, and every layer's backward another: two layer graphs for
     three layers (and the prologue's and the epilogue's each way). (With sequence parallelism the
-    embedding's reduce_scatter leaves a flat buffer viewed
-    back to the residual stream's shape; that view belongs to the prologue, or the first layer would be
-    a program of its own, compiled again.)"""
+    embedding's reduce_scatter leaves a flat buffer viewed back to the residual stream's shape; that view
+    belongs to the prologue, or the first layer would be a program of its own, compiled again.)"""
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
