@@ -17,8 +17,10 @@ code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended
   raises ``NotImplementedError`` for an ``Any`` argument it calls through Python: a group named by a
   string is handed over as a string;
 - a call that writes into a buffer and returns it (``all_gather_into_tensor_out``: a bucketed gather) had
-  the one handle it returns read as a list of two (the return and the written buffer, one buffer): a read
-  past the end, a crash or worse. The buffer takes the one handle back;
+  the one handle it returns read as a list of two, one per buffer Inductor lists it writing (the written
+  buffer twice where the gather is in place; the bucket's input and its own buffer where it is not, as for
+  a region's gathered parameters that later regions read): a read past the end, a crash or worse. The
+  buffer the return aliases (``out``) takes the one handle back;
 - an op the wrapper would call through the C++ dispatcher (a ``Tensor[]`` argument: the pack of a bucketed
   reduce_scatter) pulls the dispatcher's headers into the program, ~6.5 s more of the compiler per
   program; it is called through Python instead (one call back into Python per step, as the Python
@@ -168,10 +170,32 @@ def _mended_class() -> type | None:
         def generate_fallback_kernel_with_runtime_lookup_python(self, buf_name: str, python_kernel_name: str,
                                                                 op_overload: Any, raw_args: Any,
                                                                 output_args: Any, raw_outputs: Any) -> None:
-            named = [a for a in output_args if a is not None]
-            if len(op_overload._schema.returns) == 1 and len(output_args) > 1 and len(set(named)) == 1:
-                output_args, raw_outputs = named[:1], list(raw_outputs or ())[:1]  # one handle back: its buffer's
+            returns = op_overload._schema.returns
+            if len(returns) == 1 and isinstance(returns[0].real_type, torch.TensorType) and len(output_args) > 1:
+                output_args, raw_outputs = _returned_buffer(op_overload, raw_args, output_args, raw_outputs)
             super().generate_fallback_kernel_with_runtime_lookup_python(
                 buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs)
 
     return MendedCppWrapperCpu
+
+
+def _returned_buffer(op: torch._ops.OpOverload, raw_args: Sequence[Any], output_args: Sequence[str | None],
+                     raw_outputs: Any) -> tuple[list[str], list[Any]]:
+    """The one output, and its raw output, of a call returning one tensor that Inductor lists several outputs
+    for (the buffers it writes: ``all_gather_into_tensor_out``'s ``out``, and its input where that is a slice
+    of another buffer): the buffer of the argument its return aliases. Read as a list, the one handle the
+    call returns made a read past its end. Raises ``NotImplementedError`` (``compile_local`` then takes the
+    Python wrapper) where no such buffer is among the outputs."""
+    named = [a for a in output_args if a is not None]
+    if len(set(named)) == 1:
+        kept: str | None = named[0]
+    else:
+        returned = op._schema.returns[0].alias_info
+        aliased = [raw.get_name() for arg, raw in zip(op._schema.arguments, raw_args)
+                   if returned is not None and arg.alias_info is not None and hasattr(raw, "get_name")
+                   and arg.alias_info.before_set & returned.before_set]
+        kept = aliased[0] if len(aliased) == 1 and aliased[0] in named else None
+    if kept is None:
+        raise NotImplementedError(f"{op}: which of the buffers {named} its one returned tensor is")
+    outputs = list(raw_outputs or ())
+    return [kept], outputs[list(output_args).index(kept):][:1]

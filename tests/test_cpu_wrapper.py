@@ -154,3 +154,55 @@ def test_the_mended_wrapper_keys_inductors_cache_apart_and_is_put_back():
         marker(graph)
         assert graph.code == code
     assert (common.device_codegens["cpu"], common.custom_backend_passes.get("cpu")) == before
+
+
+def _regional_fsdp_step(mesh, monkeypatch) -> tuple[torch.Tensor, dict, list[str]]:
+    """One FSDP training step of a 3-layer Llama cut into regions: (loss, gradients' local shards, the code
+    Inductor generated for each region)."""
+    from torch._inductor.utils import run_and_get_code
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from models.llama import Llama, LlamaConfig, fsdp_placements
+    from train_llama import distribute_parameters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    distribute_parameters(model, mesh, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=COST, regional=True)
+    tokens = distribute_tensor(torch.randint(0, 64, (4, 16)), mesh, [Shard(0)])
+
+    def run() -> torch.Tensor:
+        loss = step(tokens, tokens)
+        loss.backward()
+        return loss.to_local().detach()
+    with torch._inductor.config.patch(force_disable_caches=True):  # compiled here, not read from a cache
+        loss, codes = run_and_get_code(run)
+    return loss, {n: p.grad.to_local() for n, p in model.named_parameters()}, codes
+
+
+def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, monkeypatch):
+    """A regional FSDP step's prologue gathers the root's parameters (embedding, norm, output projection) for
+    later regions too: Inductor gathers them into a buffer of their own, not in place, and lists the
+    bucket's input and that buffer as the outputs of a call that returns one tensor. The C++ wrapper read
+    that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
+    for the buffer the call returns (``out``). Every region runs in the C++ wrapper (however few its
+    kernels) and the step computes what its regions' graphs do run as they are."""
+    from fxshard.backend import training
+
+    mended: list[list[str | None]] = []
+    returned_buffer = cpu_wrapper._returned_buffer
+
+    def spy(op, raw_args, output_args, raw_outputs):
+        mended.append(list(output_args))
+        return returned_buffer(op, raw_args, output_args, raw_outputs)
+    monkeypatch.setattr(cpu_wrapper, "_returned_buffer", spy)
+    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
+    loss, grads, codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
+    assert len(codes) == 6 and all(is_cpp(code) for code in codes)  # prologue, layer, epilogue; each way
+    assert any(len(set(outputs) - {None}) > 1 for outputs in mended), mended  # the gather not in place
+    monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
+    uncompiled_loss, uncompiled_grads, uncompiled_codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
+    assert not uncompiled_codes
+    torch.testing.assert_close((loss, grads), (uncompiled_loss, uncompiled_grads))
