@@ -29,6 +29,7 @@ from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, com
 from .inputs import DTensorGradients, InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
+from .end_regions import worth_compiling
 from .regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
 from .report import StageReporter
 
@@ -47,6 +48,13 @@ class LoweredTraining:
     grad_names: tuple[str, ...]  # their names (the parameters' gradients bucket by block)
     num_outputs: int
 
+
+
+def _end_worth_compiling(region: Region, inputs: list[torch.Tensor]) -> bool:
+    """Whether a prologue or an epilogue is compiled (``end_regions.py``), read from its values' layouts and
+    dtypes (a region a second run loaded comes without fake values: computed here, as compiling would)."""
+    complete_fake_values(region.graph, inputs)
+    return worth_compiling(region.graph)
 
 def lower_training(plan: TrainingPlan, coordinate: tuple[int, ...], groups: MeshGroups) -> LoweredTraining:
     """Stages 4-5 of a training plan for the rank at ``coordinate``."""
@@ -199,11 +207,11 @@ class TrainingProgram:
                                schedule=self._schedules.get(which))
 
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
-        """A layer's region, the prologue or the epilogue compiled; a region between two layers (collectives
-        alone) runs as its graph (regions.py). All bucket their collectives by the blocks ``_regions`` tagged
-        on the whole programs."""
+        """A layer's region compiled, and the prologue or the epilogue where that pays (``end_regions.py``);
+        a region between two layers (collectives alone) and an end with little to compile run as their graphs
+        (regions.py). All bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
         policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
-        if not region.between_layers:
+        if region.layer or (not region.between_layers and _end_worth_compiling(region, inputs)):
             return compile_local(region.graph, inputs, policy, training=True)
         # bucketing rewrites the graph it is given: the region's stays as cut (regions a second run loads
         # share one graph per key, lowered_cache.store_regions, and come without fake values)

@@ -188,7 +188,7 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
     that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
     for the buffer the call returns (``out``). Every region runs in the C++ wrapper (however few its
     kernels) and the step computes what its regions' graphs do run as they are."""
-    from fxshard.backend import training
+    from fxshard.backend import end_regions, training
 
     mended: list[list[str | None]] = []
     returned_buffer = cpu_wrapper._returned_buffer
@@ -198,6 +198,7 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
         return returned_buffer(op, raw_args, output_args, raw_outputs)
     monkeypatch.setattr(cpu_wrapper, "_returned_buffer", spy)
     monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled: toy sizes
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
     loss, grads, codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
     assert len(codes) == 6 and all(is_cpp(code) for code in codes)  # prologue, layer, epilogue; each way

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend import training
+from fxshard.backend import end_regions, training
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -108,6 +108,34 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
     and the epilogue each way: as many region graphs at 5 layers as at 3, fewer than the regions run."""
     (three, ran_three), (five, _) = (_compiled_regions(n, fake_mesh_4, monkeypatch) for n in (3, 5))
     assert five == three < ran_three, (three, five, ran_three)
+
+
+@pytest.mark.parametrize("worth_seconds, compiled_ends", [
+    (end_regions.WORTH_SECONDS, ["epilogue", "epilogue", "prologue"]),  # backward: its epilogue first
+    (0.0, ["prologue", "epilogue", "epilogue", "prologue"]),
+], ids=["default", "every-end"])
+def test_a_training_steps_ends_are_compiled_where_that_pays(fake_mesh_4, monkeypatch, worth_seconds, compiled_ends):
+    """bench/train.py's FSDP Llama, three layers: the forward prologue (the root's gathers, the embedding
+    lookup, rotary tables) costs less run as its graph than its compile pays back (end_regions.py) and runs
+    so, its collectives bucketed as compiled; the epilogues (norm, output projection, loss) and the backward
+    prologue (the embedding's gradient packed for its reduce_scatter) are compiled, as every end is where
+    the threshold is 0."""
+    from train_llama import distribute_parameters
+
+    monkeypatch.setattr(end_regions, "WORTH_SECONDS", worth_seconds)
+    compiled = _record_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=768))
+    distribute_parameters(model, fake_mesh_4, fsdp_placements(model))
+    step = fxshard.compile(model.loss, cost_model=fxshard.CostModel())
+    tokens = distribute_tensor(torch.randint(0, 2048, (8, 128)), fake_mesh_4, (Shard(0),))
+    step(tokens, tokens).backward()
+    regions = step.last._forward.regions + step.last._backward.regions
+    given = {id(gm) for gm in compiled}
+    ends = [("prologue" if r.index < 0 else "epilogue") for r in regions
+            if not r.layer and not r.between_layers and id(r.graph) in given]
+    assert ends == compiled_ends
+    assert len(compiled) == 2 + len(compiled_ends)  # and a layer each way
 
 
 def _traces_and_merges(layers: int, mesh, monkeypatch) -> tuple[int, int]:
@@ -228,6 +256,7 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
 
     monkeypatch.setattr(training.TrainingProgram, "run_forward", recording_forward)
     monkeypatch.setattr(training, "compile_local", recording_region)
+    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, its region recorded: toy sizes
     _fsdp_program(fake_mesh_4)
     assert len(saved) > 10 and len(alive_per_region) >= CFG.n_layers, (len(saved), alive_per_region)
     # the epilogue's region (the output projection's backward) finds every saved value alive and frees its own;
@@ -376,6 +405,7 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
     from models.llama import tensor_parallel_plan
 
     compiled = _record_compiles(monkeypatch)
+    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, whatever it costs uncompiled
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, dim=64, n_heads=8, n_kv_heads=4))  # a kv head or more per rank
     parallelize_module(model, fake_mesh_4, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
@@ -402,6 +432,7 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     compiled = _record_compiles(monkeypatch)
+    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, whatever it costs uncompiled
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=768))
     distribute_parameters(model, mesh, fsdp_tp_placements(model))

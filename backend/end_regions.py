@@ -1,0 +1,70 @@
+"""Whether a training step's prologue or epilogue is worth compiling: what its ops cost run as they are.
+
+A training step cut into regions (regions.py) compiles each distinct layer once; its prologue and epilogue
+(embedding, rotary tables, masks; final norm, output projection, loss) are one program each way, each a
+compile of its own, whatever the model's depth: ~0.7-2.4 s of Inductor each on this project's machine, two
+C++ compiles where the C++ wrapper takes them (cpu_wrapper.py). Compiled, an end saves what Inductor saves
+anywhere: a call per op and, where its ops read each other's values, the passes over memory a fused kernel
+does not make. Where it has little of either, its compile costs more than it saves in thousands of steps.
+Measured (bench/compile.py's FSDP Llama, 4 layers, one process; an end's median time a step, compiled /
+run as its graph): the forward prologue (the root's gathers, the embedding lookup, rotary tables: 11 of its
+ops Inductor would generate, 58 KB of values they pass each other) 2.73 / 2.80 ms, for ~1.1 s of compile;
+the backward prologue (the embedding's gradient scattered into zeros, the root's gradients packed for
+their reduce_scatter: 6.3 MB passed) 1.66 / 2.95 ms; the epilogues pass 5-12 MB.
+
+``eager_seconds`` estimates what a region's generated ops cost a step uncompiled beyond what they cost
+compiled: ``OP_SECONDS`` a call, and the bytes of every value a generated op makes for generated ops only
+written and read back at ``BYTES_PER_SECOND``. An end is compiled where that reaches ``WORTH_SECONDS``.
+Inference programs compile their ends always (inference.py): a decode step's ends are many small ops run
+once per token.
+
+Every rank decides alike, or the ranks would run different programs (an end compiled on one rank and run
+as its graph on another bucket and order their collectives alike, but the estimate must not depend on a
+rank's local sizes anyway): a value's size is its layout's largest local shape (``Layout.max_local_shape``,
+the same on every rank), and a value without a layout (a node lowering wrote) counts its call, not bytes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fxshard.graph import LAYOUT
+from fxshard.layout import Layout
+
+from .cpu_wrapper import generated_op
+
+__all__ = ["BYTES_PER_SECOND", "OP_SECONDS", "WORTH_SECONDS", "eager_seconds", "worth_compiling"]
+
+OP_SECONDS = 10e-6  # an op called from an FX graph: ~10 us (this project's machine)
+BYTES_PER_SECOND = 2e9  # a value written by one op and read by the next, beyond what a fused kernel moves
+WORTH_SECONDS = 0.5e-3  # a step: ~1-2 s of compile pays back in a few thousand steps
+
+
+def eager_seconds(gm: fx.GraphModule) -> float:
+    """What ``gm``'s generated ops cost a step run as its graph beyond their cost compiled (module docstring)."""
+    calls, passed = 0, 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not generated_op(node.target):
+            continue
+        calls += 1
+        if node.users and all(u.op == "call_function" for u in node.users):  # read in the region only
+            passed += _bytes(node)
+    return calls * OP_SECONDS + 2 * passed / BYTES_PER_SECOND
+
+
+def worth_compiling(gm: fx.GraphModule) -> bool:
+    """Whether a training step's prologue or epilogue is compiled (the module docstring)."""
+    return eager_seconds(gm) >= WORTH_SECONDS
+
+
+def _bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s value on the rank that holds the most of it; 0 without a layout."""
+    layout, value = node.meta.get(LAYOUT), node.meta.get("val")
+    if not isinstance(layout, Layout) or not isinstance(value, torch.Tensor):
+        return 0
+    try:
+        return math.prod(int(n) for n in layout.max_local_shape()) * value.element_size()
+    except TypeError:  # a symbolic size: large enough to compile
+        return int(WORTH_SECONDS * BYTES_PER_SECOND)
