@@ -8,7 +8,8 @@ key calls the result. The program around the regions only sequences calls (``Reg
 The prologue and the epilogue (embedding, final norm, output projection, loss) are compiled too, once
 each: their ops run uncompiled cost more per step than their compile costs once (a training step of
 bench/train.py's Llama under TP, one process: ~48 ms with them uncompiled, ~43 compiled, ~42 the whole
-program; 1.5-3 s more on the first step, whatever the number of layers). What runs between two layers
+program; 1.5-3 s more on the first step, whatever the number of layers); a training step's end with little
+to fuse runs as its graph (``end_regions.py``). What runs between two layers
 (a layer's gathers started early, its reductions waited late: ``prefetch.py``) is only collectives and
 runs as its graph, its collectives bucketed all the same (``inductor_config.bucketed_uncompiled``).
 
