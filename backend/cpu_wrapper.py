@@ -4,7 +4,7 @@ With its default (Python) wrapper, Inductor compiles each C++ kernel of a CPU pr
 the compiler, ~1 s each on this project's machine, nearly all of it fixed cost (a Llama layer's forward and
 backward: 13 kernels, 13 runs, ~15 of a 23 s first step). With its C++ wrapper (``cpp_wrapper``) the
 kernels and the code that calls them are one program, built separately (``cpp_wrapper_build_separate``): the
-calling code at -O1 and the kernels at -O3, each on its precompiled header, then linked. Built as one source
+calling code at -O0 (``CALLS_OPT_LEVEL``) and the kernels at -O3, each on its precompiled header, then linked. Built as one source
 the kernels' header was compiled with every program (a step's forward 4.0 s, backward 5.0 s); built
 separately a program costs ~2.2 s and ~0.1 s a kernel (``python bench/compile.py`` measures the first step,
 bench/results/compile.md, sessions 30-31). At every step the program's calls are then made from C++ (those it
@@ -42,8 +42,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_KERNELS", "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "generated_op",
-           "use_cpu_wrapper"]
+__all__ = ["CALLS_OPT_LEVEL", "MIN_KERNELS", "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels",
+           "generated_op", "use_cpu_wrapper"]
 
 aten = torch.ops.aten
 # Calls Inductor hands to a library (or falls back on) rather than generating code for
@@ -66,6 +66,11 @@ _SWITCH = "FXSHARD_CPU_WRAPPER"
 # against 1.5 C++-wrapped, 2026-11-29), and one for two runs Inductor fuses into one loop nest (FSDP's
 # forward prologue: 2 expected, 1 made)
 MIN_KERNELS = 2
+# The calling code's optimization level (torch's default -O1): it only calls kernels, libraries and Python, and
+# -O0 compiles it 0.1-0.4 s faster a program (0.60-0.70 s against 0.66-1.12, bench/compile.py's FSDP
+# regions, 2026-11-29) for steps as fast (paired one-process steps O0 / O1, 4-layer Llama: FSDP 0.998, TP
+# 1.008 and 0.986, FSDP x TP 1.016)
+CALLS_OPT_LEVEL = "O0"
 # the methods of torch's C++ wrapper the mends override, with the signatures torch 2.13 gives them
 _MENDED = ("generate_py_arg", "_compatible_with_cpp_boxed_dispatch",
            "generate_fallback_kernel_with_runtime_lookup_python")
@@ -87,6 +92,8 @@ def cpu_wrapper_patches() -> dict[str, Any]:
     patches: dict[str, Any] = {"cpp_wrapper": True}
     if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
         patches["cpp_wrapper_build_separate"] = True
+        if hasattr(torch._inductor.config.aot_inductor, "compile_wrapper_opt_level"):
+            patches["aot_inductor.compile_wrapper_opt_level"] = CALLS_OPT_LEVEL
     return patches
 
 

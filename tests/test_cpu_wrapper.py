@@ -207,3 +207,32 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
     uncompiled_loss, uncompiled_grads, uncompiled_codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
     assert not uncompiled_codes
     torch.testing.assert_close((loss, grads), (uncompiled_loss, uncompiled_grads))
+
+
+def test_the_calling_code_is_compiled_at_its_own_level_and_the_kernels_at_O3(monkeypatch):
+    """The C++ wrapper's two sources: the calling code at ``CALLS_OPT_LEVEL`` (-O0: it only calls), the
+    kernels at -O3."""
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxshard.backend.inductor_config import compile_local
+
+    built: list[str] = []
+    build = cpp_builder.CppBuilder.build
+
+    def spy(self, *args, **kwargs):
+        built.append(self.get_command_line())
+        return build(self, *args, **kwargs)
+    monkeypatch.setattr(cpp_builder.CppBuilder, "build", spy)
+    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
+    args = [torch.randn(8, 8), torch.randn(8, 8)]
+    gm = make_fx(lambda x, w: _runs(x, w, 2))(*args)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        run = compile_local(gm, args, None)
+    out = run(*args)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, _runs(*args, 2))
+    levels = {source: [word for word in command.split() if word.startswith("-O")]
+              for command in built for source in ("main.cpp", "optimized.cpp") if f".{source}" in command}
+    assert levels == {"main.cpp": [f"-{cpu_wrapper.CALLS_OPT_LEVEL}"], "optimized.cpp": ["-O3"]}, built
