@@ -7,21 +7,21 @@ C++ compiles where the C++ wrapper takes them (cpu_wrapper.py). Compiled, an end
 anywhere: a call per op and, where its ops read each other's values, the passes over memory a fused kernel
 does not make. Where it has little of either, its compile costs more than it saves in thousands of steps.
 Measured (bench/compile.py's FSDP Llama, 4 layers, one process; an end's median time a step, compiled /
-run as its graph): the forward prologue (the root's gathers, the embedding lookup, rotary tables: 11 of its
-ops Inductor would generate, 58 KB of values they pass each other) 2.73 / 2.80 ms, for ~1.1 s of compile;
-the backward prologue (the embedding's gradient scattered into zeros, the root's gradients packed for
-their reduce_scatter: 6.3 MB passed) 1.66 / 2.95 ms; the epilogues pass 5-12 MB.
+run as its graph): the forward prologue (the root's gathers, the embedding lookup, rotary tables: 11 ops
+Inductor would generate, 58 KB of values only the region reads; 0.17 ms by the estimate below) 2.73 / 2.80
+ms, for ~1.1 s of compile; the backward prologue (the embedding's gradient scattered into zeros, the root's
+gradients packed for their reduce_scatter: 4.2 MB; 4.3 ms) 1.66 / 2.95 ms; the epilogues 5-12 ms.
 
 ``eager_seconds`` estimates what a region's generated ops cost a step uncompiled beyond what they cost
-compiled: ``OP_SECONDS`` a call, and the bytes of every value a generated op makes for generated ops only
-written and read back at ``BYTES_PER_SECOND``. An end is compiled where that reaches ``WORTH_SECONDS``.
-Inference programs compile their ends always (inference.py): a decode step's ends are many small ops run
-once per token.
+compiled: ``OP_SECONDS`` a call, and the bytes of every value a generated op makes that only the region
+reads (a fused kernel may keep it in registers, or write it once where its reader wants it), written and
+read back at ``BYTES_PER_SECOND``. An end is compiled where that reaches ``WORTH_SECONDS``. Inference
+programs compile their ends always (inference.py): a decode step's ends are many small ops run per token.
 
-Every rank decides alike, or the ranks would run different programs (an end compiled on one rank and run
-as its graph on another bucket and order their collectives alike, but the estimate must not depend on a
-rank's local sizes anyway): a value's size is its layout's largest local shape (``Layout.max_local_shape``,
-the same on every rank), and a value without a layout (a node lowering wrote) counts its call, not bytes.
+Every rank decides alike: an end compiled on one rank and run as its graph on another would bucket and order
+its collectives alike but round its values differently. So a value's size is its layout's largest local
+shape (``Layout.max_local_shape``, the same on every rank), and a value without a layout (a node lowering
+wrote) counts its call, not its bytes.
 """
 from __future__ import annotations
 

@@ -25,11 +25,11 @@ from fxshard.timing import stage
 
 from .buckets import merge_blocks, tag_blocks
 from .collector import collector_paused
+from .end_regions import worth_compiling
 from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from .inputs import DTensorGradients, InputReader
 from .outputs import OutputWriter
 from .joint import TrainingPlan
-from .end_regions import worth_compiling
 from .regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
 from .report import StageReporter
 
@@ -49,12 +49,12 @@ class LoweredTraining:
     num_outputs: int
 
 
-
 def _end_worth_compiling(region: Region, inputs: list[torch.Tensor]) -> bool:
     """Whether a prologue or an epilogue is compiled (``end_regions.py``), read from its values' layouts and
     dtypes (a region a second run loaded comes without fake values: computed here, as compiling would)."""
     complete_fake_values(region.graph, inputs)
     return worth_compiling(region.graph)
+
 
 def lower_training(plan: TrainingPlan, coordinate: tuple[int, ...], groups: MeshGroups) -> LoweredTraining:
     """Stages 4-5 of a training plan for the rank at ``coordinate``."""
