@@ -4,8 +4,8 @@ With its default (Python) wrapper, Inductor compiles each C++ kernel of a CPU pr
 the compiler, ~1 s each on this project's machine, nearly all of it fixed cost (a Llama layer's forward and
 backward: 13 kernels, 13 runs, ~15 of a 23 s first step). With its C++ wrapper (``cpp_wrapper``) the
 kernels and the code that calls them are one program, built separately (``cpp_wrapper_build_separate``): the
-calling code at -O0 (``CALLS_OPT_LEVEL``) and the kernels at -O3, each on its precompiled header, then linked. Built as one source
-the kernels' header was compiled with every program (a step's forward 4.0 s, backward 5.0 s); built
+calling code at -O0 (``CALLS_OPT_LEVEL``) and the kernels at -O3, each on its precompiled header, then
+linked. Built as one source the kernels' header was compiled with every program (a step's forward 4.0 s, backward 5.0 s); built
 separately a program costs ~2.2 s and ~0.1 s a kernel (``python bench/compile.py`` measures the first step,
 bench/results/compile.md, sessions 30-31). At every step the program's calls are then made from C++ (those it
 makes through Python excepted, below).
