@@ -15,6 +15,9 @@ layouts, which inputs get gradients) is kept under a key of everything they read
 - the planning options (layouts given per input, names, strictness, cost model, training split,
   Inductor, bucketing, regional) and the device mesh: its shape and names, this rank's coordinate, and
   its process groups' names (the lowered collectives name them);
+- the process-wide state the program is traced under, which no graph holds (``cache_files.ambient_state``:
+  autocast per device type, grad mode, default dtype, deterministic algorithms, SDPA's backends, ...): the
+  same graph under bf16 autocast is another program;
 - fxshard's own source (every module of the package) and torch's version: a change to either makes
   every entry stale.
 
@@ -53,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
 
-from .cache_files import cache_path, stable, tensor_digest, write_whole
+from .cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
 from .graph_records import graph_from_records, graph_records
 from .fold_lowered import unfolded_lowered
 from .inference import LoweredInference
@@ -89,9 +92,12 @@ def lowered_key(gm: fx.GraphModule, inputs: Sequence[Any], device_mesh: Any, opt
     described = [_input_text(x) for x in inputs]
     if program is None or any(d is None for d in described):
         return None
+    ambient = ambient_state()
+    if ambient is None:
+        return None
     reason = getattr(gm, "compile_subgraph_reason", None)
-    parts = [_FORMAT, torch.__version__, _source_digest(), program, bool(getattr(reason, "graph_break", False)),
-             described, _mesh_text(device_mesh),
+    parts = [_FORMAT, torch.__version__, _source_digest(), ambient, program,
+             bool(getattr(reason, "graph_break", False)), described, _mesh_text(device_mesh),
              [(name, _option_text(value)) for name, value in sorted(options.items())]]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 

@@ -6,9 +6,10 @@ the compiled program by the prepared one's code, but the preparation ran first, 
 4-layer FSDP step's second run (bench/compile.py --warm), half of it the pattern matcher's set-up, which
 DTensor + FSDP2's second run never pays (AOTAutograd's cache hands over the compiled graph before any
 pass). Here the prepared program is kept under a key of everything its preparation reads: the program's
-code and constants, the example inputs' metadata, the preparation's own code, torch's version and
-Inductor's config. The next run loads it (nodes, names and block tags, ``torch.fx._graph_pickler``),
-computes its fake values again, and Inductor's cache finds the same entry. The store is on exactly when
+code and constants, the example inputs' metadata, the process-wide state it is traced under
+(``cache_files.ambient_state``), the preparation's own code, torch's version and Inductor's config. The
+next run loads it (nodes, names and block tags, ``torch.fx._graph_pickler``), computes its fake values
+again, and Inductor's cache finds the same entry. The store is on exactly when
 Inductor's FX graph cache is, in Inductor's cache directory: clearing that clears this too.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch._dynamo.utils import counters
 
 from fxshard.lowering.localize import program_fake_values
 
-from .cache_files import cache_path, stable, tensor_digest, write_whole
+from .cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
 
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 
@@ -41,7 +42,10 @@ def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
 
     if config.force_disable_caches or not config.fx_graph_cache or any(getattr(config, k, None) for k in _JOINT_PASSES):
         return None
-    parts: list[Any] = [torch.__version__, program.code]
+    ambient = ambient_state()  # the preparation traces the program again, under it
+    if ambient is None:
+        return None
+    parts: list[Any] = [torch.__version__, ambient, program.code]
     for x in example_inputs:
         if not isinstance(x, torch.Tensor):
             return None

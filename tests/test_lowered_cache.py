@@ -436,3 +436,65 @@ def test_an_operator_a_module_registers_on_import_is_found_in_a_fresh_process():
             "print(g._Op('bucketing', '_pre_bucket_all_gather', 'default').resolve())")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "bucketing._pre_bucket_all_gather.default" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_key_reads_the_state_a_program_is_traced_under(fake_mesh_4, monkeypatch, caplog):
+    """Each process-wide state tracing reads (tests/cache_states.py: autocast per dtype, default dtype, SDPA's
+    backends, deterministic algorithms, grad mode) gives the same graph another key; where the state cannot
+    be read, nothing is kept and a warning says so once."""
+    from fxshard.backend import cache_files
+    from fxshard.backend.lowered_cache import lowered_key
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from cache_states import STATES
+
+    plus = fx.symbolic_trace(lambda x: x + 1)
+    x = distribute_tensor(torch.randn(4, 8), fake_mesh_4, [Replicate()])
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    with config.patch(CACHES):
+        plain = lowered_key(plus, [x], fake_mesh_4, {})
+        keys = {}
+        for name, state in STATES.items():
+            with state():
+                keys[name] = lowered_key(plus, [x], fake_mesh_4, {})
+        assert lowered_key(plus, [x], fake_mesh_4, {}) == plain
+        assert keys["plain"] == keys["inductor"] == plain  # the option is the backend's, not a state
+        flipped = {k: v for k, v in keys.items() if k not in ("plain", "inductor")}
+        assert plain not in flipped.values() and len(set(flipped.values())) == len(flipped), keys
+
+        def unreadable() -> str:
+            raise RuntimeError("no such flag")
+
+        monkeypatch.setattr(cache_files, "_SWITCHES", (("a flag", unreadable),))
+        cache_files._say_unreadable.cache_clear()
+        with caplog.at_level("WARNING", logger="fxshard"):
+            assert lowered_key(plus, [x], fake_mesh_4, {}) is None
+            assert lowered_key(plus, [x], fake_mesh_4, {}) is None
+        said = [r.getMessage() for r in caplog.records if "keeps no program on disk" in r.getMessage()]
+        assert len(said) == 1 and "no such flag" in said[0], said
+
+
+def test_a_second_process_under_another_state_computes_what_a_cold_compile_does(tmp_path):
+    """Issue 63's silent bf16: one process compiles and steps the model with no state set (with and without
+    Inductor), keeping its programs; a second process sharing the cache directory steps under each other state,
+    with every cache off, then with them on. Both steps of each state agree bit for bit, and the second loads
+    the first's programs where the state is the same (the test would pass by never loading)."""
+    import os
+    import subprocess
+
+    here = pathlib.Path(__file__).resolve().parent
+    env = {**os.environ, "FXSHARD_LOWERED_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    first = [sys.executable, str(here / "cache_states.py"), str(tmp_path / "first.pt"), "plain", "inductor"]
+    states = ["plain", "inductor", "inductor_autocast_bf16", "inductor_autocast_fp16", "default_float64",
+              "math_sdpa", "deterministic", "no_grad"]
+    second = [sys.executable, str(here / "cache_states.py"), str(tmp_path / "second.pt"), "--cold", *states]
+    for command in (first, second):
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+    results = torch.load(tmp_path / "second.pt")
+    for state, ((cold_out, cold_grads, _), (out, grads, counted)) in results.items():
+        assert out.dtype == cold_out.dtype and torch.equal(out, cold_out), state
+        assert len(grads) == len(cold_grads) and all(map(torch.equal, grads, cold_grads)), state
+        assert counted == ({"lowered_cache_hit": 1} if state in ("plain", "inductor") else
+                           {"lowered_cache_miss": 1}), (state, counted)
+    assert results["inductor_autocast_bf16"][1][0].dtype == torch.bfloat16
