@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .layout import Layout, LayoutError
 from .mesh import Coordinate
@@ -100,6 +100,21 @@ class ShardPlan:
                 entries.append(PlanEntry(pattern, _placements(spec)))
         return cls(entries)
 
+    @classmethod
+    def from_tp_plan(cls, tp_plan: Mapping[str, str]) -> "ShardPlan":
+        """Hugging Face transformers' tensor-parallel plan (``model.tp_plan``: module pattern -> style name) as the
+        placements its styles give each module's weight and bias, so fxshard shards the model in global shapes."""
+        entries = []
+        for pattern, style in tp_plan.items():
+            if style not in HF_STYLE_PLACEMENTS:
+                raise LoadError(f"{pattern}: transformers' parallel style {style!r} has no parameter placements "
+                                f"fxshard reads; known: {sorted(HF_STYLE_PLACEMENTS)}. Give its parameters' "
+                                "placements in a plan of your own ({pattern + '.weight': 'S(0)'})")
+            for leaf, placement in zip(("weight", "bias"), HF_STYLE_PLACEMENTS[style]):
+                if placement is not None:
+                    entries.append(PlanEntry(f"{pattern}.{leaf}", (placement,)))
+        return cls(entries)
+
     def lookup(self, name: str) -> PlanEntry | None:
         return next((e for e in self.entries if fnmatch.fnmatchcase(name, e.pattern)), None)
 
@@ -115,6 +130,18 @@ class ShardPlan:
     @classmethod
     def from_json(cls, text: str) -> "ShardPlan":
         return cls.of(json.loads(text))
+
+
+# transformers' style names (transformers/distributed/tensor_parallel.py) -> (weight, bias) placements on the tp
+# axis, as each style's ``shard_param`` distributes them; None: left whole (plain). Replicating styles shard nothing.
+HF_STYLE_PLACEMENTS: dict[str, tuple[Placement | None, Placement | None]] = {
+    **{name: (Shard(0), Shard(0)) for name in ("colwise", "colwise_rep", "colwise_gather_output")},
+    **{name: (Shard(1), None) for name in ("rowwise", "rowwise_rep", "rowwise_split_input")},
+    "embedding_rowwise": (Shard(0), None),
+    "embedding_colwise": (Shard(1), None),
+    **{name: (None, None) for name in ("sequence_parallel", "replicate", "replicated_with_grad_allreduce",
+                                      "all_reduce", "local_params")},
+}
 
 
 def _placements(spec: Any) -> tuple[Placement, ...]:
@@ -298,7 +325,7 @@ def read_shards(checkpoint: Checkpoint | str | pathlib.Path | Mapping[str, torch
     available = set(ckpt.keys())
     missing = sorted({t.source.name if t.source else n for n, t in specs.items()} - available)
     if missing:
-        raise LoadError(f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise missing_tensors(missing, available)
     layouts: dict[str, Layout] = {}
     for name, t in specs.items():
         shape = _checked_shape(ckpt, name, t, expected_shapes)
@@ -340,7 +367,7 @@ def _checked_shape(ckpt: Checkpoint, name: str, t: TensorSpec,
 
 
 def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, plan: Any = None,
-                 strict: bool = True) -> torch.nn.Module:
+                 strict: bool = True, prefix: str | None = None) -> torch.nn.Module:
     """Fill ``module``'s parameters and buffers with DTensors holding only this rank's shard.
 
     ``checkpoint``: a safetensors file, a directory of safetensors (with the Hugging Face index
@@ -351,11 +378,15 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
     a plain tensor (whole on every rank, as ``parallelize_module`` leaves unsharded norms).
     ``module`` may live on the meta device. With ``strict``, checkpoint tensors the
     module does not have are an error. Nothing is assigned unless every tensor loaded.
+    ``prefix``: where the module's state sits in the checkpoint (``"model."`` for a DCP save of
+    ``{"model": model.state_dict(), "optim": ...}``); by default the one prefix under which the checkpoint
+    holds every name the module has, none if it holds them as they are. Other keys belong to other state
+    (an optimizer's) and are not the module's. Non-persistent buffers (in no state dict) keep their values.
     """
     from torch.distributed.tensor import DTensor
 
     plan = ShardPlan.of(plan)
-    targets = dict(module.named_parameters()) | dict(module.named_buffers())
+    targets = _state_tensors(module)
     specs: dict[str, TensorSpec] = {}
     plain: set[str] = set()  # stays a plain tensor: the module has one and the plan gives no placements
     for name, value in targets.items():
@@ -365,35 +396,118 @@ def load_sharded(module: torch.nn.Module, checkpoint: Any, device_mesh: Any, pla
         if not isinstance(value, DTensor) and (entry is None or entry.placements is None):
             plain.add(name)
         specs[name] = TensorSpec(placements, entry.transforms if entry else (), entry.source if entry else None)
-    if isinstance(checkpoint, (str, pathlib.Path)) and (pathlib.Path(checkpoint) / ".metadata").is_file():
-        return _load_dcp(module, pathlib.Path(checkpoint), device_mesh, specs, targets, strict, plain)
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    dcp_dir = isinstance(checkpoint, (str, pathlib.Path)) and (pathlib.Path(checkpoint) / ".metadata").is_file()
+    ckpt = None if dcp_dir else checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    keys = set(_dcp_metadata(pathlib.Path(checkpoint)) if dcp_dir else ckpt.keys())
+    wanted = {t.source.name if t.source else n for n, t in specs.items()}
+    prefix = checkpoint_prefix(keys, wanted, prefix)
+    if dcp_dir:
+        return _load_dcp(module, pathlib.Path(checkpoint), device_mesh, specs, targets, strict, plain, prefix)
     if strict:
-        extra = sorted(set(ckpt.keys()) - set(targets) - {t.source.name for t in specs.values() if t.source})
+        extra = sorted(k for k in keys if k.startswith(prefix) and k[len(prefix):] not in set(targets) | wanted)
         if extra:
             raise LoadError(f"the checkpoint has tensors the module does not: {extra[:8]} (strict=False ignores them)")
     coordinate = tuple(device_mesh.get_coordinate())
-    blocks = read_shards(ckpt, specs, device_mesh, coordinate,
-                         expected_shapes={n: tuple(v.shape) for n, v in targets.items()})
-    for name, block in blocks.items():
+    blocks = read_shards(ckpt, {prefix + n: _prefixed(t, prefix) for n, t in specs.items()}, device_mesh, coordinate,
+                         expected_shapes={prefix + n: tuple(v.shape) for n, v in targets.items()})
+    for name in specs:
         shape = tuple(targets[name].shape)
-        block = block.to(device_mesh.device_type)
+        block = blocks[prefix + name].to(device_mesh.device_type)
         value = block if name in plain else as_dtensor(block, device_mesh, specs[name].placements, shape)
         _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
     return module
 
 
+def _state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers of ``module`` by name: what its ``state_dict`` holds, so what a
+    checkpoint can (a non-persistent buffer, a rotary table's ``inv_freq``, is made by the module itself)."""
+    out = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            out[name] = buffer
+    return out
+
+
+def checkpoint_prefix(keys: set[str], wanted: set[str], given: str | None = None) -> str:
+    """The prefix under which ``keys`` hold every name in ``wanted``: ``given`` (a dot added), "" where the names
+    are there as they are, else the one prefix that holds them all; "" where none or several do (the error
+    about the missing names then names the prefixes: ``missing_tensors``)."""
+    if given is not None:
+        return given if given == "" or given.endswith(".") else given + "."
+    if not wanted or wanted <= keys:
+        return ""
+    fits = _prefixes_holding(keys, wanted)
+    return fits[0] if len(fits) == 1 else ""
+
+
+def _prefixes_holding(keys: set[str], names: set[str]) -> list[str]:
+    """The prefixes ``p`` (ending in a dot) for which ``keys`` hold ``p + name`` for every one of ``names``."""
+    counts = _prefix_counts(keys, names)
+    return sorted(p for p, n in counts.items() if n == len(names))
+
+
+def _prefix_counts(keys: set[str], names: set[str]) -> dict[str, int]:
+    """{prefix ending in a dot: how many of ``names`` ``keys`` hold under it}, one pass over the keys' dots."""
+    counts: dict[str, int] = {}
+    for k in keys:
+        for i, c in enumerate(k):
+            if c == "." and k[i + 1:] in names:
+                counts[k[:i + 1]] = counts.get(k[:i + 1], 0) + 1
+    return counts
+
+
+def missing_tensors(missing: Sequence[str], keys: set[str]) -> LoadError:
+    """The error for checkpoint names ``keys`` lack: where the keys carry a prefix the names lack (a DCP save of
+    ``{"model": ..., "optim": ...}``), which prefix holds them and the ``prefix=`` argument that loads through it."""
+    message = f"the checkpoint has no tensor for {list(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+    held = _prefix_counts(keys, set(missing))
+    if not held:
+        return LoadError(message)
+    full = sorted(p for p, n in held.items() if n == len(missing))
+    if len(full) > 1:
+        choices = ", ".join(f"prefix={p!r}" for p in full)
+        return LoadError(f"{message}; the checkpoint holds all of them under several prefixes: pass one of {choices} "
+                         "to load_sharded")
+    p = full[0] if full else max(sorted(held), key=lambda q: held[q])
+    example = next(p + m for m in missing if p + m in keys)
+    saved_as = f"{{{p[:-1]!r}: model.state_dict(), ...}}" if p.count(".") == 1 else "a nested dict"
+    found = (f"its keys carry a prefix the module's names lack, {p!r} (e.g. {example!r}: DCP's key for a save of "
+             f"{saved_as})")
+    if held[p] == len(missing):
+        return LoadError(f"{message}: {found}; pass prefix={p!r} to load_sharded")
+    lacking = [p + m for m in missing if p + m not in keys]
+    return LoadError(f"{message}: {found}, but under it the checkpoint has no tensor for {lacking[:8]} either "
+                     f"({held[p]} of the {len(missing)} are there): the checkpoint holds another module's state; "
+                     f"prefix={p!r} reads it once the names match")
+
+
+def _prefixed(spec: TensorSpec, prefix: str) -> TensorSpec:
+    """``spec`` with its fused source's name under ``prefix`` too: the plan names tensors as the module does."""
+    if not prefix or spec.source is None:
+        return spec
+    return TensorSpec(spec.placements, spec.transforms, Source(prefix + spec.source.name, spec.source.dim,
+                                                                spec.source.offset))
+
+
+def _dcp_metadata(path: pathlib.Path) -> dict[str, Any]:
+    """A torch.distributed.checkpoint directory's entries by (flattened) key: nested dicts saved as ``a.b``."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
               specs: Mapping[str, TensorSpec], targets: Mapping[str, Any],
-              strict: bool, plain: set[str]) -> torch.nn.Module:
+              strict: bool, plain: set[str], prefix: str) -> torch.nn.Module:
     """A torch.distributed.checkpoint directory: DCP itself reads (and reshards) into empty DTensors."""
     import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    missing = sorted(set(targets) - set(metadata))
+    metadata = _dcp_metadata(path)
+    missing = sorted(n for n in targets if prefix + n not in metadata)
     if missing:
-        raise LoadError(f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    extra = sorted(set(metadata) - set(targets))
+        raise missing_tensors([prefix + n for n in missing], set(metadata))
+    extra = sorted(k for k in metadata if k.startswith(prefix) and k[len(prefix):] not in targets)
     if strict and extra:
         raise LoadError(f"the checkpoint has tensors the module does not: {extra[:8]} (strict=False ignores them)")
     spec = as_mesh_spec(device_mesh)
@@ -404,7 +518,7 @@ def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
         if t.source is not None:
             raise LoadError(f"{name}: parts of fused tensors (source=) load from safetensors and torch.save "
                             "checkpoints, not DCP")
-        shape = tuple(metadata[name].size)
+        shape = tuple(metadata[prefix + name].size)
         if shape != tuple(targets[name].shape):
             raise LoadError(f"{name}: the checkpoint holds shape {list(shape)}, the module expects "
                             f"{list(targets[name].shape)}")
@@ -412,11 +526,12 @@ def _load_dcp(module: torch.nn.Module, path: pathlib.Path, device_mesh: Any,
             raise LoadError(f"{name}: transforms apply to safetensors and torch.save checkpoints; DCP loads into "
                             "the DTensor as it is")
         layout = layout_from_placements(spec, shape, placements)
-        local = torch.empty([int(s) for s in layout.local_shape(coordinate)], dtype=metadata[name].properties.dtype)
-        state[name] = local if name in plain else as_dtensor(local, device_mesh, placements, shape)
+        local = torch.empty([int(s) for s in layout.local_shape(coordinate)],
+                            dtype=metadata[prefix + name].properties.dtype)
+        state[prefix + name] = local if name in plain else as_dtensor(local, device_mesh, placements, shape)
     dcp.load(state, checkpoint_id=str(path))
-    for name, value in state.items():
-        _assign(module, name, value, isinstance(targets[name], torch.nn.Parameter))
+    for name in specs:
+        _assign(module, name, state[prefix + name], isinstance(targets[name], torch.nn.Parameter))
     return module
 
 

@@ -268,3 +268,110 @@ def test_reader_follows_the_safetensors_format_itself(tmp_path):
     assert ckpt.keys() == ["w"] and ckpt.shape("w") == (4, 6)
     torch.testing.assert_close(ckpt.read("w", [[(1, 3)], [(2, 5)]]), t[1:3, 2:5])
     assert ckpt.bytes_read == 2 * 3 * 4
+
+
+class TinyWithHead(torch.nn.Module):
+    """Tiny with a biased head and a non-persistent buffer (a rotary table's kind: in no state dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Tiny()
+        self.head = torch.nn.Linear(16, 8)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def save_dcp(state: dict, path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def training_state(model: torch.nn.Module) -> dict:
+    """What a training loop saves: the model's state and its optimizer's, one step taken (its moments exist)."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.body(torch.randn(2, 16))).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def test_dcp_save_of_model_and_optimizer_loads_through_the_model_prefix(tmp_path):
+    """{"model": model.state_dict(), "optim": ...}: DCP keys the module's tensors 'model.head.bias'; the one prefix
+    holding every name the module has is read through, the optimizer's keys are not the module's (strict passes)."""
+    from fxshard.backend.simulate import fake_world
+
+    torch.manual_seed(0)
+    reference = TinyWithHead()
+    save_dcp(training_state(reference), tmp_path)
+    with torch.device("meta"):
+        model = TinyWithHead()
+    with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+        load_sharded(model, tmp_path, mesh, plan={"body.up.weight": "S(0)", "head.weight": "S(1)"})
+        torch.testing.assert_close(model.body.up.weight.to_local(), reference.body.up.weight.detach()[:8])
+        torch.testing.assert_close(model.head.weight.to_local(), reference.head.weight.detach()[:, :4])
+        torch.testing.assert_close(model.head.bias, reference.head.bias.detach())
+        assert model.table.is_meta  # non-persistent: the module's own, not asked of the checkpoint
+
+
+@pytest.mark.parametrize("saved, message", [
+    # several prefixes hold every name: the message lists them, prefix= chooses
+    ("twice", "under several prefixes: pass one of prefix='ema.', prefix='model.'"),
+    # the prefix holds some of the names: the message names it and the fix
+    ("partial", r"its keys carry a prefix the module's names lack, 'model.' \(e\.g\. 'model\.body\.down\.weight'.*"
+                r"under it the checkpoint has no tensor for \['model\.body\.up\.weight', 'model\.head\.bias', "
+                r"'model\.head\.weight'\] either \(2 of the 5 are there\); with prefix='model\.'"),
+])
+def test_a_prefix_that_does_not_settle_it_is_named_with_its_fix(tmp_path, saved, message):
+    from fxshard.backend.simulate import fake_world
+
+    torch.manual_seed(0)
+    reference = TinyWithHead()
+    state = {k: v for k, v in reference.state_dict().items() if saved == "twice" or not k.startswith("head.")}
+    state["body.up.weight_renamed"] = state.pop("body.up.weight")
+    nested = {"model": state, "ema": state} if saved == "twice" else {"model": state}
+    if saved == "twice":
+        state["body.up.weight"] = state.pop("body.up.weight_renamed")
+    save_dcp(nested, tmp_path)
+    with torch.device("meta"):
+        model = TinyWithHead()
+    with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+        with pytest.raises(LoadError, match=message):
+            load_sharded(model, tmp_path, mesh, plan={"body.up.weight": "S(0)"})
+        if saved == "twice":  # following the message loads
+            load_sharded(model, tmp_path, mesh, plan={"body.up.weight": "S(0)"}, prefix="ema.")
+            torch.testing.assert_close(model.body.up.weight.to_local(), reference.body.up.weight.detach()[:8])
+
+
+def test_torch_save_with_a_prefix_loads_through_it(tmp_path):
+    """A torch.save of a wrapper's state ({"model.body.up.weight": ...}): the same prefix reading as DCP's."""
+    from fxshard.backend.simulate import fake_world
+
+    torch.manual_seed(0)
+    reference = TinyWithHead()
+    torch.save({"model." + k: v for k, v in reference.state_dict().items()}, tmp_path / "wrapped.pt")
+    with torch.device("meta"):
+        model = TinyWithHead()
+    with fake_world(fxshard.MeshSpec(tp=4)) as mesh:
+        load_sharded(model, tmp_path / "wrapped.pt", mesh, plan={"body.down.weight": "S(1)"})
+        torch.testing.assert_close(model.body.down.weight.to_local(), reference.body.down.weight.detach()[:, :8])
+
+
+def test_transformers_tp_plan_reads_as_parameter_placements():
+    """transformers' ``model.tp_plan`` (style names per module pattern) as the placements its styles give."""
+    plan = ShardPlan.from_tp_plan({"model.layers.*.self_attn.q_proj": "colwise",
+                                   "model.layers.*.self_attn.o_proj": "rowwise",
+                                   "model.embed_tokens": "embedding_rowwise", "model.norm": "sequence_parallel"})
+    looked_up = {n: (e.placements if (e := plan.lookup(n)) else None) for n in (
+        "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.bias",
+        "model.layers.3.self_attn.o_proj.weight", "model.layers.3.self_attn.o_proj.bias",
+        "model.embed_tokens.weight", "model.norm.weight")}
+    assert looked_up == {"model.layers.3.self_attn.q_proj.weight": (Shard(0),),
+                         "model.layers.3.self_attn.q_proj.bias": (Shard(0),),
+                         "model.layers.3.self_attn.o_proj.weight": (Shard(1),),
+                         "model.layers.3.self_attn.o_proj.bias": None, "model.embed_tokens.weight": (Shard(0),),
+                         "model.norm.weight": None}
+    with pytest.raises(LoadError, match="'moe_tp_experts' has no parameter placements"):
+        ShardPlan.from_tp_plan({"model.layers.*.mlp.experts": "moe_tp_experts"})
