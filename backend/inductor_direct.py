@@ -126,6 +126,7 @@ def compile_direct(gm: fx.GraphModule, example_inputs: Sequence[FakeTensor]) -> 
         program = _recursive_joint_graph_passes(program, input_device=next(iter(devices), None))
         if key is not None:
             store_prepared(key, program)
+    _give_code_if_no_calls(program)
     output = program.graph.find_nodes(op="output")[0]
     output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))  # strides as the program's values
     context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(mode)
@@ -137,6 +138,13 @@ def compile_direct(gm: fx.GraphModule, example_inputs: Sequence[FakeTensor]) -> 
         return compiled(list(args))  # Inductor's boxed convention: the list is its to empty
 
     return run
+
+
+def _give_code_if_no_calls(program: fx.GraphModule) -> None:
+    """Inductor hands back a program without calls (an identity: a DTensor hook's redistribute to the layout
+    a value has) as its own Python ``forward``; one loaded from disk (``load_prepared``) has no code until written."""
+    if not any(node.op == "call_function" for node in program.graph.nodes):
+        program.recompile()
 
 
 def _wrapper_config() -> Any:

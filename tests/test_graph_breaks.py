@@ -168,3 +168,27 @@ def test_eager_moe_experts_loop_runs_graph_by_graph():
         e = fxshard.explain(logits, ids, mesh=MESH, placements=plan)
     torch.testing.assert_close(got, want)
     assert len(e.graphs) > 3 and [c.kind for c in e.collectives] == ["all_reduce"]
+
+
+def test_a_program_without_calls_runs_when_its_preparation_is_read_back():
+    """After a break Dynamo compiles a DTensor hook as a frame of its own (RowwiseParallel's input hook:
+    a redistribute to the layout the value has), whose local program is an identity. Inductor runs such a
+    program as its own Python code, and one prepared by another rank or run (read back from disk) had none:
+    the rank that read it raised alone, the others ran on into a collective it never joined."""
+    from torch._inductor import config
+    from torch._inductor.utils import fresh_cache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxshard.backend.inductor_direct import compile_direct
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output((b, a))
+    identity = torch.fx.GraphModule(torch.nn.Module(), graph)
+    x, y = torch.randn(4), torch.randn(3)
+    with fresh_cache(), config.patch({"force_disable_caches": False, "fx_graph_cache": True}):
+        for run in ("prepares and keeps it", "reads it back"):
+            with FakeTensorMode() as mode:
+                inputs = [mode.from_tensor(x), mode.from_tensor(y)]
+            out = compile_direct(identity, inputs)(x, y)
+            assert out[0] is y and out[1] is x, run
