@@ -318,3 +318,50 @@ def sequence_parallel_blocks(rank: int, world_size: int, device: str = "cpu", di
         x, target = batch(step)
         return ((reference(x) - target) ** 2).mean()
     return sgd_against_one_device(loss, reference_loss, model, reference, steps, lr=0.1)
+
+
+class BranchingLinear(torch.nn.Linear):
+    """A linear layer that branches on its output (``if h.sum() > 0``): Dynamo breaks the graph inside it
+    and compiles the DTensor hooks around it (``parallelize_module``'s) as frames of their own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        if h.sum() > 0:
+            return torch.relu(h)
+        return -h
+
+
+class BranchingMLP(torch.nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 16):
+        super().__init__()
+        self.up = BranchingLinear(dim, hidden, bias=False)  # no bias: the input's sign picks the branch
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+def training_through_breaks(rank: int, world_size: int, device: str = "cpu", steps: int = 3) -> dict:
+    """SGD steps of Megatron's ``BranchingMLP`` through torch.compile(backend="fxshard") (both branches: the
+    input's sign alternates), against one device; then as many again compiled anew (Dynamo reset), reading
+    what the first compile kept on disk, as a script's second run does. Per compile: the worst errors."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = BranchingMLP()
+    model = copy.deepcopy(reference)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                     "down": RowwiseParallel(use_local_output=False)})
+
+    def batch(step: int) -> torch.Tensor:
+        return (-1) ** step * torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    errors = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fxshard")
+        result = sgd_against_one_device(lambda step: (compiled(batch(step)) ** 2).mean(),
+                                        lambda step: (reference(batch(step)) ** 2).mean(), model, reference, steps,
+                                        lr=0.1)
+        errors.append({"loss_error": result["loss_error"], "param_error": result["param_error"]})
+    return {"errors": errors}

@@ -192,3 +192,24 @@ def test_a_program_without_calls_runs_when_its_preparation_is_read_back():
                 inputs = [mode.from_tensor(x), mode.from_tensor(y)]
             out = compile_direct(identity, inputs)(x, y)
             assert out[0] is y and out[1] is x, run
+
+
+def test_training_through_breaks_on_two_gloo_ranks(tmp_path, monkeypatch):
+    """A parallelized layer that branches on its output, trained under torch.compile on 2 gloo ranks with the
+    on-disk caches on (a fresh directory the ranks share, as torchrun's ranks on one node do): SGD steps on
+    both branches match one device, and again when a second compile reads what the first kept."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FXSHARD_LOWERED_CACHE", "1")
+    here = pathlib.Path(__file__).resolve().parent
+    sys.path[:0] = [str(here.parent / "examples"), str(here)]  # spawned ranks import these modules by name
+    try:
+        import rank_programs
+        from ranks import spawn
+
+        results = spawn(rank_programs.training_through_breaks, 2, timeout=600.0)
+    finally:
+        sys.path.remove(str(here.parent / "examples"))
+        sys.path.remove(str(here))
+    for rank, r in sorted(results.items()):
+        for compile_, errors in zip(("first compile", "second compile"), r["errors"]):
+            assert errors["loss_error"] <= 1e-5 and errors["param_error"] <= 1e-6, (rank, compile_, errors)
