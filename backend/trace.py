@@ -31,6 +31,7 @@ from .block_joint import Templates, stamp
 from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
 from .dynamo_compat import dtensor_prim, prim_arguments
 from .inputs import find_device_mesh, from_local_arguments, is_from_local
+from .trace_hints import local_input_message, own_collective, own_collective_message
 
 
 class TraceError(RuntimeError):
@@ -194,10 +195,11 @@ class _GlobalInterpreter(fx.Interpreter):
             self.known[out] = layout
             return out
         if not layout.is_replicated:
-            raise TraceError(
+            hint = local_input_message(self.module, self._current, placements)
+            raise TraceError(hint or (
                 f"DTensor.from_local(x, {list(placements)}) on a plain tensor: fxshard compiles global programs, so "
                 "it cannot know the other ranks' shards. Pass the input as a DTensor (distribute_tensor) instead, "
-                "or as a replicated plain tensor.")
+                "or as a replicated plain tensor."))
         return self._pin(local, placements)
 
     def _checkpointed(self, body: fx.GraphModule, *operands: Any, **_: Any) -> Any:
@@ -299,6 +301,9 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     the graph is the joint forward+backward program (``TracedProgram.joint`` says how it splits):
     autograd runs over the functionalized forward inside the trace, as AOTAutograd's joint does.
     """
+    collective = own_collective(gm)
+    if collective is not None:
+        raise TraceError(own_collective_message(collective))
     device_mesh = find_device_mesh(example_inputs, gm)
     if mesh is None:
         if device_mesh is None:
