@@ -12,8 +12,10 @@ weight or a sequence-parallel activation), and views of its result, are recomput
 backward instead of saved: no rank keeps a gathered copy of a value the plan shards between
 the two passes, except what the policy keeps (``fxshard.policies.TrainingSplit``: tiny
 parameters, and the parameter the backward needs first, which it would hold at that moment
-anyway). Views of parameters are recomputed too (free). All other values the backward reads
-are saved as the forward left them.
+anyway). Views of parameters are recomputed too (free), and what a ``torch.utils.checkpoint`` region
+computed, but random draws (SDPA without dropout recomputes exactly). All other values the backward
+reads are saved as the forward left them; a multi-output op's (SDPA's ``(out, logsumexp)``) as its
+outputs, each a tensor, never as its tuple.
 """
 from __future__ import annotations
 
@@ -234,6 +236,12 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) 
         if node not in forward or node.op != "call_function":
             continue
         source = node.args[0] if node.args else None
+        if node.target is operator.getitem:
+            # an output of a multi-output op (SDPA's (out, logsumexp)) is recomputed with its op or saved
+            # itself: the backward never reads the op's tuple from the forward
+            if source in out:
+                out.add(node)
+            continue
         regathered = grows(node) and node not in keep and \
             (input_root(source) is not None or not split.keep_gathered_activations)
         if regathered or (node.target in CHEAP_FOLLOWERS and source in out) or \
@@ -303,8 +311,33 @@ def rebuilt_pointwise(saved: Sequence[fx.Node], in_backward: set[fx.Node]) -> se
 
 def _checkpointed(node: fx.Node) -> bool:
     """Whether ``node`` ran in a checkpointed region and recomputing it gives the same value."""
-    tags = getattr(node.target, "tags", ())
-    return CHECKPOINTED in node.meta and torch.Tag.nondeterministic_seeded not in tags
+    return CHECKPOINTED in node.meta and not draws_random(node)
+
+
+_PROBABILITIES = ("dropout_p", "p")  # a seeded op's chance of a draw mattering: at 0 the op draws nothing
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a seeded op, unless its dropout probability is 0 (SDPA's
+    ``dropout_p=0.0``, as a model in eval or without attention dropout calls it), which recomputes exactly."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    for k, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name in _PROBABILITIES:
+            value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value != 0
+    return True
+
+
+def _check_saved(saved: Sequence[fx.Node]) -> None:
+    """A value crossing to the backward is one value: a multi-output op's tuple would reach stage 4 as a
+    program input without a layout (``recomputed`` keeps its outputs with it)."""
+    for n in saved:
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            raise RuntimeError(f"fxshard's training split would save {n.format_node()}, a multi-output op, whole: "
+                               "this is a bug in backend/joint.py (recomputed); please report it with the program")
 
 
 def partition(joint: fx.GraphModule, signature: JointSignature,
@@ -329,6 +362,7 @@ def partition(joint: fx.GraphModule, signature: JointSignature,
             saved, in_backward = _saved(grads, forward, recompute | rebuilt)
     order = {n: i for i, n in enumerate(nodes)}
     saved.sort(key=order.__getitem__)
+    _check_saved(saved)
 
     fwd_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -320,6 +320,97 @@ def sequence_parallel_blocks(rank: int, world_size: int, device: str = "cpu", di
     return sgd_against_one_device(loss, reference_loss, model, reference, steps, lr=0.1)
 
 
+class AttentionBlock(torch.nn.Module):
+    """A pre-norm attention block (RMSNorm, q/k/v, causal SDPA, o, the residual) on [batch, seq, dim]: the
+    part of a transformer layer whose saved values include SDPA's two outputs (out, logsumexp)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.head_dim = dim // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+        # -1 heads: under parallelize_module's column-parallel q/k/v each rank views its own heads
+        q, k, v = (p(h).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class CheckpointedBlocks(torch.nn.Module):
+    """``AttentionBlock``s, each called through ``torch.utils.checkpoint`` (non-reentrant), as a model with
+    activation checkpointing runs its layers."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, n_layers: int = 2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(AttentionBlock(dim, heads) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def parallelize_attention(model: CheckpointedBlocks, mesh, sequence_parallel: bool) -> None:
+    """Megatron's plan for ``CheckpointedBlocks`` (``parallelize_module``): q/k/v column-parallel, o
+    row-parallel; with ``sequence_parallel`` the norms and the residual stream on sequence shards (dim 1)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    plan: dict[str, Any] = {}
+    for i in range(len(model.blocks)):
+        for name in ("q", "k", "v"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel \
+                else ColwiseParallel()
+        plan[f"blocks.{i}.o"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) \
+            if sequence_parallel else RowwiseParallel()
+        if sequence_parallel:
+            plan[f"blocks.{i}.norm"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+
+
+def checkpointed_attention(rank: int, world_size: int, device: str = "cpu", sequence_parallel: bool = False,
+                           steps: int = 2) -> dict:
+    """``CheckpointedBlocks`` under Megatron TP (or TP+SP) through torch.compile(backend="fxshard"): per step,
+    on fresh random data, the worst errors of the loss, the input's gradient and every parameter's gradient
+    against one device, then an SGD step of both."""
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = CheckpointedBlocks()
+    model = copy.deepcopy(reference)
+    parallelize_attention(model, mesh, sequence_parallel)
+    compiled = torch.compile(model, backend="fxshard")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    errors = {"loss": 0.0, "input_grad": 0.0, "param_grad": 0.0}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x, target = torch.randn(2, 8, 32, generator=generator), torch.randn(2, 8, 32, generator=generator)
+        ref_x = x.clone().requires_grad_()
+        x = (distribute_tensor(x, mesh, [Shard(1)]) if sequence_parallel else x).requires_grad_()
+        out = compiled(x)
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        loss = ((out - target) ** 2).mean()
+        loss.backward()
+        ref_loss = ((reference(ref_x) - target) ** 2).mean()
+        ref_loss.backward()
+        grad = x.grad.full_tensor() if isinstance(x.grad, DTensor) else x.grad
+        errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
+        errors["input_grad"] = max(errors["input_grad"], (grad - ref_x.grad).abs().max().item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p_grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            errors["param_grad"] = max(errors["param_grad"], (p_grad - q.grad).abs().max().item())
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    return errors
+
+
 class BranchingLinear(torch.nn.Linear):
     """A linear layer that branches on its output (``if h.sum() > 0``): Dynamo breaks the graph inside it
     and compiles the DTensor hooks around it (``parallelize_module``'s) as frames of their own."""
