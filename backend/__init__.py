@@ -1,8 +1,10 @@
 """The torch.compile backend "fxshard": tracing, DTensor in/out, the entry point.
 
 ``torch.compile(model, backend="fxshard")`` finds this through the ``torch_dynamo_backends``
-entry point. Options (``torch.compile(..., options={...})``): ``strict`` (error on ops
-without a sharding rule), ``inductor`` (False runs the lowered graph without Inductor),
+entry point. A graph with no DTensor and no mesh in it (a plain model, the plain pieces between a
+parallelized model's graph breaks, FSDP2's compute between its hooks) has nothing to plan: Inductor
+compiles it as ``backend="inductor"`` does. Options (``torch.compile(..., options={...})``): ``strict``
+(error on ops without a sharding rule), ``inductor`` (False runs the lowered graph, or the plain one, as it is),
 ``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
 ``backend/inductor_config.py``), ``regional`` (default True: each distinct layer compiled once, not the whole local program:
 less compile time, the same buckets, collectives overlapped within a layer only: ``backend/regions.py``),
@@ -57,12 +59,20 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     if unknown:
         raise ValueError(f"unknown fxshard options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     if find_device_mesh(example_inputs, gm) is None:
-        # nothing is distributed: fxshard has nothing to do, Inductor compiles the program as is
-        from .inductor_config import compile_local
-
-        return compile_local(gm, example_inputs, None) if options.get("inductor", True) else gm.forward
+        return _plain_program(gm, example_inputs, options.get("inductor", True), mode)
     reporter = StageReporter(options.get("on_graph"), options.get("debug_dir"))
     return per_size(gm, example_inputs, lambda inputs: _compile(gm, inputs, options, reporter), reporter.graph_id)
+
+
+def _plain_program(gm: fx.GraphModule, example_inputs: list[Any], inductor: bool, mode: str | None) -> Callable:
+    """A Dynamo graph with no DTensor and no mesh (a plain model, a plain piece between graph breaks):
+    nothing to plan, so Inductor compiles it as ``backend="inductor"`` would, through AOTAutograd (training too)."""
+    if not inductor:
+        return gm.forward
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
 
 
 def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter: Any) -> Callable:
