@@ -84,7 +84,7 @@ def hf_llama() -> torch.nn.Module:
     model = transformers.LlamaForCausalLM(config).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable()  # non-reentrant torch.utils.checkpoint around each layer
     return model
 
 
