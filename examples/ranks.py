@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 PROGRESS = "fxshard.progress"  # fxshard's stage logger: INFO when a stage is done, DEBUG when it starts
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")  # gloo, when a peer died
+_EXIT_CODES = "a negative code is the signal that ended it; -9: killed, e.g. out of memory"
 
 
 def launch(run: Callable, world_size: int, timeout: float = 900.0, device: str = "cpu",
@@ -161,6 +162,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _peer_lost(error: str) -> bool:
+    """Whether a rank's traceback is gloo's report of a peer that went away (not the rank's own fault)."""
+    return any(marker in error for marker in PEER_LOST)
+
+
 class RanksFailed(RuntimeError):
     """A rank raised, died, or did not finish within the timeout."""
 
@@ -204,25 +210,33 @@ class _Watch:
         self.busy: dict[int, str] = {}  # rank -> the fxshard stage it started last, while it runs
         self.done: dict[int, str] = {}  # rank -> the last thing it reported finished
 
-    def collect(self, channel: Any, timeout: float) -> dict[int, Any]:
+    def collect(self, channel: Any, timeout: float, wait_for_peers: float = 10.0) -> dict[int, Any]:
+        """{rank: result} once every rank returned one; ``RanksFailed`` naming the rank that broke the run
+        first: a peer's broken connection waits ``wait_for_peers`` s for who broke it, to say so first."""
         results: dict[int, Any] = {}
+        lost: dict[int, str] = {}  # rank -> its traceback, of a collective whose peer was gone
         deadline = self.start + timeout
-        dead_since: float | None = None  # a rank exited without a result: its last words may still be in transit
+        gone_since: float | None = None  # a rank exited without a word: its last words may still be in transit
+        lost_since: float | None = None
         while len(results) < len(self.procs):
             try:
                 kind, rank, *payload = channel.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
-                dead = self._dead(results)
-                if dead and dead_since is not None and time.monotonic() - dead_since > 5.0:
-                    raise RanksFailed(dead) from None
-                dead_since = dead_since if not dead else (dead_since or time.monotonic())
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                gone = self._gone(results, lost)
+                gone_since = gone_since or (now if gone else None)
+                if (gone and (lost or now - gone_since > 5.0)) or (lost and now - lost_since > wait_for_peers):
+                    raise RanksFailed(self._failure_message(lost, results)) from None
+                if now >= deadline:
                     raise RanksFailed(self._timeout_message(results, timeout)) from None
                 continue
             if kind == "progress":
                 self._progress(rank, *payload)
+            elif kind == "failed" and _peer_lost(payload[0]):  # not this rank's fault: who else failed?
+                lost[rank] = payload[0]
+                lost_since = lost_since or time.monotonic()
             elif kind == "failed":
-                raise RanksFailed(self._failure_message(rank, payload[0]))
+                raise RanksFailed(self._failure_message({**lost, rank: payload[0]}, results))
             else:
                 results[rank] = payload[0]
         return results
@@ -236,27 +250,20 @@ class _Watch:
         if rank == self.progress:
             print(f"[rank {rank}, {time.monotonic() - self.start:5.1f} s] {message}", file=sys.stderr, flush=True)
 
-    def _failure_message(self, rank: int, error: str, wait_for_peers: float = 3.0) -> str:
-        """A rank's traceback, led by any rank that died meanwhile: a peer killed by a signal shows up
-        on the others as a broken connection ("Connection reset by peer"), which is not their fault."""
-        deadline = time.monotonic() + (wait_for_peers if any(m in error for m in PEER_LOST) else 0.0)
-        while time.monotonic() < deadline and not self._crashed():
-            time.sleep(0.1)
-        crashed = "".join(f"rank {r} died with exit code {code} (its stderr above says why)\n"
-                          for r, code in self._crashed())
-        return f"{crashed}rank {rank} failed:\n{error}"
+    def _failure_message(self, failures: dict[int, str], results: dict[int, Any]) -> str:
+        """The ranks' tracebacks, led by the ranks that broke the others: a rank that exited without a result
+        (killed, crashed, ``os._exit``) or failed on its own; a peer's broken connection comes last."""
+        gone = [f"rank {r} exited with code {self.procs[r].exitcode} without returning a result ({_EXIT_CODES}); "
+                "its stderr above says why\n" for r in self._gone(results, failures)]
+        own = [f"rank {r} failed:\n{error}" for r, error in sorted(failures.items()) if not _peer_lost(error)]
+        broken = [f"rank {r} failed (a peer it was waiting for in a collective was gone):\n{error}"
+                  for r, error in sorted(failures.items()) if _peer_lost(error)]
+        return "".join(gone) + "".join(own + broken)
 
-    def _crashed(self) -> list[tuple[int, int]]:
-        """(rank, exit code) of the ranks a signal ended."""
-        return [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None and p.exitcode < 0]
-
-    def _dead(self, results: dict[int, Any]) -> str | None:
-        """What is wrong if a rank exited without returning a result, else None."""
-        for rank, p in enumerate(self.procs):
-            if rank not in results and p.exitcode is not None:
-                return (f"rank {rank} exited with code {p.exitcode} without returning a result (a negative code is "
-                        "the signal that ended it; -9: killed, e.g. out of memory)")
-        return None
+    def _gone(self, results: dict[int, Any], failures: dict[int, str]) -> list[int]:
+        """The ranks that exited without a result or a traceback (killed, crashed, ``os._exit``)."""
+        return [r for r, p in enumerate(self.procs)
+                if r not in results and r not in failures and p.exitcode is not None]
 
     def _timeout_message(self, results: dict[int, Any], timeout: float) -> str:
         lines = [f"ranks timed out after {timeout:.0f} s:"]

@@ -456,3 +456,58 @@ def training_through_breaks(rank: int, world_size: int, device: str = "cpu", ste
                                         lr=0.1)
         errors.append({"loss_error": result["loss_error"], "param_error": result["param_error"]})
     return {"errors": errors}
+
+
+class FailingMLP(torch.nn.Module):
+    """Megatron's MLP whose rank ``failing_rank`` fails in the middle of a training step: between its two
+    graphs (``where="forward"``) or in the backward (a gradient hook), raising or leaving (``os._exit(3)``)."""
+
+    def __init__(self, failing_rank: int, how: str, where: str, dim: int = 8, hidden: int = 16):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim)
+        self.failing_rank, self.how, self.where = failing_rank, how, where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _fail_there(self.up(x), self.failing_rank, self.how, self.where)
+        return self.down(torch.relu(h))
+
+
+def _fail_on(rank: int, how: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError(f"rank {rank} fails in its compiled step")
+
+
+@torch._dynamo.disable  # Python between two graphs: a graph break
+def _fail_there(h: torch.Tensor, rank: int, how: str, where: str) -> torch.Tensor:
+    if where == "forward":
+        _fail_on(rank, how)
+    else:
+        h.register_hook(lambda grad: _fail_on(rank, how))
+    return h
+
+
+def one_rank_fails_in_a_compiled_step(rank: int, world_size: int, device: str = "cpu", how: str = "raise",
+                                      where: str = "forward") -> dict:
+    """SGD steps of ``FailingMLP`` under torch.compile(backend="fxshard") in which rank 1 fails (``how``,
+    ``where``: as ``FailingMLP``'s) while rank 0 runs on into the collectives rank 1 never joins."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = FailingMLP(1, how, where)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                     "down": RowwiseParallel(use_local_output=False)})
+    compiled = torch.compile(model, backend="fxshard")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        (compiled(torch.randn(4, 8)) ** 2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import re
 import sys
 
 import pytest
@@ -60,6 +61,19 @@ def test_a_rank_that_crashes_is_named_before_the_peers_it_broke(ranks, capfd):
     with pytest.raises(launcher.RanksFailed, match=r"rank 1 (died with exit code -6|exited with code -6)"):
         launcher.spawn(programs.one_rank_crashes_in_a_collective, 2, timeout=60)
     assert "Fatal Python error: Aborted" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("how, where, culprit", [
+    ("exit", "backward", r"rank 1 exited with code 3 without returning a result"),
+    ("raise", "forward", r"rank 1 failed:\n(.|\n)*RuntimeError: rank 1 fails in its compiled step"),
+], ids=["exits-in-the-backward", "raises-between-graphs"])
+def test_a_rank_failing_in_a_compiled_step_is_named_first_never_a_hang(ranks, how, where, culprit):
+    """Rank 1 fails inside a torch.compile training step while rank 0 runs on into a collective: the call
+    ends well within its timeout, its error led by rank 1; rank 0's broken connection, if reported, after."""
+    launcher, programs = ranks
+    with pytest.raises(launcher.RanksFailed) as failed:
+        launcher.spawn(programs.one_rank_fails_in_a_compiled_step, 2, timeout=300, how=how, where=where)
+    assert re.match(culprit, str(failed.value)), str(failed.value)[:2000]
 
 
 def test_torchrun_results_are_gathered_without_numpy(ranks, monkeypatch):
