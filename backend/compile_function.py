@@ -15,7 +15,8 @@ placements in ``param.grad``. Programs are keyed by the arguments' shapes (one p
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -84,7 +85,7 @@ class CompiledFunction:
         reporter = StageReporter(label=label_of(self.fn))
         if self.inductor:
             start_compile_workers()  # coming up while Dynamo captures and fxshard plans
-        with reporter.timed("capturing the function with Dynamo"):
+        with reporter.timed("capturing the function with Dynamo"), _one_graph_needed(label_of(self.fn)):
             if self.module is not None:
                 with _reparametrize_module(self.module, stand_ins):
                     captured = captured_with_regions(lambda: capture(self.fn, arg_stand_ins),
@@ -113,6 +114,22 @@ class CompiledFunction:
                                  cost_model=self.cost_model, inductor=self.inductor, bucketing=self.bucketing,
                                  regional=self.regional, reporter=reporter, training_split=self.training_split)
         return runner, sources
+
+
+@contextlib.contextmanager
+def _one_graph_needed(label: str) -> Iterator[None]:
+    """Dynamo's refusal to capture the function whole (a graph break) said as fxshard.compile's, with the door
+    that takes it graph by graph. Every rank captures alike, before any collective: all of them raise here."""
+    from torch._dynamo.exc import Unsupported
+
+    try:
+        yield
+    except Unsupported as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(f"fxshard.compile needs {label} as one graph, and Dynamo breaks it ({first}: its "
+                           'explanation is above); torch.compile(model, backend="fxshard") compiles and trains a '
+                           "function graph by graph, or make the code branchless (torch.where) to keep it one graph"
+                           ) from error
 
 
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,

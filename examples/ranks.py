@@ -10,8 +10,10 @@ What spawned ranks get, and what the parent promises:
   machine's cores, and more threads than cores only make everything slower;
 - fxshard's progress (what each stage did and how long it took) printed as it happens, rank 0's
   by default; a rank busy too long fails the call saying what it was doing;
-- a rank that failed fails the call at once, with its traceback; a rank that returned its result
-  is given ``shutdown_grace`` seconds to leave cleanly, and is never killed before.
+- a rank that failed fails the call at once, with its traceback; a rank whose collective failed because
+  a peer was gone waits a few seconds for that peer's words or exit code, which lead the error (never a
+  hang: the peers left waiting are killed); a rank that returned its result is given ``shutdown_grace``
+  seconds to leave cleanly, and is never killed before.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxshard
@@ -213,3 +213,19 @@ def test_training_through_breaks_on_two_gloo_ranks(tmp_path, monkeypatch):
     for rank, r in sorted(results.items()):
         for compile_, errors in zip(("first compile", "second compile"), r["errors"]):
             assert errors["loss_error"] <= 1e-5 and errors["param_error"] <= 1e-6, (rank, compile_, errors)
+
+
+def test_fxshard_compile_refuses_a_function_dynamo_splits_and_says_which_door_trains_it(branchy):
+    """``fxshard.compile`` captures the function as one graph: a function Dynamo splits is refused while it is
+    captured (alike on every rank, before any collective), and the error names the door that takes it."""
+    torch._dynamo.reset()
+    model, x = model_and_input(branchy)
+    with fake_world(MESH) as mesh:
+        for name, placement in PLAN.items():
+            owner, _, attr = name.rpartition(".")
+            weight = getattr(model.get_submodule(owner), attr).detach()
+            setattr(model.get_submodule(owner), attr, torch.nn.Parameter(distribute_tensor(weight, mesh, [placement])))
+        with pytest.raises(RuntimeError, match=r'needs Branchy as one graph, and Dynamo breaks it \(Data-dependent '
+                                               r'branching.*torch.compile\(model, backend="fxshard"\) compiles and '
+                                               r'trains a function graph by graph'):
+            fxshard.compile(model, inductor=False)(x)
