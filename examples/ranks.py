@@ -260,7 +260,7 @@ class _Watch:
         own = [f"rank {r} failed:\n{error}" for r, error in sorted(failures.items()) if not _peer_lost(error)]
         broken = [f"rank {r} failed (a peer it was waiting for in a collective was gone):\n{error}"
                   for r, error in sorted(failures.items()) if _peer_lost(error)]
-        return "".join(gone) + "".join(own + broken)
+        return "".join(gone) + "".join(text if text.endswith("\n") else text + "\n" for text in own + broken)
 
     def _gone(self, results: dict[int, Any], failures: dict[int, str]) -> list[int]:
         """The ranks that exited without a result or a traceback (killed, crashed, ``os._exit``)."""

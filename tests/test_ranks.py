@@ -6,6 +6,7 @@ import inspect
 import pathlib
 import re
 import sys
+import time
 
 import pytest
 
@@ -74,6 +75,23 @@ def test_a_rank_failing_in_a_compiled_step_is_named_first_never_a_hang(ranks, ho
     with pytest.raises(launcher.RanksFailed) as failed:
         launcher.spawn(programs.one_rank_fails_in_a_compiled_step, 2, timeout=300, how=how, where=where)
     assert re.match(culprit, str(failed.value)), str(failed.value)[:2000]
+
+
+def test_a_peers_broken_connection_waits_for_the_traceback_of_the_rank_that_broke_it(ranks):
+    """Rank 1's collective fails first (its peer is gone) and rank 0's own error arrives after: the error
+    leads with rank 0's, not with rank 1's broken connection (which named the wrong rank)."""
+    import queue
+    import types
+
+    launcher, _ = ranks
+    channel = queue.Queue()
+    channel.put(("failed", 1, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    channel.put(("failed", 0, "NotImplementedError: the cause"))
+    procs = [types.SimpleNamespace(exitcode=None) for _ in range(2)]  # both still running
+    with pytest.raises(launcher.RanksFailed) as failed:
+        launcher._Watch(procs, time.monotonic(), progress=None).collect(channel, timeout=60)
+    assert re.match(r"rank 0 failed:\nNotImplementedError: the cause\nrank 1 failed \(a peer it was waiting for",
+                    str(failed.value)), str(failed.value)
 
 
 def test_torchrun_results_are_gathered_without_numpy(ranks, monkeypatch):
