@@ -556,8 +556,10 @@ def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: boo
     hold. ``merge(gm, region)`` buckets the collectives on the whole program first (``buckets.merge_blocks``);
     ``overlap`` starts gathers a layer early and waits what only leaves the program a layer late
     (``prefetch.py``)."""
+    if not layers_alike(gm):  # no cut pays (``_worth_it``): nor is the copy bucketed for one
+        return []
     region, last = forward_regions(gm), _last_layer(gm)
-    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last)
+    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last, alike=True)
 
 
 def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
@@ -589,12 +591,13 @@ def cut_training(forward: fx.GraphModule, backward: fx.GraphModule, maps: tuple[
     ``overlap`` as for ``program_regions``."""
     region, backward_region = maps
     last = _last_layer(forward)
-    alike = layers_alike(forward)  # the backward's layers are the forward's
-    forward_cut = _worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last, alike=alike)
+    if not layers_alike(forward):  # no cut pays (``_worth_it``; the backward's layers are the forward's): nor
+        return [], []              # are the copies bucketed for one (seconds at 2 layers)
+    forward_cut = _worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last, alike=True)
     if not forward_cut:  # nor does the backward's cut pay: its epilogue is the tangents' plumbing, no loss
         return [], []
     return forward_cut, _worth_it(backward, _across_cuts(backward, backward_region, last, merge, overlap,
-                                                         descending=True), last, descending=True, alike=alike)
+                                                         descending=True), last, descending=True, alike=True)
 
 
 def program_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -166,11 +166,12 @@ def _traces_and_merges(layers: int, mesh, monkeypatch) -> tuple[int, int]:
 
 
 def test_every_layers_buckets_are_traced_once(fake_mesh_4, monkeypatch):
-    """The layers' buckets are alike: each kind's merge is traced once (backend/bucket_traces.py), so two
-    more layers merge more buckets and trace none more."""
-    (traces_two, merges_two), (traces_four, merges_four) = (_traces_and_merges(n, fake_mesh_4, monkeypatch)
-                                                            for n in (2, 4))
-    assert traces_four == traces_two < merges_two < merges_four, (traces_two, merges_two, traces_four, merges_four)
+    """The layers' buckets are alike: each kind's merge is traced once (backend/bucket_traces.py), so one
+    more layer merges more buckets and traces none more (three layers: the fewest a program is cut at)."""
+    (traces_three, merges_three), (traces_four, merges_four) = (_traces_and_merges(n, fake_mesh_4, monkeypatch)
+                                                                for n in (3, 4))
+    assert traces_four == traces_three < merges_three < merges_four, \
+        (traces_three, merges_three, traces_four, merges_four)
 
 
 def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
