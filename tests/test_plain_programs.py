@@ -86,7 +86,8 @@ def test_plain_module_trains_as_eager(make: Callable[[], torch.nn.Module]):
         reference(x).square().sum().backward()
         ours.step(), theirs.step(), ours.zero_grad(), theirs.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q)
+        # Inductor's fused kernels sum in another order than eager's: 4e-5 apart after three steps, seen in CI
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
 
 
 def test_inductor_compiles_a_plain_graph_unless_told_not_to(monkeypatch):
