@@ -18,6 +18,7 @@ dispatch (a nine-member gather: ~40 ms against ~20).
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from typing import Any, Callable, Iterator
 
@@ -25,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded", "users_kept"]
 
@@ -144,7 +146,11 @@ class _Unkeyed(Exception):
 
 def _signature(value: Any) -> Any:
     """What a trace depends on: a tensor's shape, strides, dtype and device; containers by their
-    items; other values as they are (a group's name, a size, a dtype, the function)."""
+    items; a partial by its function and bound arguments; other values as they are (a group's name,
+    a size, a dtype, the function)."""
+    if isinstance(value, functools.partial):  # torch 2.15 merges a reduce_scatter by a new partial each time
+        return ("partial", _signature(value.func), _signature(value.args),
+                _signature(tuple(sorted(value.keywords.items()))))
     if isinstance(value, torch.Tensor):
         sizes = (*value.shape, *value.stride())
         if not all(type(s) is int for s in sizes):
@@ -169,11 +175,10 @@ def recorded(fn: Any, inputs: Any) -> fx.GraphModule | None:
 
     leaves = pytree.tree_leaves(inputs)
     fake_mode = detect_fake_mode(leaves)
-    if (f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}" not in RECORDED or fake_mode is None
-            or _should_save_eager_input_vals is None
+    if (_name(fn) not in RECORDED or fake_mode is None or _should_save_eager_input_vals is None
             or not all(isinstance(x, _CONSTANTS) or _static_fake(x) for x in leaves)):
         return None
-    recorder = _Recorder()
+    recorder = _Recorder(_detach_traced_as())
     for k, x in enumerate(leaves):  # make_fx makes one placeholder per argument, constants too
         placeholder = recorder.graph.placeholder(f"arg{k}")
         if isinstance(x, torch.Tensor):
@@ -197,6 +202,26 @@ except ImportError:  # a torch without them: make_fx traces
     _should_save_eager_input_vals = None
 
 
+def _name(fn: Any) -> str:
+    """A bucket function's qualified name, through the partials that bind its arguments (torch 2.15's
+    reduce_scatter merge binds its inputs' shapes and unpadded indices by keyword)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+
+
+@functools.cache
+def _detach_traced_as() -> Any:
+    """The op make_fx records a ``detach`` as, asked of make_fx once: ``aten.alias`` from torch 2.15 (its default
+    decompositions rewrite ``detach``), ``aten.detach`` before (which ``bucketing._trace`` drops)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with unset_fake_temporarily():
+        graph = make_fx(torch.ops.aten.detach.default)(torch.empty(0)).graph
+    return next(node.target for node in graph.nodes if node.op == "call_function")
+
+
 def _static_fake(x: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -210,31 +235,38 @@ class _Unrecorded(Exception):
 class _Recorder(TorchDispatchMode):
     """Each op dispatched, a node of ``graph`` as make_fx's proxy mode makes it: named after the op, its
     tensors the nodes that made them, its value (``val``, ``tensor_meta``) and, where make_fx keeps them,
-    its arguments' values; a list result gets a ``getitem`` node per element, made at once."""
+    its arguments' values; a list result gets a ``getitem`` node per element, made at once. An op that writes
+    into its arguments (``out=``) and returns nothing is a node with no value, as make_fx makes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, detach_as: Any) -> None:
         super().__init__()
         self.graph = fx.Graph()
-        self._nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # id -> (the tensor, kept alive; its node)
+        self._detach_as = detach_as  # what make_fx records a detach as (``_detach_traced_as``)
+        # held weakly, as make_fx's tracker holds them: torch.empty's and torch.zeros's bindings detach a result held
+        # elsewhere, a detach make_fx never sees (and which torch 2.15's make_fx, recording it as an alias, keeps)
+        self._nodes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
     def node_of(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        known = self._nodes.get(id(x))
+        known = self._nodes.get(x)
         if known is None:
             raise _Unrecorded
-        return known[1]
+        return known
 
     def bind(self, x: torch.Tensor, node: fx.Node) -> None:
         """``x`` is now ``node``'s value (an op writing into its ``out`` argument makes it the op's)."""
-        self._nodes[id(x)] = (x, node)
+        self._nodes[x] = node
         node.meta["val"] = snapshot_fake(x)
         node.meta["tensor_meta"] = _extract_tensor_metadata(x)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out)):
+        if func is torch.ops.aten.detach.default:
+            func = self._detach_as
+        # torch 2.15's custom-ops gather unpacks by ``split_with_sizes_copy.out``, a mutation returning nothing
+        if not (func._schema.is_mutable or any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))):
             return out  # a device, a size: make_fx records none (static sizes are constants to it too)
         node_args, node_kwargs = pytree.tree_map(self.node_of, (args, kwargs))
         node = self.graph.create_node("call_function", func, node_args, node_kwargs,
@@ -244,7 +276,7 @@ class _Recorder(TorchDispatchMode):
                 (node_args, node_kwargs), lambda v: extract_val(v.meta["val"]) if isinstance(v, fx.Node) else None)
         if isinstance(out, torch.Tensor):
             self.bind(out, node)
-        else:
+        elif out is not None:
             node.meta["val"] = extract_val(out)
             for k, x in enumerate(out):
                 self.bind(x, self.graph.create_node("call_function", operator.getitem, (node, k), name="getitem"))

@@ -362,9 +362,14 @@ def test_nodes_made_without_create_nodes_argument_scan_are_the_nodes_it_makes():
     assert seen == [((), {}), ((x, [0]), {"keepdim": True}), ((x, [0]), {"keepdim": True})]
 
 
-def _bucket_trace_arguments(name: str, group: str) -> list[tuple]:
-    """Arguments of a bucket function of ``bucket_traces.RECORDED`` (fake tensors of the program's mode):
-    members of several shapes, and for fxshard's gather, which packs bytes, of several dtypes."""
+def _bucket_trace_calls(name: str, group: str) -> list[tuple]:
+    """(callable, arguments) as Inductor's merges hand ``_trace`` a bucket function of ``bucket_traces.RECORDED``
+    (fake tensors of the program's mode): members of several shapes, and for fxshard's gather, which packs bytes,
+    of several dtypes; torch 2.15's reduce_scatter merge binds its inputs' shapes and unpadded ones in a partial."""
+    import functools
+    import importlib
+    import inspect
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -378,13 +383,22 @@ def _bucket_trace_arguments(name: str, group: str) -> list[tuple]:
     alike = fakes(((6,), f32), ((6, 8), f32), ((2, 8), f32), ((3, 4, 2), f32))
     mixed = fakes(((3,), torch.int64), ((5, 2), f32), ((7,), torch.uint8))
     scattered = fakes(((8, 3), f32), ((12,), f32), ((4, 2, 2), f32))
+    module, _, attribute = name.rpartition(".")
+    fn = getattr(importlib.import_module(module), attribute)
     if name.endswith("_gather_bucket"):  # fxshard's: Inductor's own views a strided slice of bytes, as fxshard does not
-        return [(alike, group, 4, f32, [f32] * 4, 1), (mixed, group, 4, torch.uint8, [x.dtype for x in mixed], 2)]
+        return [(fn, (alike, group, 4, f32, [f32] * 4, 1)),
+                (fn, (mixed, group, 4, torch.uint8, [x.dtype for x in mixed], 2))]
     if "all_gather" in name:
-        return [(alike, group, 4, f32, [f32] * 4, 1)]
+        return [(fn, (alike, group, 4, f32, [f32] * 4, 1))]
+    if "reduce_scatter" in name and "unpadded_input_indices" in inspect.signature(fn).parameters:
+        unpadded = [scattered[0], *fakes(((10,), f32)), scattered[2]]  # the second's padding to 12 rows removed
+        return [(functools.partial(fn, rs_input_shapes=None, unpadded_input_indices=None),
+                 (scattered, group, 4, "sum", f32, cpu)),
+                (functools.partial(fn, rs_input_shapes=[x.shape for x in scattered], unpadded_input_indices=[1]),
+                 (unpadded, group, 4, "sum", f32, cpu))]
     if "reduce_scatter" in name:
-        return [(scattered, group, 4, "sum", f32, cpu)]
-    return [(fakes(((), f32), ((), f32)), group, "sum", f32, cpu), (alike, group, "avg", f32, cpu)]
+        return [(fn, (scattered, group, 4, "sum", f32, cpu))]
+    return [(fn, (fakes(((), f32), ((), f32)), group, "sum", f32, cpu)), (fn, (alike, group, "avg", f32, cpu))]
 
 
 def _trace_record(gm) -> list[tuple]:
@@ -410,17 +424,16 @@ def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
     """``bucket_traces.recorded`` records the ops a bucket function dispatches instead of tracing it with
     ``make_fx``: for every function it records, the graph Inductor's ``bucketing._trace`` makes (nodes,
     names, arguments, metadata, values), on members of several shapes and dtypes; and within
-    ``traces_reused`` Inductor's merges take it, make_fx only tracing a function it does not record."""
-    import importlib
+    ``traces_reused`` Inductor's merges take it, make_fx only tracing a function it does not record, and a
+    merge handing a copy of a callable (a new partial each merge, torch 2.15) takes the first one's trace."""
+    import copy
 
     from torch._inductor.fx_passes import bucketing
 
     from fxshard.backend.bucket_traces import recorded, traces_reused
 
-    module, _, attribute = name.rpartition(".")
-    fn = getattr(importlib.import_module(module), attribute)
     group = fake_mesh_4.get_group().group_name
-    for arguments in _bucket_trace_arguments(name, group):
+    for fn, arguments in _bucket_trace_calls(name, group):
         made = recorded(fn, arguments)
         assert made is not None
         assert _trace_record(made) == _trace_record(bucketing._trace(fn, arguments))
@@ -437,11 +450,10 @@ def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
     bucketing._trace = make_fx_trace
     try:
         with traces_reused():
-            bucketing._trace(fn, arguments)
-            bucketing._trace(unrecorded, arguments)
+            traces = [bucketing._trace(f, arguments) for f in (fn, copy.copy(fn), unrecorded, unrecorded)]
     finally:
         bucketing._trace = original
-    assert traced == [unrecorded]
+    assert traced == [unrecorded] and traces[0] is traces[1] and traces[2] is traces[3]
 
 
 @pytest.mark.parametrize("laid_out_otherwise", [False, True])
