@@ -106,3 +106,21 @@ def test_fxshard_core_knows_no_process_group():
         if m.startswith(("fxshard.backend", "fxshard.lowering")) or m == "fxshard":
             continue
         assert not any(t.startswith(("fxshard.backend", "fxshard.lowering")) for t in edges[m]), (m, edges[m])
+
+
+# what makes a test file one that reaches into torch's internals or runs real ranks (.ci/TORCH_INTERNALS)
+_INTERNAL = r"torch\._(inductor|dynamo|functorch|guards|higher_order_ops)\b|_c10d_functional|gloo|register_sharding"
+
+
+def test_ci_runs_every_test_file_that_touches_torchs_internals_on_both_versions():
+    """.ci/run runs the files .ci/TORCH_INTERNALS lists on its second torch version: each listed file exists,
+    and every test file that names a private torch internal or runs gloo ranks is listed."""
+    import re
+
+    tests = pathlib.Path(__file__).resolve().parent
+    lines = (tests.parent / ".ci" / "TORCH_INTERNALS").read_text().splitlines()
+    listed = {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    assert not {f for f in listed if not (tests / f).is_file()}, "listed files that do not exist"
+    touching = {f.name for f in tests.glob("test_*.py")
+                if f.name != pathlib.Path(__file__).name and re.search(_INTERNAL, f.read_text())}
+    assert touching <= listed, f"add to .ci/TORCH_INTERNALS: {sorted(touching - listed)}"
