@@ -7,6 +7,8 @@ Needs the ``models`` extra (transformers), which CI installs.
 """
 from __future__ import annotations
 
+import pathlib
+import sys
 import warnings
 
 import pytest
@@ -17,15 +19,8 @@ import fxshard
 
 transformers = pytest.importorskip("transformers")
 
-class Logits(torch.nn.Module):
-    """``model(input_ids).logits`` without a KV cache: a plain tensor function of the ids."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from hint_programs import Logits  # noqa: E402  (``model(input_ids).logits`` without a KV cache)
 
 
 def hf_llama() -> Logits:
