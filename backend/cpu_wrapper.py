@@ -11,20 +11,22 @@ bench/results/compile.md, sessions 30-31). At every step the program's calls are
 makes through Python excepted, below).
 
 torch 2.13's C++ wrapper does not take fxshard's programs as they are; for fxshard's compiles only (the
-code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended``) three things are mended:
+code generator is swapped while ``compile_local`` compiles, ``cpu_wrapper_mended``) three things are mended,
+each where the installed torch's wrapper needs it (``needed_mends`` probes torch's own code; torch 2.15
+fixed the first two, and its wrapper's own code is then what runs):
 
-- the functional collectives' process group argument is typed ``Any`` in their schemas, and the wrapper
-  raises ``NotImplementedError`` for an ``Any`` argument it calls through Python: a group named by a
-  string is handed over as a string;
-- a call that writes into a buffer and returns it (``all_gather_into_tensor_out``: a bucketed gather) had
-  the one handle it returns read as a list of two, one per buffer Inductor lists it writing (the written
-  buffer twice where the gather is in place; the bucket's input and its own buffer where it is not, as for
-  a region's gathered parameters that later regions read): a read past the end, a crash or worse. The
-  buffer the return aliases (``out``) takes the one handle back;
-- an op the wrapper would call through the C++ dispatcher (a ``Tensor[]`` argument: the pack of a bucketed
-  reduce_scatter) pulls the dispatcher's headers into the program, ~6.5 s more of the compiler per
-  program; it is called through Python instead (one call back into Python per step, as the Python
-  wrapper calls every op).
+- ``GROUP_NAMES``: the functional collectives' process group argument is typed ``Any`` in their schemas, and
+  the wrapper raises ``NotImplementedError`` for an ``Any`` argument it calls through Python: a group named by
+  a string is handed over as a string;
+- ``RETURNED_HANDLE``: a call that writes into a buffer and returns it (``all_gather_into_tensor_out``: a
+  bucketed gather) had the one handle it returns read as a list of two, one per buffer Inductor lists it
+  writing (the written buffer twice where the gather is in place; the bucket's input and its own buffer
+  where it is not, as for a region's gathered parameters that later regions read): a read past the end, a
+  crash or worse. The buffer the return aliases (``out``) takes the one handle back;
+- ``THROUGH_PYTHON`` (every torch: a cost, not a bug): an op the wrapper would call through the C++ dispatcher
+  (a ``Tensor[]`` argument: the pack of a bucketed reduce_scatter) pulls the dispatcher's headers into the
+  program, ~6.5 s more of the compiler per program; it is called through Python instead (one call back into
+  Python per step, as the Python wrapper calls every op).
 
 ``use_cpu_wrapper`` says where it applies: every input on the CPU (on a GPU the kernels are Triton's and the
 Python wrapper compiles nothing), static sizes, about ``MIN_KERNELS`` kernels or more (``expected_kernels``;
@@ -36,14 +38,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
-__all__ = ["CALLS_OPT_LEVEL", "MIN_KERNELS", "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels",
-           "generated_op", "use_cpu_wrapper"]
+__all__ = ["CALLS_OPT_LEVEL", "GROUP_NAMES", "MENDS", "MIN_KERNELS", "RETURNED_HANDLE", "THROUGH_PYTHON",
+           "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "generated_op", "needed_mends",
+           "use_cpu_wrapper"]
 
 aten = torch.ops.aten
 # Calls Inductor hands to a library (or falls back on) rather than generating code for
@@ -71,9 +75,12 @@ MIN_KERNELS = 2
 # regions, 2026-11-29) for steps as fast (paired one-process steps O0 / O1, 4-layer Llama: FSDP 0.998, TP
 # 1.008 and 0.986, FSDP x TP 1.016)
 CALLS_OPT_LEVEL = "O0"
-# the methods of torch's C++ wrapper the mends override, with the signatures torch 2.13 gives them
-_MENDED = ("generate_py_arg", "_compatible_with_cpp_boxed_dispatch",
-           "generate_fallback_kernel_with_runtime_lookup_python")
+# the mends (the module docstring), each named by the method of torch's C++ wrapper it overrides, whose
+# signature torch 2.13 and 2.15 give alike
+GROUP_NAMES = "generate_py_arg"
+RETURNED_HANDLE = "generate_fallback_kernel_with_runtime_lookup_python"
+THROUGH_PYTHON = "_compatible_with_cpp_boxed_dispatch"
+MENDS = (GROUP_NAMES, RETURNED_HANDLE, THROUGH_PYTHON)
 
 
 def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
@@ -166,7 +173,7 @@ def _mended_class() -> type | None:
         from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     except ImportError:
         return None
-    if not all(hasattr(CppWrapperCpu, name) for name in _MENDED):
+    if not all(hasattr(CppWrapperCpu, name) for name in MENDS):
         return None
 
     class MendedCppWrapperCpu(CppWrapperCpu):
@@ -193,7 +200,55 @@ def _mended_class() -> type | None:
             super().generate_fallback_kernel_with_runtime_lookup_python(
                 buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs)
 
+    for fixed in set(MENDS) - needed_mends():
+        delattr(MendedCppWrapperCpu, fixed)  # torch's own method: this torch's wrapper has no such bug
     return MendedCppWrapperCpu
+
+
+@functools.cache
+def needed_mends() -> frozenset[str]:
+    """The mends this torch's C++ wrapper needs, decided here only: each bug is probed in torch's own code. A
+    probe that cannot run says mend: a mend where its bug is fixed generates what torch's code does (2.15)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    fixed = {GROUP_NAMES: _passes_strings_typed_any(CppWrapperCpu),
+             RETURNED_HANDLE: _reads_a_returned_tensor_as_one_handle(CppWrapperCpu),
+             THROUGH_PYTHON: False}  # not a bug: torch's choice of the dispatcher, which costs us compile time
+    return frozenset(mend for mend in MENDS if not fixed[mend])
+
+
+def _passes_strings_typed_any(wrapper: type) -> bool:
+    """Whether ``wrapper`` passes a string argument typed ``Any`` (a collective's group name) to Python: torch
+    2.15 does (pytorch/pytorch#188124, "[cpp_wrapper] Support fallback ops with Any args"); 2.13 raises."""
+    try:
+        code = wrapper.generate_py_arg(_bare(wrapper), "py_args", 1, "group", torch.AnyType.get())
+    except Exception:  # noqa: BLE001 - NotImplementedError on torch 2.13; anything else: mended all the same
+        return False
+    return 'PyUnicode_FromString("group")' in code
+
+
+def _reads_a_returned_tensor_as_one_handle(wrapper: type) -> bool:
+    """Whether ``wrapper`` reads the one tensor an in-place ``all_gather_into_tensor_out`` returns as one
+    handle (or not at all), not as a list of one per buffer the call writes: torch 2.15 reads none for
+    buffers the call only writes (pytorch/pytorch#187331, "Fix cpp wrapper fallback outputs ...")."""
+    from torch._inductor import ir
+
+    probe = _bare(wrapper)
+    written: list[Any] = []
+    probe.custom_op_wrapper_loaded, probe.arg_var_id, probe.writelines = True, itertools.count(), written.extend
+    written_twice = [ir.MutationOutput.__new__(ir.MutationOutput)] * 2  # the gather's buffer, in place
+    try:
+        wrapper.generate_fallback_kernel_with_runtime_lookup_python(
+            probe, "buf1", "gather", torch.ops._c10d_functional.all_gather_into_tensor_out.default, (),
+            ["buf0", "buf0"], written_twice)
+    except Exception:  # noqa: BLE001 - a torch whose code this probe cannot run: mended
+        return False
+    return not any("PyList_GET_ITEM" in str(line) for line in written)
+
+
+def _bare(wrapper: type) -> Any:
+    """An instance of ``wrapper`` for a probe: not initialised, as its ``__init__`` needs a graph being compiled."""
+    return wrapper.__new__(wrapper)
 
 
 def _returned_buffer(op: torch._ops.OpOverload, raw_args: Sequence[Any], output_args: Sequence[str | None],

@@ -3,7 +3,8 @@ program (its calling code, its kernels), the same calls in the same order as the
 Python wrapper where the C++ one fails or is switched off. FSDP in miniature (``rank_programs.Blocks``, every
 weight Shard(0) on a fake group of 4): its forward and backward hold every kind of call the mends are for
 (bucketed gathers written into their buffer, reduce_scatter buckets packed, functional collectives named by
-their group). Numerics on real ranks: tests/test_e2e_gloo.py, whose compiled programs run in the C++ wrapper."""
+their group); each mend is made where the installed torch needs it, and where it does not, torch's own wrapper
+computes the step. Numerics on real ranks: tests/test_e2e_gloo.py, whose compiled programs run in the C++ wrapper."""
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,13 @@ from rank_programs import Blocks, shard_parameters  # noqa: E402
 COST = fxshard.CostModel(default_latency=0.0)
 
 
-def _step_codes(mesh, monkeypatch, wrapper: str, dim: int = 32) -> list[str]:
-    """The code Inductor generated for one training step of ``Blocks``, under ``FXSHARD_CPU_WRAPPER=wrapper``."""
+# the mends each torch checked needs (docs/torch-versions.md): 2.15's wrapper fixed two of 2.13's bugs
+_NEEDED = {"2.13": set(cpu_wrapper.MENDS), "2.15": {cpu_wrapper.THROUGH_PYTHON}}
+
+
+def _step(mesh, monkeypatch, wrapper: str, dim: int = 32) -> tuple[torch.Tensor, dict, list[str]]:
+    """One training step of ``Blocks`` under ``FXSHARD_CPU_WRAPPER=wrapper``: (loss, gradients' local shards,
+    the code Inductor generated)."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("FXSHARD_CPU_WRAPPER", wrapper)
@@ -39,18 +45,28 @@ def _step_codes(mesh, monkeypatch, wrapper: str, dim: int = 32) -> list[str]:
     def step() -> torch.Tensor:
         loss = compiled(x)
         loss.backward()
-        return loss
+        return loss.to_local().detach()
     with torch._inductor.config.patch(force_disable_caches=True):  # compiled here, not read from a cache
-        _, codes = run_and_get_code(step)
-    return codes
+        loss, codes = run_and_get_code(step)
+    return loss, {n: p.grad.to_local() for n, p in model.named_parameters()}, codes
 
 
 @pytest.fixture(scope="module")
-def codes(fake_mesh_4) -> dict[str, list[str]]:
-    """``Blocks``' programs, every one taken by the C++ wrapper here, however few its kernels (``MIN_KERNELS``)."""
+def steps(fake_mesh_4) -> dict[str, tuple[torch.Tensor, dict, list[str]]]:
+    """``Blocks``' step with each wrapper, every program taken by the C++ wrapper here, however few its kernels
+    (``MIN_KERNELS``), and with its graphs run as they are (``uncompiled``)."""
+    from fxshard.backend import training
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
-        return {wrapper: _step_codes(fake_mesh_4, patch, wrapper) for wrapper in ("1", "0")}
+        runs = {wrapper: _step(fake_mesh_4, patch, wrapper) for wrapper in ("1", "0")}
+        patch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
+        return {**runs, "uncompiled": _step(fake_mesh_4, patch, "1")}
+
+
+@pytest.fixture(scope="module")
+def codes(steps) -> dict[str, list[str]]:
+    return {wrapper: steps[wrapper][2] for wrapper in ("1", "0")}
 
 
 def test_a_cpu_program_compiles_with_the_cpp_wrapper(codes):
@@ -66,16 +82,32 @@ def test_the_cpp_wrapper_makes_the_python_wrappers_calls_in_its_order(codes):
     assert [kernels(code) for code in codes["1"]] == [kernels(code) for code in codes["0"]]
 
 
+def test_each_mend_is_made_where_this_torch_needs_it():
+    """The mended wrapper overrides what ``needed_mends`` finds this torch needs, and inherits torch's own
+    methods elsewhere; in each torch checked the probes find what its source says."""
+    needed = cpu_wrapper.needed_mends()
+    assert (set(vars(cpu_wrapper._mended_class())) & set(cpu_wrapper.MENDS), needed) == (
+        needed, _NEEDED.get(".".join(torch.__version__.split(".")[:2]), needed))
+
+
 def test_the_mended_calls_are_made_through_python(codes):
-    """The bucketed gather written into its buffer (``all_gather_into_tensor_out``: the wrapper keeps the
-    buffer, not the handle the call returns) and the reduce_scatter bucket's pack (a ``Tensor[]``: through
-    Python, not the dispatcher, whose headers cost seconds of compile) are calls back into Python."""
+    """The reduce_scatter bucket's pack (a ``Tensor[]``: through Python, not the dispatcher, whose headers cost
+    seconds of compile) and the bucketed gather written into its buffer (``all_gather_into_tensor_out``) are
+    calls back into Python. The one tensor the gather returns is never read as a list: mended, its buffer takes
+    the handle back; where torch fixed it (2.15), torch's wrapper reads no handle for a buffer it only writes."""
     forward, backward = codes["1"]
     assert 'PyUnicode_FromString("torch.ops._c10d_functional.all_gather_into_tensor_out.default")' in forward
     assert 'PyUnicode_FromString("torch.ops.bucketing._pre_bucket_reduce_scatter.default")' in backward
     assert "c10::Dispatcher" not in backward
     gather = forward.split('all_gather_into_tensor_out.default")')[1].split("// Topologically Sorted")[0]
-    assert "PyCapsule_GetPointer(py_" in gather and "PyList_GET_ITEM" not in gather, gather
+    mended = cpu_wrapper.RETURNED_HANDLE in cpu_wrapper.needed_mends()
+    assert ("PyList_GET_ITEM" in gather, "PyCapsule_GetPointer(py_" in gather) == (False, mended), gather
+
+
+def test_a_cpp_wrapped_step_computes_what_its_graphs_do(steps):
+    """Mended or, where torch fixed what the mends are for, as torch's wrapper has it: the step's loss and
+    gradients are those of its graphs run uncompiled."""
+    torch.testing.assert_close(steps["1"][:2], steps["uncompiled"][:2])
 
 
 def test_a_program_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper(fake_mesh_4, monkeypatch, caplog):
@@ -85,7 +117,7 @@ def test_a_program_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper(fake_m
     monkeypatch.setattr(cpu_wrapper._mended_class(), "generate_py_arg", fails)
     monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
     with caplog.at_level(logging.WARNING, logger="fxshard"):
-        step = _step_codes(fake_mesh_4, monkeypatch, "1", dim=16)
+        step = _step(fake_mesh_4, monkeypatch, "1", dim=16)[2]
     assert [is_cpp(code) for code in step] == [False, False]
     warnings = [r.getMessage() for r in caplog.records if "C++ wrapper could not compile" in r.getMessage()]
     assert len(warnings) == 2 and "an argument this wrapper cannot pass" in warnings[0], warnings
@@ -184,25 +216,28 @@ def _regional_fsdp_step(mesh, monkeypatch) -> tuple[torch.Tensor, dict, list[str
 def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, monkeypatch):
     """A regional FSDP step's prologue gathers the root's parameters (embedding, norm, output projection) for
     later regions too: Inductor gathers them into a buffer of their own, not in place, and lists the
-    bucket's input and that buffer as the outputs of a call that returns one tensor. The C++ wrapper read
-    that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
-    for the buffer the call returns (``out``). Every region runs in the C++ wrapper (however few its
-    kernels) and the step computes what its regions' graphs do run as they are."""
+    bucket's input and that buffer as the outputs of a call that returns one tensor. torch 2.13's C++ wrapper
+    read that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
+    for the buffer the call returns (``out``), and torch 2.15's wrapper reads none. Every region runs in the
+    C++ wrapper (however few its kernels) and the step computes what its regions' graphs do run as they are."""
     from fxshard.backend import end_regions, training
 
-    mended: list[list[str | None]] = []
-    returned_buffer = cpu_wrapper._returned_buffer
+    listed: list[list[str | None]] = []
+    wrapper = cpu_wrapper._mended_class()
+    call_through_python = wrapper.generate_fallback_kernel_with_runtime_lookup_python  # mended or torch's
 
-    def spy(op, raw_args, output_args, raw_outputs):
-        mended.append(list(output_args))
-        return returned_buffer(op, raw_args, output_args, raw_outputs)
-    monkeypatch.setattr(cpu_wrapper, "_returned_buffer", spy)
+    def spy(self, buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs):
+        if "all_gather_into_tensor_out" in python_kernel_name:
+            listed.append(list(output_args))
+        return call_through_python(self, buf_name, python_kernel_name, op_overload, raw_args, output_args,
+                                   raw_outputs)
+    monkeypatch.setattr(wrapper, "generate_fallback_kernel_with_runtime_lookup_python", spy)
     monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
     monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled: toy sizes
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
     loss, grads, codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
     assert len(codes) == 6 and all(is_cpp(code) for code in codes)  # prologue, layer, epilogue; each way
-    assert any(len(set(outputs) - {None}) > 1 for outputs in mended), mended  # the gather not in place
+    assert any(len(set(outputs) - {None}) > 1 for outputs in listed), listed  # the gather not in place
     monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
     uncompiled_loss, uncompiled_grads, uncompiled_codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
     assert not uncompiled_codes
