@@ -217,10 +217,10 @@ class _Watch:
         first: a peer's broken connection waits ``wait_for_peers`` s for who broke it, to say so first."""
         results: dict[int, Any] = {}
         lost: dict[int, str] = {}  # rank -> its traceback, of a collective whose peer was gone
-        deadline = self.start + timeout
         gone_since: float | None = None  # a rank exited without a word: its last words may still be in transit
         lost_since: float | None = None
         while len(results) < len(self.procs):
+            deadline = self.deadline(timeout)
             try:
                 kind, rank, *payload = channel.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
@@ -242,6 +242,11 @@ class _Watch:
             else:
                 results[rank] = payload[0]
         return results
+
+    def deadline(self, timeout: float) -> float:
+        """When the call times out: ``timeout`` s after the ranks were started (asked again after every word
+        from a rank, so that a test may count from what the ranks said)."""
+        return self.start + timeout
 
     def _progress(self, rank: int, stage: str | None, message: str) -> None:
         if stage is not None:
