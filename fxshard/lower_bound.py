@@ -13,7 +13,10 @@ as global flat indices where blocks of several ranks must be united).
   and the all-reduce bound 2(p-1)/p * U). Every rank also receives at least one value per
   needed element. The bound is the larger of the two.
 
-A rank that ends as a zero of ``Partial(sum)`` (R -> P) needs nothing.
+Where ``dst`` is partial over axes Z with an identity (sum, product) that ``src`` is not, the ranks
+that differ only on Z ("a term group") share one block whose terms any of them may hold: one
+holding an element (R -> P) or its shard (S -> P, the rest the identity) is enough. Above, a rank's
+``need`` becomes its group's, split over the group's ranks at best.
 """
 from __future__ import annotations
 
@@ -36,14 +39,27 @@ def _flat(layout: Layout, coord: dict[str, int]) -> torch.Tensor:
     return flat.reshape(-1)
 
 
-def _missing(src: Layout, dst: Layout, coord: dict[str, int]) -> int:
-    """|need - held|: blocks are products of per-dim index sets, so the overlap is a product too."""
-    need, common = 1, 1
-    for d in range(src.ndim):
-        wanted, mine = dst.local_indices(d, coord), src.local_indices(d, coord)
-        need *= len(wanted)
-        common *= int(torch.isin(wanted, mine).sum())
-    return need - common
+def _key(coord: dict[str, int], zeroed: Sequence) -> tuple:
+    """The rank's term group: its coordinate with the sub-axes ``zeroed`` (partial in dst) left out."""
+    out = dict(coord)
+    for a in zeroed:
+        out[a.name] -= a.coordinate(coord[a.name]) * int(a.inner)
+    return tuple(out.values())
+
+
+def _missing(src: Layout, dst: Layout, coords: list[dict[str, int]]) -> int:
+    """|need - held by any of ``coords``|: the elements of their (one) target block none of them holds
+    (one rank's blocks are products of per-dim index sets, so its overlap is a product too)."""
+    if len(coords) == 1:
+        need, common = 1, 1
+        for d in range(src.ndim):
+            wanted, mine = dst.local_indices(d, coords[0]), src.local_indices(d, coords[0])
+            need *= len(wanted)
+            common *= int(torch.isin(wanted, mine).sum())
+        return need - common
+    need = _flat(dst, coords[0])
+    held = torch.cat([_flat(src, cd) for cd in coords])
+    return int((~torch.isin(need, held)).sum())
 
 
 def lower_bound_bytes(src: Layout, dst: Layout, shape: Sequence[int] | None = None,
@@ -59,17 +75,16 @@ def lower_bound_bytes(src: Layout, dst: Layout, shape: Sequence[int] | None = No
     itemsize = torch.empty((), dtype=dtype).element_size()
     reduced = [a for a, op in src.partial if (a, op) not in dst.partial]
     zeroed = [a for a, op in dst.partial if (a, op) not in src.partial and op in IDENTITY]
-    coords = [mesh.coordinate_dict(c) for c in mesh.coordinates()]
-    zero = [any(a.coordinate(cd[a.name]) != 0 for a in zeroed) for cd in coords]
+    groups: dict[tuple, list[dict[str, int]]] = {}
+    for c in mesh.coordinates():
+        cd = mesh.coordinate_dict(c)
+        groups.setdefault(_key(cd, zeroed), []).append(cd)
     if not reduced:
-        return float(max(0 if z else _missing(src, dst, cd) for cd, z in zip(coords, zero)) * itemsize)
+        return float(max(Fraction(_missing(src, dst, g), len(g)) for g in groups.values()) * itemsize)
     total_numel = 1
     for s in src.shape:
         total_numel *= int(s)
-    need = {}
-    for cd, z in zip(coords, zero):
-        key = tuple(cd.values())
-        need[key] = torch.zeros(0, dtype=torch.long) if z else _flat(dst, cd)
+    need = {key: _flat(dst, g[0]) for key, g in groups.items()}
     p = 1
     for a in reduced:
         p *= int(a.size)
@@ -77,5 +92,6 @@ def lower_bound_bytes(src: Layout, dst: Layout, shape: Sequence[int] | None = No
     for n in need.values():
         mask[n] = True
     total = (p - 2) * int(mask.sum()) + sum(len(n) for n in need.values())
-    worst = max(Fraction(max(len(n) for n in need.values())), Fraction(total, len(need)))
+    ranks = sum(len(g) for g in groups.values())
+    worst = max(max(Fraction(len(need[k]), len(g)) for k, g in groups.items()), Fraction(total, ranks))
     return float(worst * itemsize)

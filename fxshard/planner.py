@@ -26,22 +26,30 @@ from .search import Search, shortest_path, to_plan
 
 
 def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int] | None = None,
-                      dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None) -> Plan:
-    """The cheapest steps that turn a tensor of layout ``src`` into layout ``dst`` on every rank."""
+                      dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None,
+                      fill_shards: bool = True) -> Plan:
+    """The cheapest steps that turn a tensor of layout ``src`` into layout ``dst`` on every rank.
+
+    ``fill_shards``: a shard may become its Partial term locally (S -> P(sum): its block, zeros
+    elsewhere), as in a move asked for; not in a price strategies are compared by (``redistribute_cost``).
+    """
     if shape is not None and tuple(shape) != tuple(src.shape):
         raise ValueError(f"shape {list(shape)} does not match the layouts' shape {list(src.shape)}")
     if src.shape != dst.shape or src.mesh != dst.mesh:
         raise LayoutError(f"cannot redistribute between different shapes or meshes: {src} ({list(src.shape)}, "
                           f"{src.mesh}) -> {dst} ({list(dst.shape)}, {dst.mesh})")
     hints = () if src.mesh.is_static else current_hints()  # dst has the same mesh
-    return _plan_cached(src, dst, dtype, cost_model or DEFAULT_COST_MODEL, hints)
+    return _plan_cached(src, dst, dtype, cost_model or DEFAULT_COST_MODEL, hints, fill_shards)
 
 
 def redistribute_cost(src: Layout, dst: Layout, dtype: torch.dtype = torch.float32,
                       cost_model: CostModel | None = None) -> float:
+    """What propagation prices a strategy's move at: planned without filling shards into Partial terms.
+    A filled tensor is n times the data every later op computes on, which no step cost sees; DTensor
+    2.15 likewise makes S -> P(sum) only in a redistribution asked for (its strategy costs price it inf)."""
     if src == dst:
         return 0.0
-    return plan_redistribute(src, dst, dtype=dtype, cost_model=cost_model).cost
+    return plan_redistribute(src, dst, dtype=dtype, cost_model=cost_model, fill_shards=False).cost
 
 
 def clear_plan_cache() -> None:
@@ -49,14 +57,15 @@ def clear_plan_cache() -> None:
 
 
 @functools.lru_cache(maxsize=65536)
-def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel, hints: tuple) -> Plan:
+def _plan_cached(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel, hints: tuple,
+                 fill_shards: bool) -> Plan:
     if src == dst:
         return Plan(src, dst, (), 0.0, dtype)
     try:
-        search = Search(src, dst, dtype, model)
+        search = Search(src, dst, dtype, model, fill_shards)
     except AtomError:
         if _has_unequal_blocks(src) or _has_unequal_blocks(dst):
-            return _via_waypoints(src, dst, dtype, model)
+            return _via_waypoints(src, dst, dtype, model, fill_shards)
         return _exchange_only(src, dst, dtype, model)
     found = shortest_path(search)
     if found is None:
@@ -68,7 +77,7 @@ def _has_unequal_blocks(layout: Layout) -> bool:
     return any(p.uneven_blocks for pieces in layout.dims for p in pieces)
 
 
-def _via_waypoints(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan:
+def _via_waypoints(src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel, fill_shards: bool) -> Plan:
     """The cheapest of ``src`` -exchange-> ``m1`` -search-> ``m2`` -exchange-> ``dst`` over the waypoints
     ``_waypoints`` proposes, and of the exchange-only plan: a partial source reduce-scatters or
     all-reduces only the blocks that are needed (DTensor's way), instead of reducing everything first."""
@@ -77,7 +86,7 @@ def _via_waypoints(src: Layout, dst: Layout, dtype: torch.dtype, model: CostMode
     except LayoutError:
         best = None
     for m1, m2 in _waypoints(src, dst):
-        plan = _through(src, m1, m2, dst, dtype, model)
+        plan = _through(src, m1, m2, dst, dtype, model, fill_shards)
         if plan is not None and (best is None or plan.cost < best.cost):
             best = plan
     if best is None:
@@ -116,7 +125,8 @@ def _cuts(pieces: tuple[Piece, ...]) -> list[tuple[Piece, ...]]:
     return [pieces[:k] for k, p in enumerate(pieces) if p.uneven_blocks]
 
 
-def _through(src: Layout, m1: Layout, m2: Layout, dst: Layout, dtype: torch.dtype, model: CostModel) -> Plan | None:
+def _through(src: Layout, m1: Layout, m2: Layout, dst: Layout, dtype: torch.dtype, model: CostModel,
+             fill_shards: bool) -> Plan | None:
     """The plan exchange(src -> m1), search(m1 -> m2), exchange(m2 -> dst); None where a part has none."""
     first, last = _exchange_step(src, m1, dtype, model), _exchange_step(m2, dst, dtype, model)
     if first is None or last is None:
@@ -124,7 +134,7 @@ def _through(src: Layout, m1: Layout, m2: Layout, dst: Layout, dtype: torch.dtyp
     middle = Plan(m1, m2, (), 0.0, dtype)
     if m1 != m2:
         try:
-            search = Search(m1, m2, dtype, model)
+            search = Search(m1, m2, dtype, model, fill_shards)
         except AtomError:
             return None
         found = shortest_path(search)

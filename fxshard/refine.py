@@ -91,8 +91,8 @@ def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, La
             total += rebuilds.serving_cost(a, want)
             continue
         dtype = a.meta["val"].dtype
-        plan = plan_redistribute(a.meta[LAYOUT], want, dtype=dtype, cost_model=cost_model)
-        bare = redistribute_cost(a.meta[LAYOUT], want, dtype, bare_model)
+        plan = plan_redistribute(a.meta[LAYOUT], want, dtype=dtype, cost_model=cost_model, fill_shards=False)
+        bare = redistribute_cost(a.meta[LAYOUT], want, dtype, bare_model)  # priced alike: no shard filled
         steps = tuple((step.kind, step.axes) for step in plan.collectives)
         # one call per block, kind and axes; per dtype too unless it only gathers (stage 6 packs the
         # gathers of several dtypes as bytes, backend/bucket_copies.py; a reduction adds in its dtype)

@@ -2,7 +2,8 @@
 
 From each state (fxshard/atoms.py) the moves are collectives on a group of atoms (one mesh axis,
 a sub-axis, or several flattened into one group) that move those atoms toward where the target
-has them: all_gather, all_reduce, reduce_scatter, all_to_all, local_shard and local_partial.
+has them: all_gather, all_reduce, reduce_scatter, all_to_all, local_shard and local_partial (from a
+free atom, or from a shard: its block is a term of a partial sum, as DTensor 2.15 zero-fills it).
 Moves are target-directed: an atom is inserted into a dim only where the target has it, so the
 graph stays small; the one exception is a partial sum, which may be reduce-scattered early into
 any dim ("parked") so that later steps move 1/n of the data. One more edge, ``exchange``, goes
@@ -39,7 +40,7 @@ from .atoms import (
 )
 from .costs import CostModel, collective_bytes, dtype_size
 from .exchange import cuts_nest, received_elements, received_even, spans
-from .layout import LINEAR_REDUCE_OPS, Layout
+from .layout import IDENTITY, LINEAR_REDUCE_OPS, Layout
 from .mesh import MeshAxis, Size, as_size
 from .plans import MIXED_SUM_AVG, Plan, Step
 
@@ -61,8 +62,10 @@ class Move:
 class Search:
     """Everything one planning problem needs: atoms, target, sizes, costs."""
 
-    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel):
+    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype, model: CostModel, fill_shards: bool = True):
         self.src, self.dst, self.model = src, dst, model
+        # ops a shard may become a Partial term of locally (its block, the op's identity elsewhere)
+        self.fills = IDENTITY if fill_shards else {}
         self.itemsize = dtype_size(dtype)
         self.frozen = frozen_dims(src, dst)
         self.shape = _search_shape(src, self.frozen)
@@ -127,6 +130,8 @@ class Search:
                 return
             gathered = tuple(localized(p, ids) for p in dims)
             yield Move("all_gather", ids, make_state((gathered, partial)))
+            if dst_kind is Pending and self.goal_where[next(iter(ids))].op in self.fills:
+                yield from self._made_partial(gathered, partial, ids)
             if dst_kind is InDim and not any(self._chunked(dims, a) for a in ids):
                 new = self._insert(gathered, ids, even_only=True)
                 if new is not None and _structured_all_to_all(dims, new, ids):
@@ -138,10 +143,16 @@ class Search:
             if new is not None:
                 yield Move("local_shard", ids, make_state((new, partial)))
         elif dst_kind is Pending:
-            op = self.goal_where[next(iter(ids))].op
-            if all(p.op == op or {p.op, op} <= LINEAR_REDUCE_OPS for p in partial):
-                pending = tuple(sorted(partial + tuple(PartialAtom(a, op) for a in ids)))
-                yield Move("local_partial", ids, make_state((dims, pending)), op)
+            yield from self._made_partial(dims, partial, ids)
+
+    def _made_partial(self, dims: tuple, partial: tuple, ids: frozenset) -> Iterator[Move]:
+        """local_partial: ``ids`` made partial as the goal has them, with no communication. A free
+        atom's coordinate 0 keeps the value; a sharded atom's block is its term, the rest of the dim
+        the op's identity (``dims``: the atoms already gathered; only ops with an identity)."""
+        op = self.goal_where[next(iter(ids))].op
+        if all(p.op == op or {p.op, op} <= LINEAR_REDUCE_OPS for p in partial):
+            pending = tuple(sorted(partial + tuple(PartialAtom(a, op) for a in ids)))
+            yield Move("local_partial", ids, make_state((dims, pending)), op)
 
     def _insert(self, dims: tuple, ids: frozenset, even_only: bool = False, local_chunk: bool = False,
                 padded_reduce: bool = False) -> tuple | None:
@@ -202,8 +213,9 @@ class Search:
     def estimate(self, state: State) -> float:
         """A lower bound on the cost left: one latency if a sharded atom is misplaced or a sum pending.
 
-        Local moves only add shards where the goal has them and make free atoms partial, so
-        they never turn a state that needs a collective into one that does not.
+        Local moves only add shards where the goal has them and make atoms partial where the goal
+        has them so, so they never turn a state that needs a collective into one that does not (a
+        shard the goal has partial over an op with an identity may be such a local move: not counted).
         """
         if state == self.goal:
             return 0.0
@@ -214,6 +226,8 @@ class Search:
             strides = stride_of(pieces)
             for a in strides:
                 there = self.goal_where.get(a)
+                if type(there) is Pending and there.op in self.fills:
+                    continue
                 if type(there) is not InDim or there.dim != d or not self._in_place(state, strides, a, d):
                     return self._min_latency
         return 0.0
@@ -427,7 +441,7 @@ def _step_dims(kind: str, dims_from: list[int], dims_to: list[int]) -> tuple[int
     one = lambda ds: ds[0] if len(ds) == 1 else None  # noqa: E731
     if kind == "all_to_all":
         return one(dims_from), one(dims_to)
-    if kind in ("all_gather",):
+    if kind in ("all_gather", "local_partial"):  # local_partial: the dim a shard made partial leaves
         return one(dims_from), None
     if kind in ("reduce_scatter", "local_shard"):
         return one(dims_to), None

@@ -122,8 +122,11 @@ def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: 
     if kind == "local_shard":
         picks = {key: coordinate_of(lab, coord) for key, lab in scattered}
         return _sliced_digits(e, x, before_keys, sizes, picks, after_shape)
-    if kind == "all_gather":
-        y = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, x, n, group))
+    if kind in ("all_gather", "local_partial"):
+        index = 0
+        for lab in lead:
+            index = index * lab[2] + coordinate_of(lab, coord)
+        y = _gathered(e, x, before_shape, step, n, index, group)
         gathered_shape = [n * before_shape[0]] + before_shape[1:]
         return _rearrange(e, y, [("lead", lab) for lab in lead] + before_keys, after_keys, sizes, after_shape,
                           gathered_shape)
@@ -140,6 +143,15 @@ def _structured(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: 
         y = e(c10d.wait_tensor.default, e(c10d.all_to_all_single.default, y, [1] * n, [1] * n, group))
         return _rearrange(e, y, [("lead", lab) for lab in lead] + rest, after_keys, sizes, after_shape)
     raise LoweringError(f"no structured lowering for step kind {kind!r}")
+
+
+def _gathered(e: _Emit, x: fx.Node, shape: Sequence[int], step: Step, n: int, index: int, group: str) -> fx.Node:
+    """The group's ``n`` blocks (of ``shape``) stacked along dim 0, this rank's at ``index``: an all_gather;
+    for a shard made partial (local_partial), the op's identity in every other block: no peer sends."""
+    if step.kind == "all_gather":
+        return e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, x, n, group))
+    pad = [0, 0] * (len(shape) - 1) + [index * shape[0], (n - 1 - index) * shape[0]]
+    return e(aten.constant_pad_nd.default, x, pad, IDENTITY[step.reduce_op])
 
 
 def _exchange(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group: str) -> fx.Node:
@@ -196,7 +208,7 @@ def lower_step(e: _Emit, x: fx.Node, step: Step, coordinate: Coordinate, group_n
         y = e(c10d.wait_tensor.default, e(c10d.all_reduce.default, x, step.collective_op, group))
         return _divided(e, y, step)
 
-    if kind == "local_partial":
+    if kind == "local_partial" and step.before.dims == step.after.dims:
         holds = step.reduce_op not in IDENTITY or all(a.coordinate(coord[a.name]) == 0 for a in step.axes)
         return e(aten.clone.default, x) if holds else e(aten.full_like.default, x, IDENTITY[step.reduce_op])
 
@@ -217,8 +229,8 @@ def _uneven(e: _Emit, x: fx.Node, step: Step, coord: dict[str, int], group: str)
     after = [int(s) for s in step.after.local_shape(coord)]
     axis, d = step.axis, step.dim
     n, c = int(axis.size), axis.coordinate(coord[axis.name])
-    if step.kind == "all_gather" and len(step.before.dims[d]) == 1:
-        return _gather_chunked(e, x, step, before, after, d, n, group)
+    if step.kind in ("all_gather", "local_partial") and len(step.before.dims[d]) == 1:
+        return _gather_chunked(e, x, step, before, after, d, n, c, group)
     pieces = step.after.dims[d]
     i = next(k for k, p in enumerate(pieces) if p.axis == axis)
     if step.kind == "reduce_scatter" and i == len(pieces) - 1 and all(p.axis is not None for p in pieces[:i]):
@@ -243,7 +255,7 @@ def _chunks_whole_block(step: Step, d: int, i: int) -> bool:
 
 
 def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: list[int], d: int, n: int,
-                    group: str) -> fx.Node:
+                    c: int, group: str) -> fx.Node:
     """Uneven all-gather (torch.chunk layout): pad every rank to the chunk size, gather, cut the tail."""
     pieces = step.before.dims[d]
     if len(pieces) != 1:
@@ -254,7 +266,7 @@ def _gather_chunked(e: _Emit, x: fx.Node, step: Step, before: list[int], after: 
     padded = e(aten.constant_pad_nd.default, x, pad, 0.0)
     padded_shape = list(before)
     padded_shape[d] = chunk
-    g = e(c10d.wait_tensor.default, e(c10d.all_gather_into_tensor.default, padded, n, group))
+    g = _gathered(e, padded, padded_shape, step, n, c, group)
     full = list(after)
     full[d] = n * chunk
     # g is [n * padded[0], ...]: the peer index leads; it becomes dim d's outermost digit

@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 import fxshard
 from fxshard import CostModel, Layout, LayoutError, MeshSpec, Piece, lower_bound_bytes, plan_redistribute
+from fxshard.planner import redistribute_cost
 from fxshard.atoms import Atoms
 from fxshard.exchange import received_elements
 from fxshard.exchange import received_even
@@ -49,6 +50,10 @@ PLANS = [
     case((4,), (8, 12), (S(0),), (S(1),), "all_to_all(a dim 0->1)"),
     case((4,), (8, 12), (P(),), (S(1),), "reduce_scatter(a dim 1 sum)"),
     case((4,), (8, 12), (R,), (P(),), "local_partial(a sum)"),
+    # a shard is a term of its partial sum: its block, zeros elsewhere (DTensor 2.15's zero-fill)
+    case((4,), (8, 12), (S(0),), (P(),), "local_partial(a dim 0 sum)"),
+    case((4,), (10, 8), (S(0),), (P(),), "local_partial(a dim 0 sum)"),
+    case((2, 2), (8, 12), (S(0), S(1)), (P("product"), S(1)), "local_partial(a dim 0 product)"),
     # a shard moving inside its dim: [4@a 2] -> [2 4@a 1] keeps a quarter of each block in place
     case((4,), (8, 12), (S(0),), (_StridedShard(0, split_factor=2),), "exchange(a)"),
     case((2,), (8, 12), (S(0),), (_StridedShard(0, split_factor=2),), "all_to_all(a dim 0->0)"),
@@ -101,6 +106,15 @@ BANDWIDTH_ONLY = [
 def test_bandwidth_only_plans_take_the_fewest_collectives(sizes, shape, src, dst, src_order, dst_order, expected):
     a, b = layouts(sizes, shape, src, dst, src_order, dst_order)
     assert ", ".join(str(s) for s in plan_redistribute(a, b, cost_model=CostModel(default_latency=0.0)).steps) == expected
+
+
+def test_strategies_are_priced_without_filling_shards():
+    """A move asked for fills a shard into its Partial term (no collective); the price propagation compares
+    strategies by does not: the filled tensor is n times the data later ops compute on (DTensor 2.15 alike)."""
+    a, b = layouts((4,), (8, 12), (S(0),), (P(),))
+    priced = plan_redistribute(a, b, fill_shards=False)
+    assert (plan_redistribute(a, b).collectives, [s.kind for s in priced.collectives]) == ((), ["all_gather"])
+    assert redistribute_cost(a, b) == priced.cost
 
 
 def test_plan_cache_and_errors():
