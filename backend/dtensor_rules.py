@@ -24,6 +24,12 @@ from fxshard.registry import OPS
 from fxshard.rules import Signature
 
 PlacementList = list  # one entry per output (then per tensor input): a placement, or None for a non-tensor
+_LENT = "_fxshard_lent"  # the attribute that marks a sharding function fxshard lent
+
+# DTensor's sharding propagator's tables, in the order it looks an op up (_sharding_prop.py,
+# propagate_op_sharding_non_cached). torch 2.15 moved most of DTensor's rules from op_strategy_funcs
+# to single-dim strategies (flash attention, mm, softmax, sum...); torch 2.11 has no such table.
+_DTENSOR_TABLES = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules")
 
 
 def lend_rules_to_dtensor() -> list[Any]:
@@ -34,23 +40,35 @@ def lend_rules_to_dtensor() -> list[Any]:
     lent = []
     for op, entry in OPS.items():
         if isinstance(entry.kind, Declared) and isinstance(op, torch._ops.OpOverload) and not _decomposes(op) \
-                and not _dtensor_knows(op):
+                and dtensor_rule(op) is None:
             register_sharding(op)(_strategies_from(op, entry.kind.rule))
             lent.append(op)
     return lent
 
 
-def _decomposes(op: Any) -> bool:
-    """DTensor never sees an op that decomposes above autograd (the math attention): no rule needed."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-
-
-def _dtensor_knows(op: Any) -> bool:
+def dtensor_rule(op: Any) -> Any | None:
+    """The rule DTensor's sharding propagation runs for ``op`` (its own, or one lent), or None: the one
+    place that reads DTensor's rule tables, so each torch version's layout of them is handled here."""
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    return any(op in table for table in (prop.op_strategy_funcs, prop.op_to_rules,
-                                         getattr(prop, "op_single_dim_strategy_funcs", {})))
+    for table in _DTENSOR_TABLES:
+        rule = getattr(prop, table, {}).get(op)
+        if rule is not None:
+            return rule
+    return None
+
+
+def is_lent(op: Any) -> bool:
+    """Whether the rule DTensor runs for ``op`` is one fxshard lent (``register_sharding`` wraps the
+    sharding function in a partial; ours carry ``_LENT``)."""
+    rule = dtensor_rule(op)
+    return any(getattr(f, _LENT, False) for f in getattr(rule, "args", ()))
+
+
+def _decomposes(op: Any) -> bool:
+    """DTensor never sees an op that decomposes above autograd (the math attention): no rule needed."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def _strategies_from(op: Any, rule: Callable[[Any], Signature | None]) -> Callable[..., list]:
@@ -73,6 +91,7 @@ def _strategies_from(op: Any, rule: Callable[[Any], Signature | None]) -> Callab
             choices.append(([None if names is None else _on(factor, names) for names in out_names],
                             [_on(factor, names) for names in sig.inputs]))
         return choices
+    setattr(acceptable, _LENT, True)
     return acceptable
 
 
