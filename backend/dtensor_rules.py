@@ -28,7 +28,8 @@ _LENT = "_fxshard_lent"  # the attribute that marks a sharding function fxshard 
 
 # DTensor's sharding propagator's tables, in the order it looks an op up (_sharding_prop.py,
 # propagate_op_sharding_non_cached). torch 2.15 moved most of DTensor's rules from op_strategy_funcs
-# to single-dim strategies (flash attention, mm, softmax, sum...); torch 2.11 has no such table.
+# to single-dim strategies (flash attention, mm, softmax, sum...). Each is read with a default: that an
+# older torch (2.11) lacks the single-dim table is assumed, not checked.
 _DTENSOR_TABLES = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules")
 
 
