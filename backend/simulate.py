@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fxshard.costs import CostModel
 from fxshard.graph import output_layouts
@@ -104,13 +105,17 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
                     held = [env[j] for j, n in enumerate(node_lists[0]) if n.op == "placeholder"]
                     final_inputs[:] = [[_rank_value(v, r) for v in held] for r in range(ranks)]
                 break
-            if first.op == "get_attr":  # rank-specific constants (exchange tables)
-                env[i] = mode.rank_map(lambda r: getattr(graphs[r], node_lists[r][i].target))
+            if first.op == "get_attr":  # rank-specific constants (exchange tables), subgraphs (flex attention's)
+                attrs = [getattr(graphs[r], node_lists[r][i].target) for r in range(ranks)]
+                env[i] = (mode.rank_map(lambda r: attrs[r]) if isinstance(attrs[0], torch.Tensor) else
+                          attrs[0] if all(a is attrs[0] for a in attrs) else _RankObjects(attrs))
                 continue
             if first.op != "call_function":
                 raise RuntimeError(f"simulate cannot run node {first.format_node()}")
             keys = {(n.target, _key(n.args, indexes[r]), _key(n.kwargs, indexes[r])) for r, n in enumerate(nodes)}
-            if len(keys) == 1:
+            if isinstance(first.target, torch._ops.HigherOrderOperator):  # LocalTensors run no higher-order op
+                env[i] = _per_rank_call(mode, nodes, lambda r, a: _rank_value(env[indexes[r][a]], r))
+            elif len(keys) == 1:
                 args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
                 env[i] = first.target(*args, **kwargs)
             elif first.target is torch.ops._c10d_functional.all_to_all_single.default:
@@ -126,6 +131,25 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
 
                 env[i] = mode.rank_map(per_rank)
     return outputs
+
+
+class _RankObjects(list):
+    """Each rank's object of one ``get_attr`` where they differ (a subgraph localized per rank)."""
+
+
+def _per_rank_call(mode: LocalTensorMode, nodes: Sequence[fx.Node], value: Callable[[int, fx.Node], Any]) -> Any:
+    """Each rank's call of its node on its own values, outside the mode; a tuple of results comes back as a
+    tuple of LocalTensors."""
+    with mode.disable(), _disable_current_modes():  # off the dispatch stack: a higher-order op asks every mode there
+        results = [n.target(*fx.node.map_arg(n.args, lambda a: value(r, a)),
+                            **fx.node.map_arg(n.kwargs, lambda a: value(r, a))) for r, n in enumerate(nodes)]
+    if isinstance(results[0], (tuple, list)):
+        return type(results[0])(_local(mode, [res[j] for res in results]) for j in range(len(results[0])))
+    return _local(mode, results)
+
+
+def _local(mode: LocalTensorMode, values: Sequence[Any]) -> Any:
+    return mode.rank_map(lambda r: values[r]) if isinstance(values[0], torch.Tensor) else values[0]
 
 
 def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]],
@@ -166,6 +190,8 @@ def _rank_ints(per_rank: Sequence[Sequence[int]]) -> list:
 
 
 def _rank_value(v: Any, r: int) -> Any:
+    if isinstance(v, _RankObjects):
+        return v[r]
     return v._local_tensors[r] if isinstance(v, LocalTensor) else v
 
 

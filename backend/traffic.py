@@ -100,7 +100,7 @@ def collective_calls(gm: fx.GraphModule) -> list[CollectiveCall]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        args = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+        args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))  # a subgraph's get_attr has none
         call = collective_call(node.target, args)
         if call is not None:
             calls.append(call)

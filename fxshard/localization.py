@@ -85,4 +85,17 @@ class MaskedAccumulate:
     mask: int | None = None
 
 
-Recipe = LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate
+@dataclass(frozen=True)
+class GlobalIndices:
+    """Subgraphs the op calls with indices into the dims of its tensor argument ``of`` (flex attention's
+    score_mod and mask_mod get each score's batch and head index): the rank calls a copy of each whose
+    index arguments are shifted by the rank's first index of their dim, so it computes on global indices,
+    as one device does. ``subgraphs``: per subgraph, its path in the arguments (positions) and its
+    (placeholder position, dim of ``of``) pairs."""
+
+    of: int
+    subgraphs: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]
+
+
+Recipe = (LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate
+          | GlobalIndices)

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import rules
+from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
                            SplitSizes)
 from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, WRITE_INTO, Declared, Kind, Ranges
@@ -181,6 +182,7 @@ OPS: dict[Any, Op] = {
     # attention kernels: batch and heads independent
     **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
     **{op.default: signature_op(rules.attention_backward) for op in rules.ATTENTION_BACKWARD_OPS},
+    FLEX_ATTENTION: signature_op(flex_attention, FORWARD_INDICES),  # a higher-order op: fxshard/flex_attention.py
     # factories (rand_like/randn_like are not *_like: drawn in global shape, fxshard/decompose.py says why)
     aten.ones_like.default: Op(LIKE),
     aten.zeros_like.default: Op(LIKE),

@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_
 
 from fxshard.graph import LAYOUT, LOCALIZE, argument_leaves, copy_graph_module, metadata
 from fxshard.layout import Layout
-from fxshard.localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex, SliceRange,
-                                  SplitSizes)
+from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex,
+                                  SliceRange, SplitSizes)
 from fxshard.mesh import Coordinate
 
 aten = torch.ops.aten  # the ops stage 4 writes into a local program (slices, pads, masks)
@@ -238,6 +238,69 @@ def _localize_shape(node: fx.Node, recipe: LocalShape, coordinate: Coordinate) -
         node.target = recipe.becomes
 
 
+def _first_index(layout: Layout, d: int, coordinate: Coordinate, what: str) -> int:
+    """The global index of the rank's first row of dim ``d`` (0 where it holds none); its rows must be one
+    contiguous run, else no shift makes a local index global."""
+    held = layout.local_indices(d, coordinate).tolist()
+    if held and held != list(range(held[0], held[0] + len(held))):
+        raise LocalizeError(f"{what}: the rows of dim {d} held at {coordinate} under {layout} are not one contiguous "
+                            "run, so its subgraphs (score_mod, mask_mod) cannot be given global indices; shard that "
+                            "dim with a plain Shard")
+    return held[0] if held else 0
+
+
+def _localize_indices(node: fx.Node, recipe: GlobalIndices, coordinate: Coordinate) -> None:
+    """Each subgraph the op calls becomes a copy (an attribute of its own) that adds the rank's first index of
+    each sharded dim to the index it is given: the kernel counts heads from 0 on every rank."""
+    layout = node.args[recipe.of].meta[LAYOUT]
+    gm = node.graph.owning_module
+    for path, indices in recipe.subgraphs:
+        offsets = {p: _first_index(layout, d, coordinate, node.format_node()) for p, d in indices
+                   if layout.dim_is_sharded(d)}
+        if not offsets:
+            continue
+        holder = _at(node.args, path[:-1])
+        getter = holder[path[-1]]
+        subgraph = copy_graph_module(attribute(gm, getter))
+        placeholders = list(subgraph.graph.find_nodes(op="placeholder"))
+        for p, offset in offsets.items():
+            index = placeholders[p]
+            with subgraph.graph.inserting_after(index):
+                shifted = subgraph.graph.call_function(aten.add.Tensor, (index, offset))
+            index.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
+            if "val" in index.meta:
+                shifted.meta["val"] = index.meta["val"]
+        subgraph.recompile()
+        name = _free_attribute(gm, f"{getter.target}_global_indices")
+        setattr(gm, name, subgraph)
+        with node.graph.inserting_before(node):
+            local_getter = node.graph.get_attr(name)
+        node.args = _replaced(node.args, path, local_getter)
+
+
+def _at(tree: Any, path: Sequence[int]) -> Any:
+    for i in path:
+        tree = tree[i]
+    return tree
+
+
+def _replaced(tree: Any, path: Sequence[int], new: Any) -> Any:
+    """``tree`` (nested tuples and lists) with the leaf at ``path`` replaced by ``new``."""
+    if not path:
+        return new
+    items = list(tree)
+    items[path[0]] = _replaced(items[path[0]], path[1:], new)
+    return type(tree)(items)
+
+
+def _free_attribute(gm: fx.GraphModule, base: str) -> str:
+    name, k = base, 0
+    while hasattr(gm, name):
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
 _RECIPES = {
     LocalShape: _localize_shape,
     LocalArange: _localize_arange,
@@ -246,6 +309,7 @@ _RECIPES = {
     SplitSizes: _localize_split,
     MaskedLookup: _localize_lookup,
     MaskedAccumulate: _localize_accumulate,
+    GlobalIndices: _localize_indices,
 }
 
 
@@ -321,9 +385,11 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
     with mode:
         for node in nodes:
             if node.op == "get_attr":  # a constant, perhaps of a submodule ("sub.name")
-                node.meta["val"] = mode.from_tensor(functools.reduce(getattr, node.target.split("."), gm))
-                continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+                attr = attribute(gm, node)
+                if isinstance(attr, torch.Tensor):
+                    node.meta["val"] = mode.from_tensor(attr)
+                continue  # a subgraph (flex attention's score_mod): its callers are given the module itself
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: _value_of(gm, a))
             if node.op == "output":
                 node.meta["val"] = args[0]
                 continue
@@ -337,6 +403,20 @@ def fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node], mode: FakeTensorMo
                 repeats.put(key, leaves, result)
             schema = getattr(node.target, "_schema", None)
             node.meta["val"] = (_snapshot(result) if schema is not None and schema.is_mutable else result)
+
+
+def attribute(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """What a ``get_attr`` node of ``gm`` names: a constant tensor or a subgraph (a GraphModule a
+    higher-order op calls), perhaps of a submodule (``"sub.name"``)."""
+    return functools.reduce(getattr, node.target.split("."), gm)
+
+
+def _value_of(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """``node``'s value as an argument of a call: its ``meta["val"]``, or the subgraph a ``get_attr`` names
+    (it has no fake value: a higher-order op calls it, as eager calls it)."""
+    if node.op == "get_attr" and "val" not in node.meta:
+        return attribute(gm, node)
+    return node.meta["val"]
 
 
 class ResultSpecs:
