@@ -87,7 +87,10 @@ class CompiledFunction:
             start_compile_workers()  # coming up while Dynamo captures and fxshard plans
         with reporter.timed("capturing the function with Dynamo"), _one_graph_needed(label_of(self.fn)):
             if self.module is not None:
-                with _reparametrize_module(self.module, stand_ins):
+                # tie_weights: a tied alias (a head sharing the embedding's weight) is one parameter that
+                # named_parameters() lists once; its other names get the same stand-in, or Dynamo would meet the
+                # real DTensor there among the fakes (aten.mm got mixed torch.Tensor and DTensor)
+                with _reparametrize_module(self.module, stand_ins, tie_weights=True):
                     captured = captured_with_regions(lambda: capture(self.fn, arg_stand_ins),
                                                      repeated_blocks(self.module))
             else:
