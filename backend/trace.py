@@ -29,6 +29,7 @@ from fxshard.placements import as_mesh_spec, layout_from_placements, placements_
 from . import inputs
 from .block_joint import Templates, stamp
 from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
+from .dtensor_reads import eager_dtensor, read_kind
 from .dynamo_compat import dtensor_prim, prim_arguments
 from .inputs import find_device_mesh, from_local_arguments, is_from_local
 from .trace_hints import local_input_message, own_collective, own_collective_message
@@ -148,6 +149,12 @@ class _GlobalInterpreter(fx.Interpreter):
         if is_from_local(target):
             args, kwargs = from_local_arguments(target, args, kwargs)
             return self._from_local(*args, **kwargs)
+        if target is getattr:
+            kind = read_kind(self._current, args[1] if len(args) > 1 else None)
+            if kind == "spec":  # the eager DTensor's mesh or placements, not the stand-in's (dtensor_reads.py)
+                return getattr(eager_dtensor(self._current), args[1])
+            if kind == "local":
+                return self.call_method("to_local", (args[0],), {})
         if target is torch.ops.higher_order.tag_activation_checkpoint:
             return self._checkpointed(*args, **kwargs)
         if target is torch.ops.higher_order.invoke_subgraph:
@@ -172,6 +179,11 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._pin(x, [Replicate()] * self.mesh.ndim)
         if target == "to_local":
             layout = self.known.get(x)
+            eager = eager_dtensor(getattr(self, "_current", None))
+            if layout is None and eager is not None:
+                # the local block is eager's, of the placements the DTensor had (a local_map's input): pinned
+                x = self._pin(x, eager.placements)
+                layout = self.known[x]
             if layout is None:
                 raise TraceError("to_local() of a DTensor whose layout fxshard cannot know at trace time; "
                                  "redistribute it to explicit placements first")

@@ -1,0 +1,135 @@
+"""torchtitan's own models, as its authors build and parallelize them, shrunk to run in seconds.
+
+The builders are torchtitan's (``_build_llama3_layers``, ``_build_qwen3_layers``) at dim 64, and the sharding
+is torchtitan's (``set_llama3_sharding_config``, ``set_qwen3_sharding_config``, then ``Module.parallelize``
+with ``ParallelDims`` on its ``partial_dtensor`` backend). Two departures, each for a stated reason:
+
+- attention is torchtitan's ``ScaledDotProductAttention`` (causal), not its language models' default
+  ``FlexAttention``: flex compiles its kernel with Triton on a GPU, and fxshard has no rule for the
+  ``flex_attention`` higher-order op;
+- the token embedding's table is replicated (``replicate_embedding``): torchtitan's vocab-parallel
+  ``Embedding.forward`` computes its row offset from ``dist.get_rank(tp_group)`` inside a local region, a
+  Python int Dynamo bakes into each rank's graph (``simulate`` traces rank 0's for every rank), and fxshard
+  reads that local lookup globally as its own masked lookup, so it is left out here
+  (tests/test_torchtitan.py's ``test_vocab_parallel_embedding`` records what fxshard does with it).
+
+torchtitan builds its meshes on ``torchtitan.tools.utils.device_type`` (CUDA when no accelerator is found);
+``parallel_dims_on_cpu`` builds them on the CPU, on the fake process group ``fxshard``'s ``fake_world`` made.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 64, 8, 4, 128, 128
+
+
+def _sdpa(layers: list) -> list:
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def _ends(rope_dim: int) -> dict:
+    """The embedding, final norm and output head of a decoder at ``DIM``."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return dict(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_}),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                              param_init={"weight": torch.nn.init.normal_, "bias": torch.nn.init.zeros_}))
+
+
+def llama3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
+    """torchtitan's Llama 3 (fused QKV, GQA, complex RoPE, SwiGLU) with its TP (+ SP) sharding config."""
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    head_dim = DIM // HEADS
+    layers = _build_llama3_layers(n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
+                                  rope=ComplexRoPE.Config(dim=head_dim, max_seq_len=64, theta=500000, scaling="none"),
+                                  attn_backend="flex", fuse_qkv=True)
+    cfg = Llama3Model.Config(**_ends(head_dim), layers=_sdpa(layers))
+    set_llama3_sharding_config(cfg, enable_sp=sequence_parallel)
+    return cfg
+
+
+def qwen3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
+    """torchtitan's dense Qwen3 (fused QKV, q/k RMSNorm, cos-sin RoPE) with its TP (+ SP) sharding config;
+    untied output head (the debug model ties it to the embedding, which is replicated here)."""
+    from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3 import _build_qwen3_layers
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    head_dim = 16
+    layers = _build_qwen3_layers(n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
+                                 hidden_dim=HIDDEN, attn_backend="flex", fuse_qkv=True,
+                                 rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0))
+    cfg = Qwen3Model.Config(**_ends(head_dim), layers=_sdpa(layers), enable_weight_tying=False)
+    set_qwen3_sharding_config(cfg, enable_sp=sequence_parallel, enable_ep=False)
+    return cfg
+
+
+CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config}
+
+
+def replicate_embedding(cfg: Any) -> Any:
+    """The token embedding's table replicated on tp and its output declared replicated (the rest of the
+    config as torchtitan wrote it); its module then looks rows up globally (``without_vocab_offsets``)."""
+    import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import dense_activation_placement, dense_param_placement
+
+    sharding = cfg.tok_embeddings.sharding_config
+    sharding.state_shardings["weight"] = dense_param_placement(tp=spmd.R)
+    sharding.out_src_shardings = dense_activation_placement(tp=spmd.R)
+    return cfg
+
+
+def build(cfg: Any, seed: int = 0) -> torch.nn.Module:
+    """The model of ``cfg`` with torchtitan's own initialization, on the CPU."""
+    torch.manual_seed(seed)
+    model = cfg.build()
+    model.init_states()
+    return model
+
+
+@contextlib.contextmanager
+def parallel_dims_on_cpu(tp: int) -> Iterator[Any]:
+    """``ParallelDims(tp=tp)`` on the ``partial_dtensor`` backend, its meshes built on the CPU over a fake process
+    group of ``tp`` ranks (``fake_world``), for the duration of the block."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    import fxshard
+    from fxshard.backend.simulate import fake_world
+
+    device_type = parallel_dims.device_type
+    parallel_dims.device_type = "cpu"
+    try:
+        with fake_world(fxshard.MeshSpec(tp=tp)):
+            yield ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp,
+                               spmd_backend="partial_dtensor")
+    finally:
+        parallel_dims.device_type = device_type
+
+
+def parallelize(model: torch.nn.Module, dims: Any, vocab_offsets: bool = True) -> torch.nn.Module:
+    """torchtitan's ``model.parallelize(dims)``, its DTensors made under ``LocalTensorMode`` (every rank's shard
+    held, what ``simulate`` runs). ``vocab_offsets=False``: the embedding module looks rows up globally (no
+    tp group; with ``replicate_embedding`` its table is whole on every rank)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with LocalTensorMode(dims.tp):
+        model.parallelize(dims)
+    if not vocab_offsets:
+        model.tok_embeddings.tp_group = None
+    return model
