@@ -630,6 +630,8 @@ def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, desc
     (the cut decides the buckets, which must be the same on every rank)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
+    if any(not isinstance(getattr(gm, n.target), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")):
+        return []  # a subgraph a higher-order op calls (flex attention's score_mod) is no region's input: compiled whole
     regions = split_regions(gm, region, descending, share=True)
     for r in regions:
         r.layer = not r.between_layers and 0 <= r.index <= last
