@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -67,17 +67,18 @@ _GROUP_ARG = {c10d.all_gather_into_tensor.default: 2, c10d.reduce_scatter_tensor
               c10d.all_reduce.default: 2, c10d.all_to_all_single.default: 3}
 
 
+# a reduction's name, as lowering passes it to a functional collective -> that reduction over the
+# group's stacked blocks (every reduce op of fxshard.layout.REDUCE_OPS, which gloo and NCCL run too)
+_REDUCTIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sum": lambda s: s.sum(0), "avg": lambda s: s.mean(0), "max": lambda s: s.amax(0),
+    "min": lambda s: s.amin(0), "product": lambda s: s.prod(0),
+}
+
+
 def _reduce(blocks: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack(list(blocks))
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        return stacked.mean(0)
-    if op == "max":
-        return stacked.amax(0)
-    if op == "min":
-        return stacked.amin(0)
-    raise NotImplementedError(f"simulate_plan: reduce op {op!r}")
+    if op not in _REDUCTIONS:
+        raise NotImplementedError(f"simulate_plan: reduce op {op!r} (it runs {', '.join(_REDUCTIONS)})")
+    return _REDUCTIONS[op](torch.stack(list(blocks)))
 
 
 def _collective(target: Any, args: Sequence[tuple], pos: Sequence[int]) -> list[torch.Tensor]:

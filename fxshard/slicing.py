@@ -25,7 +25,9 @@ def slice_pieces(pieces: Sequence[Piece], start: int, end: int) -> tuple[Piece, 
     total = math.prod(int(p.size) for p in pieces)
     if start == 0 and end == total:
         return pieces
-    if end <= start or any(p.chunked for p in pieces) or not pieces:
+    if end <= start:  # an empty range: no rank holds any of it, whatever the layout
+        return ()
+    if any(p.chunked for p in pieces) or not pieces:
         return None
     p, rest = pieces[0], pieces[1:]
     inner = math.prod(int(q.size) for q in rest)
@@ -186,15 +188,21 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
     """cat: inputs share a layout; equal sizes with equal pieces on the cat dim stack as an outer piece.
 
     torch.cat skips 1-D empty inputs whatever the others' rank (a KV cache that starts as
-    ``torch.tensor([])``): they stay as they are and take no part in the decision.
+    ``torch.tensor([])``): they stay as they are and take no part in the decision. An input of
+    size 0 along the cat dim (a cache started as ``[b, h, 0, d]``) adds no rows: it is asked for
+    in the others' layout (its cat dim whole), which costs it nothing, and leaves the others' cat
+    dim as it would be without it (else a sharded cat dim would be gathered for nothing).
     """
     out_shape = list(node.meta["val"].shape)
     ndim = len(out_shape)
     skipped = [x.ndim == 1 and x.shape[0] == 0 and ndim != 1 for x in ins]
-    kept = [x for x, skip in zip(ins, skipped) if not skip]
+    d = _dim(_arg(node, 1, "dim", 0), ndim)
+    rowless = [not skip and int(x.shape[d]) == 0 for x, skip in zip(ins, skipped)]
+    if all(skip or none for skip, none in zip(skipped, rowless)):
+        rowless = [False] * len(ins)  # nothing but empty inputs: decided among them as ever
+    kept = [x for x, skip, none in zip(ins, skipped, rowless) if not (skip or none)]
     if not kept:
         return tuple(ins), Layout.replicated(ins[0].mesh, out_shape)
-    d = _dim(_arg(node, 1, "dim", 0), ndim)
     best = None
     for t in _stack_candidates(kept, d):
         # unequal blocks (an uneven _StridedShard) split the rank's whole block: no outer piece above them
@@ -208,8 +216,14 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
         c = sum(cost(x, r) for x, r in zip(kept, required))
         if best is None or c < best[0]:
             best = (c, required, out)
-    chosen = iter(best[1])
-    return tuple(x if skip else next(chosen) for x, skip in zip(ins, skipped)), best[2]
+    chosen, out = iter(best[1]), best[2]
+    def asked(x: Layout, skip: bool, none: bool) -> Layout:
+        if skip:
+            return x
+        if none:
+            return Layout(x.mesh, x.shape, [() if k == d else out.dims[k] for k in range(ndim)], out.partial)
+        return next(chosen)
+    return tuple(asked(x, skip, none) for x, skip, none in zip(ins, skipped, rowless)), out
 
 
 def stack_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, ...], Any]:

@@ -35,7 +35,13 @@ def _divides(a: Size, b: Size) -> bool:
 
 
 def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Pairs (input dims, output dims) whose sizes multiply to the same number, in order."""
+    """Pairs (input dims, output dims) whose sizes multiply to the same number, in order.
+
+    A tensor with no elements has no order to keep: once a product reaches 0 no product of the
+    other side's dims may ever catch up with it, and the dims left on one side need not multiply
+    to 1. There the remaining dims of both sides are one last group (its two products may differ:
+    [0, 2] as [0, 3] ends in ([1], [1])); ``view_layout`` holds nothing in such a group.
+    """
     a, b = [int(s) for s in in_shape], [int(s) for s in out_shape]
     if math.prod(a) != math.prod(b):
         raise ValueError(f"cannot view shape {a} as {b}")
@@ -50,17 +56,25 @@ def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple
             groups.append(([], [j]))
             j += 1
             continue
+        if i == len(a) or j == len(b):  # one side's dims ran out: only an empty tensor's can
+            groups.append((list(range(i, len(a))), list(range(j, len(b)))))
+            break
         gi, gj, pa, pb = [i], [j], a[i], b[j]
         i, j = i + 1, j + 1
         while pa != pb:
-            if pa < pb:
+            if pa < pb and i < len(a):
                 gi.append(i)
                 pa *= a[i]
                 i += 1
-            else:
+            elif pb < pa and j < len(b):
                 gj.append(j)
                 pb *= b[j]
                 j += 1
+            else:  # the smaller product is 0 (or the other side ran out): the rest is one group
+                gi += range(i, len(a))
+                gj += range(j, len(b))
+                i, j = len(a), len(b)
+                break
         groups.append((gi, gj))
     return groups
 
@@ -121,10 +135,19 @@ def view_layout(src: Layout, out_shape: Sequence[int]) -> tuple[Layout, Layout]:
     """
     required = list(src.dims)
     out_dims: list[tuple[Piece, ...]] = [()] * len(out_shape)
+    # an empty tensor's block is empty on every rank, in any layout: where its dims cannot be cut
+    # (or, in a group of size 0, need not be), its output dims are whole and nothing moves
+    empty = math.prod(int(s) for s in src.shape) == 0
     for gi, gj in view_groups(src.shape, out_shape):
+        size_in = math.prod(int(src.shape[d]) for d in gi)
+        size_out = math.prod(int(out_shape[d]) for d in gj)
+        one_to_one = len(gi) == 1 and len(gj) == 1 and size_in == size_out
+        if size_in != size_out or (size_in == 0 and not one_to_one):
+            continue
         pieces = [p for d in gi for p in src.dims[d]]
-        one_to_one = len(gi) == 1 and len(gj) == 1
         cut = [list(src.dims[gi[0]])] if one_to_one else split_pieces(pieces, [out_shape[d] for d in gj])
+        if cut is None and empty:
+            continue
         if cut is None:
             for d in gi:
                 required[d] = ()
