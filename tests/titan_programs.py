@@ -133,3 +133,30 @@ def parallelize(model: torch.nn.Module, dims: Any, vocab_offsets: bool = True) -
     if not vocab_offsets:
         model.tok_embeddings.tp_group = None
     return model
+
+
+def gloo_forward(rank: int, world_size: int, device: str, kind: str = "llama3", vocab_offsets: bool = False,
+                 sequence_parallel: bool = True) -> dict:
+    """One rank of a real process group (examples/ranks.py ``spawn``): torchtitan parallelizes ``kind`` on tp =
+    the world, ``torch.compile(backend="fxshard")`` runs it; the max abs error of the output against one device.
+    ``vocab_offsets``: torchtitan's vocab-parallel embedding as it is written (each rank's offset its own)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims.device_type = "cpu"  # this spawned process's own module: torchtitan's meshes on the CPU
+    cfg = CONFIGS[kind](2, sequence_parallel)
+    if not vocab_offsets:
+        replicate_embedding(cfg)
+    single, sharded = build(cfg), build(cfg)
+    sharded.load_state_dict(single.state_dict())
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = single(x)
+    sharded.parallelize(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1,
+                                     world_size=world_size, spmd_backend="partial_dtensor"))
+    if not vocab_offsets:
+        sharded.tok_embeddings.tp_group = None
+    with torch.no_grad():
+        out = torch.compile(sharded, backend="fxshard")(x)
+    full = out.full_tensor() if hasattr(out, "full_tensor") else out
+    return {"error": float((full - ref).abs().max()), "type": type(out).__name__}
