@@ -40,8 +40,8 @@ def parallelized(kind: str, tp: int, dims, sequence_parallel: bool = False, n_la
 
 
 # (model, tp, sequence parallel): llama3 at tp 4 with SP and qwen3 at tp 2 by default, the rest with --slow
-CASES = [("llama3", 4, True), ("qwen3", 2, False),
-         pytest.param("llama3", 2, False, marks=pytest.mark.slow), pytest.param("qwen3", 4, True, marks=pytest.mark.slow)]
+CASES = [("llama3", 4, True), ("qwen3", 2, False), pytest.param("llama3", 2, False, marks=pytest.mark.slow),
+         pytest.param("qwen3", 4, True, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind,tp,sp", CASES)

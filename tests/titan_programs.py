@@ -83,8 +83,8 @@ CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config}
 
 
 def replicate_embedding(cfg: Any) -> Any:
-    """The token embedding's table replicated on tp and its output declared replicated (the rest of the
-    config as torchtitan wrote it); its module then looks rows up globally (``parallelize(..., vocab_offsets=False)``)."""
+    """The token embedding's table replicated on tp and its output declared replicated (the rest of the config
+    as torchtitan wrote it); its module then looks rows up globally (``parallelize(..., vocab_offsets=False)``)."""
     import spmd_types as spmd
     from torchtitan.models.common.decoder_sharding import dense_activation_placement, dense_param_placement
 
