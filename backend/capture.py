@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from .collector import collector_paused
+from .dtensor_rules import lend_rules_to_dtensor
 
 
 @dataclass
@@ -80,6 +81,7 @@ def capture_graphs(fn: Callable, args: Sequence[Any], run: RunGraph) -> tuple[li
 
 def _compile_and_call(fn: Callable, args: Sequence[Any], run: RunGraph, fullgraph: bool) -> tuple[list[Captured], Any]:
     graphs: list[Captured] = []
+    lend_rules_to_dtensor()  # for other libraries' ops defined since the backend's import (transformers' MoE)
 
     def grab(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         args = [n.meta["grapharg"] for n in gm.graph.nodes if n.op == "placeholder"]

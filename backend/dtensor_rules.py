@@ -6,21 +6,23 @@ CPU; transformers' grouped matmul of MoE experts) fails while Dynamo traces, in 
 fxshard's backend, which has a rule for it. Importing the backend registers, through DTensor's
 public ``register_sharding``, the strategies fxshard's signature for such an op implies: full
 replication, and each factor that passes through to every output (not one that must stay whole)
-sharded on all tensors carrying it. Ops DTensor already has are left alone. The strategies
+sharded on all tensors carrying it. Ops DTensor already has are left alone; other libraries' ops
+(the registry's ``NAMED_OPS``, keyed by schema name) are lent once that library has defined them, so
+lending runs again at each capture (backend/capture.py), cheap and idempotent. The strategies
 only have to be right, not best: under the backend fxshard plans the program itself; in
 DTensor eager they make the op run (sharded where the signature allows) instead of raising.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxshard.op_kinds import Declared
-from fxshard.registry import OPS
+from fxshard.registry import NAMED_OPS, OPS, Op
 from fxshard.rules import Signature
 
 PlacementList = list  # one entry per output (then per tensor input): a placement, or None for a non-tensor
@@ -39,12 +41,23 @@ def lend_rules_to_dtensor() -> list[Any]:
     from torch.distributed.tensor.experimental import register_sharding
 
     lent = []
-    for op, entry in OPS.items():
+    for op, entry in _known_ops():
         if isinstance(entry.kind, Declared) and isinstance(op, torch._ops.OpOverload) and not _decomposes(op) \
                 and dtensor_rule(op) is None:
             register_sharding(op)(_strategies_from(op, entry.kind.rule))
             lent.append(op)
     return lent
+
+
+def _known_ops() -> Iterator[tuple[Any, Op]]:
+    """The registry's ATen ops, then each overload of its other libraries' ops that is defined now
+    (transformers' grouped matmul exists once transformers' MoE code is imported)."""
+    yield from OPS.items()
+    for schema_name, entry in NAMED_OPS.items():
+        namespace, _, name = schema_name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), name, None)  # None until the library defines it
+        for overload in packet.overloads() if packet is not None else ():
+            yield getattr(packet, overload), entry
 
 
 def dtensor_rule(op: Any) -> Any | None:

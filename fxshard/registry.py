@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from . import rules
+from . import rules, rules_moe
 from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
                            SplitSizes)
@@ -121,6 +121,9 @@ OPS: dict[Any, Op] = {
     aten.index_select.default: signature_op(rules.index_select),
     aten.topk.default: signature_op(rules.select_along),
     aten.sort.default: signature_op(rules.select_along),
+    aten.sort.stable: signature_op(rules.select_along),
+    aten.argsort.default: signature_op(rules_moe.argsort),
+    aten.argsort.stable: signature_op(rules_moe.argsort),
     # pointwise ops whose partial sums need care (other pointwise ops: by their torch tag)
     aten.add.Tensor: signature_op(rules.add_like),
     aten.sub.Tensor: signature_op(rules.add_like),
@@ -132,6 +135,8 @@ OPS: dict[Any, Op] = {
     aten._to_copy.default: signature_op(rules.to_copy, recomputed_with_input=True),
     aten.view_as_complex.default: signature_op(rules.view_as_complex),
     aten.view_as_real.default: signature_op(rules.view_as_real),
+    aten._conj.default: signature_op(rules.pointwise(lambda n: [(0,)]), aliases=True),  # complex RoPE's backward
+    aten.polar.default: signature_op(rules.pointwise()),  # a rotary table from (abs, angle)
     aten.triu.default: signature_op(rules.triangle),
     aten.tril.default: signature_op(rules.triangle),
     aten.clone.default: signature_op(rules.identity, recomputed_with_input=True),
@@ -178,7 +183,7 @@ OPS: dict[Any, Op] = {
     aten.scatter_add.default: signature_op(rules.scatter_add),
     aten._unsafe_masked_index_put_accumulate.default: signature_op(
         rules.index_put_accumulate, MaskedAccumulate(target=0, indices=2, values=3, mask=1)),
-    aten._grouped_mm.default: signature_op(rules.grouped_mm),
+    aten._grouped_mm.default: signature_op(rules_moe.grouped_mm),  # forward, and both forms of its backward
     # attention kernels: batch and heads independent
     **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
     **{op.default: signature_op(rules.attention_backward) for op in rules.ATTENTION_BACKWARD_OPS},
@@ -207,7 +212,9 @@ OPS: dict[Any, Op] = {
 
 # ops of other libraries, by schema name: they exist only once that library is imported
 NAMED_OPS: dict[str, Op] = {
-    "transformers::grouped_mm_fallback": signature_op(rules.grouped_mm),  # MoE experts of fp32 models
+    "transformers::grouped_mm_fallback": signature_op(rules_moe.grouped_mm),  # MoE experts of fp32 models
+    "transformers::grouped_mm_fallback_backward": signature_op(rules_moe.grouped_mm_backward),
+    "torchtitan::deterministic_scatter_add": signature_op(rules_moe.scatter_add_rows),  # MoE tokens combined
 }
 
 

@@ -36,6 +36,9 @@ class Signature:
     # outputs (0: the first) whose dims smaller than their factor's pieces sum over the group those
     # pieces leave out (grouped-query attention's grad_key, grad_value): Partial(sum) on the axes left out
     group_sums: tuple[int, ...] = ()
+    # per output (0: the first), factors it sums over that another output keeps (a grouped matmul's
+    # backward: grad_input sums over n, grad_weight is indexed by it): Partial(sum) on their axes there
+    summed: tuple[tuple[str, ...], ...] = ()
 
     @property
     def contracted(self) -> set[str]:
@@ -406,22 +409,6 @@ def gather(node: Any) -> Signature | None:
     names = _letters(len(_shape(node.args[0])))
     xs = tuple("looked_up" if d == dim else f for d, f in enumerate(names))
     return Signature((xs, tuple(names)), tuple(names), "sum", ((0,),))
-
-
-def grouped_mm(node: Any) -> Signature | None:
-    """A grouped matmul of token rows sorted by expert, ``x [S, K] @ w[e] [E, K, N] -> [S, N]`` with
-    ``offs [E]`` the groups' end rows (MoE experts: ``aten._grouped_mm``, transformers' fallback op).
-
-    Rows and experts stay whole (the offsets are global row numbers of every expert); K and N
-    shard as in mm: Megatron's column- and row-parallel experts. Other forms: no rule.
-    """
-    x, w = _shape(node.args[0]), _shape(node.args[1])
-    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-    extra = [a for a in list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "offs"] if _shape(a)]
-    if x is None or w is None or len(x) != 2 or len(w) != 3 or _shape(offs) is None or extra:
-        return None
-    return Signature((("s", "k"), ("e", "k", "n"), ("e",)), ("s", "n"), partial_groups=((0,), (1,)),
-                     whole=frozenset({"s", "e"}))
 
 
 def view_as_complex(node: Any) -> Signature:

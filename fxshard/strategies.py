@@ -182,7 +182,10 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
             pieces, left_out = _fitted(dims, shape, assign)
             if left_out and k not in sig.group_sums:
                 return None  # an output cannot hold a part of what its factor's pieces say
-            outs.append(Layout(mesh, shape, pieces, tuple(partial) + contracted + tuple((a, "sum") for a in left_out)))
+            summed = tuple((p.axis, "sum") for f in (sig.summed[k] if k < len(sig.summed) else ())
+                           for p in assign.get(f, ()) if p.axis is not None)
+            outs.append(Layout(mesh, shape, pieces,
+                               tuple(partial) + contracted + summed + tuple((a, "sum") for a in left_out)))
         output: Any = tuple(outs) if sig.extra_outputs else outs[0]
     except LayoutError:
         return None

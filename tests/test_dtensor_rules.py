@@ -38,7 +38,8 @@ LENT = [aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_fused_attention_overrideable.default,
         aten._scaled_dot_product_fused_attention_overrideable_backward.default,
         aten._unsafe_masked_index_put_accumulate.default, aten.all.dims, aten.copy.default,
-        aten.floor_divide.default, aten.index_add.default, aten.index_copy.default, aten.lift_fresh_copy.default]
+        aten.floor_divide.default, aten.index_add.default, aten.index_copy.default, aten.lift_fresh_copy.default,
+        aten.polar.default]
 OWN = [aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
        aten._scaled_dot_product_efficient_attention.default, aten.mm.default, aten._softmax.default,
        aten.sum.dim_IntList]
@@ -48,7 +49,7 @@ def test_lends_only_what_dtensor_lacks():
     """The backend lent them at import; lending again finds nothing missing; DTensor's own rules
     (the CUDA flash attention, mm) are never replaced, on whichever of its tables they are."""
     own = {op: dtensor_rule(op) for op in OWN}
-    assert lend_rules_to_dtensor() == []
+    assert [op for op in lend_rules_to_dtensor() if op in OPS] == []  # other libraries' ops: lent once defined
     assert [op for op in OWN if dtensor_rule(op) is not own[op] or own[op] is None or is_lent(op)] == []
     declared = [op for op, entry in OPS.items() if isinstance(entry.kind, Declared)
                 and isinstance(op, torch._ops.OpOverload) and is_lent(op)]
@@ -82,3 +83,31 @@ def test_cpu_flash_attention_in_dtensor_eager_is_sharded_by_head_and_exact(fake_
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, q.grad, k.grad, v.grad)):
         g = g._local_tensors[0] if hasattr(g, "_local_tensors") else g
         torch.testing.assert_close(g, w, msg=lambda m: f"{name}: {m}")
+
+
+def test_other_libraries_ops_are_lent_once_defined(fake_world):
+    """transformers' grouped matmul (an fp32 MoE's experts) is keyed by schema name in the registry: lent
+    when transformers has defined it, which may be after the backend's import (captures lend again)."""
+    moe = pytest.importorskip("transformers.integrations.moe")  # defines torch.ops.transformers.*
+    assert moe is not None
+    lend_rules_to_dtensor()
+    ops = [torch.ops.transformers.grouped_mm_fallback.default, torch.ops.transformers.grouped_mm_fallback_backward.default]
+    assert [op for op in ops if not is_lent(op)] == []
+
+
+def test_lent_grouped_mm_in_dtensor_eager_keeps_column_parallel_experts_sharded(fake_world):
+    """The lent rule in DTensor eager: experts' weights sharded on their output features give the output
+    sharded the same way (no gather), with one device's values."""
+    pytest.importorskip("transformers.integrations.moe")
+    lend_rules_to_dtensor()
+    grouped_mm = torch.ops.transformers.grouped_mm_fallback
+    torch.manual_seed(0)
+    x, w, offs = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([2, 6], dtype=torch.int32)
+    with LocalTensorMode(WORLD):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        out = grouped_mm(distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w, mesh, [Shard(2)]),
+                         distribute_tensor(offs, mesh, [Replicate()]))
+        assert out.placements == (Shard(1),)
+        got = out.full_tensor()
+    got = got._local_tensors[0] if hasattr(got, "_local_tensors") else got
+    torch.testing.assert_close(got, grouped_mm(x, w, offs))
