@@ -174,7 +174,12 @@ def _one_hot_sum(node: fx.Node) -> tuple | None:
 
 def _fold(graph: fx.Graph, node: fx.Node, d: int, t: fx.Node, classes: int, others: Sequence[fx.Node],
           value: Any, zero: Any) -> bool:
-    """The sum ``node`` replaced by its fold; False (the graph as it was) where the fold's shape differs."""
+    """The sum ``node`` replaced by its fold; False (the graph as it was) where the fold's shape differs, or where
+    its inputs' fake values are not all of the sum's fake mode (then no value of the fold can be made)."""
+    mode = _fake_mode(node)
+    ins = [a for a in (t, value, zero, *others) if isinstance(a, fx.Node)]
+    if any(getattr(a.meta.get("val"), "fake_mode", mode) is not mode for a in ins):
+        return False
     meta = {k: v for k, v in node.meta.items() if k != "val"}
     made: list[fx.Node] = []
 
