@@ -78,14 +78,13 @@ def test_bf16_is_reduced_where_dtensor_reduces_it_and_the_loss_in_fp32(fake_mesh
 BF16_HALF_ULP = 2.0 ** -9  # a bf16 value's relative rounding, at most
 
 
-def assert_as_accurate_as_one_device(run: programs.Trace, one_device: programs.Trace, fp32: programs.Trace) -> None:
+def assert_as_accurate_as_one_device(errors: dict[str, dict[str, float]]) -> None:
     """A sharded bf16 run within one device's own bf16 rounding: its gradients and what its steps moved the
     parameters by as far from the fp32 run as one device's bf16 run's are (a quarter's slack: two roundings alike
     in size, drawn differently), and so from one device's bf16 run at most twice that. The loss, an fp32 mean of
     the cross entropy over bf16 logits, differs from one device's by 1e-5 (relative) where one device's own error
     is 0.3-3 times that from one model size to the next: it is held to rounding to the same bf16 number."""
-    own = programs.relative_errors(one_device, fp32)
-    from_fp32, from_bf16 = programs.relative_errors(run, fp32), programs.relative_errors(run, one_device)
+    own, from_fp32, from_bf16 = errors["own"], errors["fp32"], errors["one_device"]
     for metric in ("grad", "update"):
         assert from_fp32[metric] <= 1.25 * own[metric] and from_bf16[metric] <= 2 * own[metric], \
             (metric, from_fp32, from_bf16, own)
@@ -102,7 +101,7 @@ def test_simulated_training_features_match_one_device(dtype):
     if dtype == "float32":
         assert max(programs.relative_errors(run, fp32).values()) <= 1e-5
     else:
-        assert_as_accurate_as_one_device(run, programs.one_device(torch.bfloat16, layers=1), fp32)
+        assert_as_accurate_as_one_device(programs.errors(run, programs.one_device(torch.bfloat16, layers=1), fp32))
 
 
 # fxshard.compile's bf16 run by default (~1-3 minutes: Inductor compiles the joint program on each rank); with
@@ -122,10 +121,9 @@ def test_training_features_on_two_gloo_ranks(door, dtype):
         from ranks import spawn
 
         results = spawn(programs.training_features, 2, timeout=900.0, door=door, dtype=dtype)
-    for rank, runs in sorted(results.items()):
-        assert all(norm > programs.RECIPE.max_norm for norm in runs["sharded"].norms), (rank, runs["sharded"].norms)
+    for rank, r in sorted(results.items()):
+        assert all(norm > programs.RECIPE.max_norm for norm in r["norms"]), (rank, r["norms"])
         if dtype == "float32":
-            errors = programs.relative_errors(runs["sharded"], runs["fp32"])
-            assert max(errors.values()) <= 1e-5, (rank, errors)
+            assert max(r["errors"]["fp32"].values()) <= 1e-5, (rank, r["errors"])
         else:
-            assert_as_accurate_as_one_device(runs["sharded"], runs["one_device"], runs["fp32"])
+            assert_as_accurate_as_one_device(r["errors"])
