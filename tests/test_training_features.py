@@ -26,55 +26,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import training_features_programs as programs  # noqa: E402
 
 
-def test_fxshard_compile_feeds_a_tied_weight_to_both_its_uses(fake_mesh_4):
-    """The head shares the embedding's weight: one parameter that ``named_parameters()`` lists once. Dynamo traces
-    on stand-ins of the parameters; the alias gets the embedding's (before, it kept the real DTensor: 'aten.mm got
-    mixed torch.Tensor and DTensor' at the head). The program reads the weight once and its gradient, both uses
-    summed, lands in the weight's placements."""
-    model = programs.tiny_qwen3(checkpointing=False, layers=1)
-    model = programs.distributed(model, fake_mesh_4, programs.tp_placements(model))
-    compiled = fxshard.compile(programs.LossModule(model), inductor=False)
-    compiled(programs.micro_batch(0, 0)).backward()
-    names = [name for kind, name in compiled._programs[next(iter(compiled._programs))][1] if kind == "state"]
-    assert names.count("model.model.embed_tokens.weight") == 1 and "model.lm_head.weight" not in names
-    weight = model.model.embed_tokens.weight
-    assert weight.grad is not None and weight.grad.placements == weight.placements
-
-
-def collectives(gm: torch.fx.GraphModule) -> Counter:
-    """(collective, dtype, shape) of every collective a lowered local program issues, counted."""
-    return Counter((str(n.target).split(".")[1], n.args[0].meta["val"].dtype, tuple(n.args[0].meta["val"].shape))
-                   for n in gm.graph.nodes if n.op == "call_function"
-                   and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target))
-
-
-BF, F32, STREAM = torch.bfloat16, torch.float32, (2, 16, 64)  # the residual stream [batch, seq, hidden]
-# one layer on 4 ranks, the model's own tp plan, transformers' loss (the logits upcast to fp32 inside it)
-REDUCED = {
-    "forward": {("all_reduce", BF, STREAM): 2,  # the vocab-parallel lookup; attention's o_proj partial sums
-                # the MLP's down_proj partial sums, summed past the final norm's upcast (fxshard moves a sum to
-                # where it is cheapest; one device rounds that value to bf16 first)
-                ("all_reduce", F32, STREAM): 1,
-                ("all_gather_into_tensor", F32, (32, 1, 2)): 1,  # cross entropy: softmax statistics
-                ("all_reduce", F32, ()): 1},  # cross entropy: the target logits, picked on their vocab shard
-    "backward": {("all_reduce", BF, STREAM): 3,  # input gradients of the head, of q|k|v and of gate|up
-                 ("all_reduce", BF, (8,)): 2},  # q_norm's and k_norm's weight gradients, summed over heads
-}
-
-
-def test_bf16_is_reduced_where_dtensor_reduces_it_and_the_loss_in_fp32(fake_mesh_4):
-    """Issue 65.6, read off the lowered local programs: in bf16 only the partial sums of matmuls whose K dim
-    the ranks split (each rank's partial already rounded to bf16 by its matmul, as under DTensor and Megatron's
-    TP); what transformers computes in fp32 (the cross entropy) is reduced in fp32."""
-    from fxshard.backend.simulate import lowered_graphs
-
-    model = programs.tiny_qwen3(torch.bfloat16, layers=1)
-    forward, backward = lowered_graphs(programs.causal_lm_loss(model), programs.micro_batch(0, 0),
-                                       device_mesh=fake_mesh_4, placements=programs.tp_placements(model),
-                                       grad=True)[(0,)]
-    assert {"forward": collectives(forward), "backward": collectives(backward)} == REDUCED
-
-
 BF16_HALF_ULP = 2.0 ** -9  # a bf16 value's relative rounding, at most
 
 
@@ -127,3 +78,53 @@ def test_training_features_on_two_gloo_ranks(door, dtype):
             assert max(r["errors"]["fp32"].values()) <= 1e-5, (rank, r["errors"])
         else:
             assert_as_accurate_as_one_device(r["errors"])
+
+
+# on the fake process group of 4 ranks (module-scoped: after the simulated tests, which make their own)
+def test_fxshard_compile_feeds_a_tied_weight_to_both_its_uses(fake_mesh_4):
+    """The head shares the embedding's weight: one parameter that ``named_parameters()`` lists once. Dynamo traces
+    on stand-ins of the parameters; the alias gets the embedding's (before, it kept the real DTensor: 'aten.mm got
+    mixed torch.Tensor and DTensor' at the head). The program reads the weight once and its gradient, both uses
+    summed, lands in the weight's placements."""
+    model = programs.tiny_qwen3(checkpointing=False, layers=1)
+    model = programs.distributed(model, fake_mesh_4, programs.tp_placements(model))
+    compiled = fxshard.compile(programs.LossModule(model), inductor=False)
+    compiled(programs.micro_batch(0, 0)).backward()
+    names = [name for kind, name in compiled._programs[next(iter(compiled._programs))][1] if kind == "state"]
+    assert names.count("model.model.embed_tokens.weight") == 1 and "model.lm_head.weight" not in names
+    weight = model.model.embed_tokens.weight
+    assert weight.grad is not None and weight.grad.placements == weight.placements
+
+
+def collectives(gm: torch.fx.GraphModule) -> Counter:
+    """(collective, dtype, shape) of every collective a lowered local program issues, counted."""
+    return Counter((str(n.target).split(".")[1], n.args[0].meta["val"].dtype, tuple(n.args[0].meta["val"].shape))
+                   for n in gm.graph.nodes if n.op == "call_function"
+                   and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target))
+
+
+BF, F32, STREAM = torch.bfloat16, torch.float32, (2, 16, 64)  # the residual stream [batch, seq, hidden]
+# one layer on 4 ranks, the model's own tp plan, transformers' loss (the logits upcast to fp32 inside it)
+REDUCED = {
+    "forward": {("all_reduce", BF, STREAM): 2,  # the vocab-parallel lookup; attention's o_proj partial sums
+                # the MLP's down_proj partial sums, summed past the final norm's upcast (fxshard moves a sum to
+                # where it is cheapest; one device rounds that value to bf16 first)
+                ("all_reduce", F32, STREAM): 1,
+                ("all_gather_into_tensor", F32, (32, 1, 2)): 1,  # cross entropy: softmax statistics
+                ("all_reduce", F32, ()): 1},  # cross entropy: the target logits, picked on their vocab shard
+    "backward": {("all_reduce", BF, STREAM): 3,  # input gradients of the head, of q|k|v and of gate|up
+                 ("all_reduce", BF, (8,)): 2},  # q_norm's and k_norm's weight gradients, summed over heads
+}
+
+
+def test_bf16_is_reduced_where_dtensor_reduces_it_and_the_loss_in_fp32(fake_mesh_4):
+    """Issue 65.6, read off the lowered local programs: in bf16 only the partial sums of matmuls whose K dim
+    the ranks split (each rank's partial already rounded to bf16 by its matmul, as under DTensor and Megatron's
+    TP); what transformers computes in fp32 (the cross entropy) is reduced in fp32."""
+    from fxshard.backend.simulate import lowered_graphs
+
+    model = programs.tiny_qwen3(torch.bfloat16, layers=1)
+    forward, backward = lowered_graphs(programs.causal_lm_loss(model), programs.micro_batch(0, 0),
+                                       device_mesh=fake_mesh_4, placements=programs.tp_placements(model),
+                                       grad=True)[(0,)]
+    assert {"forward": collectives(forward), "backward": collectives(backward)} == REDUCED
