@@ -12,6 +12,7 @@ graph's programs run on the ranks' blocks the graphs before it left, in their la
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -24,11 +25,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fxshard.costs import CostModel
-from fxshard.graph import output_layouts
+from fxshard.graph import LOCAL_REGION, output_layouts
 from fxshard.layout import Layout
 from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
-from fxshard.lowering.localize import localize
+from fxshard.lowering.localize import localize, own_shard_indexing
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
@@ -74,6 +75,21 @@ def _key(a: Any, index: Mapping[fx.Node, int]) -> Any:
     if isinstance(a, dict):
         return ("dict",) + tuple((k, _key(v, index)) for k, v in sorted(a.items()))
     return ("value", repr(a))
+
+
+def _warn_of_rank_numbers(gm: fx.GraphModule) -> None:
+    """Warn where simulated ranks may not compute what real ones do: code on ``to_local()`` shards indexing
+    its rank's own shard (a vocab-parallel lookup shifted by ``dist.get_rank()``). Dynamo captures such a
+    number as a constant, this process's rank's, and simulate runs that one capture on every rank; real
+    ranks each capture their own."""
+    nodes = own_shard_indexing(gm)
+    if nodes:
+        where = nodes[0].meta.get(LOCAL_REGION) or nodes[0].name
+        warnings.warn(
+            f"simulate: {', '.join('%' + n.name for n in nodes[:3])} index their rank's own shard inside code run on "
+            f"to_local() shards ({where}); numbers that code computed from the rank (dist.get_rank()) are this "
+            "process's rank's on every simulated rank, so the result may differ from real ranks'. Check it on "
+            "real ranks (examples/ranks.py spawn), which each capture their own.", stacklevel=3)
 
 
 def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[torch.Tensor]],
@@ -254,6 +270,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     split = local_inputs or (lambda layout, v: {c: layout.shard(v, c) for c in coords})
     blocks = [_rank_blocks(obj, coords, name) if isinstance(obj, DTensor) else split(layout, obj.detach())
               for obj, layout, name in zip(objects, in_layouts, program.input_names)]
+    _warn_of_rank_numbers(gm)
     with fake_world(spec, device) as device_mesh:
         groups = MeshGroups(device_mesh)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
@@ -341,6 +358,7 @@ class SimulatedGraphs:
         blocks = [self._blocks(obj, program.input_layouts[name], name, coords)
                   for obj, name in zip(objects, program.input_names)]
         groups = MeshGroups(self.device_mesh)
+        _warn_of_rank_numbers(gm)
         graphs = [lower(localize(gm, c), c, groups) for c in coords]
         final: list = []
         per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords], final)

@@ -244,6 +244,7 @@ class _GlobalInterpreter(fx.Interpreter):
     def _where(self) -> str:
         n = getattr(self, "_current", None)
         stack = (n.meta.get("stack_trace") or "").strip().splitlines() if n is not None else []
+        stack = [line for line in stack if line.strip(" ^~")]  # Python 3.11's carets under the expression
         return (stack[-2].strip() + ": " + stack[-1].strip()) if len(stack) >= 2 else str(n)
 
     def _tagged(self, run: Any, meta: dict) -> Any:

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
-from fxshard.graph import LAYOUT, LOCALIZE, argument_leaves, copy_graph_module, metadata
+from fxshard.graph import LAYOUT, LOCAL_REGION, LOCALIZE, argument_leaves, copy_graph_module, metadata
 from fxshard.layout import Layout
 from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex,
                                   SliceRange, SplitSizes)
@@ -313,12 +313,46 @@ _RECIPES = {
 }
 
 
+# Recipes that move an op's indices from the global index space into the rank's block (shift, mask, offset).
+_INDEX_RECIPES = (LocalArange, SliceRange, SelectIndex, MaskedLookup, MaskedAccumulate, GlobalIndices)
+
+
+def indexes_its_own_shard(node: fx.Node, recipe: Any) -> bool:
+    """Whether ``node``'s indices already count in the rank's own block: the node, or the indices it reads,
+    lie in a local region (code eager ran on ``to_local()`` shards, ``fxshard/local_regions.py``).
+
+    There eager indexed each rank's shard with the numbers it computed per rank (Megatron's vocab-parallel
+    embedding: ids shifted by ``dist.get_rank() * rows`` and masked by the user's code, then a plain lookup
+    of the local table), and the region's shapes are checked to be eager's. Shifting them again into the
+    rank's block would look up rank 0's rows everywhere; the op as written is eager's meaning. The backward
+    of such a lookup accumulates at the same local indices (``MaskedAccumulate`` reading the region's ids)."""
+    if type(recipe) not in _INDEX_RECIPES:
+        return False
+    if LOCAL_REGION in node.meta:
+        return True
+    if isinstance(recipe, MaskedLookup):
+        indices = [node.args[recipe.index]]
+    elif isinstance(recipe, MaskedAccumulate):
+        indices = list(node.args[recipe.indices])
+    else:
+        return False
+    return any(isinstance(i, fx.Node) and LOCAL_REGION in i.meta for i in indices)
+
+
+def own_shard_indexing(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` that index their rank's own shard as a local region computed it
+    (``indexes_its_own_shard``): where eager per-rank numbers, a row offset from ``dist.get_rank()``, decide."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(LAYOUT) is not None
+            and indexes_its_own_shard(n, n.meta.get(LOCALIZE))]
+
+
 def localize(gm: fx.GraphModule, coordinate: Coordinate) -> fx.GraphModule:
     """A copy of the planned global ``gm`` with this rank's local shapes."""
     local = copy_graph_module(gm)
     for node in list(local.graph.nodes):  # the nodes a recipe adds (masks, pads) need no recipe
         recipe = node.meta.pop(LOCALIZE, None)
-        if node.op == "call_function" and recipe is not None and node.meta.get(LAYOUT) is not None:
+        if node.op == "call_function" and recipe is not None and node.meta.get(LAYOUT) is not None \
+                and not indexes_its_own_shard(node, recipe):
             _RECIPES[type(recipe)](node, recipe, coordinate)
     local.recompile()
     propagate_local_shapes(local, coordinate, check=True)

@@ -136,7 +136,7 @@ def parallelize(model: torch.nn.Module, dims: Any, vocab_offsets: bool = True) -
 
 
 def gloo_forward(rank: int, world_size: int, device: str, kind: str = "llama3", vocab_offsets: bool = False,
-                 sequence_parallel: bool = True) -> dict:
+                 sequence_parallel: bool = True, inductor: bool = True) -> dict:
     """One rank of a real process group (examples/ranks.py ``spawn``): torchtitan parallelizes ``kind`` on tp =
     the world, ``torch.compile(backend="fxshard")`` runs it; the max abs error of the output against one device.
     ``vocab_offsets``: torchtitan's vocab-parallel embedding as it is written (each rank's offset its own)."""
@@ -157,6 +157,6 @@ def gloo_forward(rank: int, world_size: int, device: str, kind: str = "llama3", 
     if not vocab_offsets:
         sharded.tok_embeddings.tp_group = None
     with torch.no_grad():
-        out = torch.compile(sharded, backend="fxshard")(x)
+        out = torch.compile(sharded, backend="fxshard", options={"inductor": inductor})(x)
     full = out.full_tensor() if hasattr(out, "full_tensor") else out
     return {"error": float((full - ref).abs().max()), "type": type(out).__name__}
