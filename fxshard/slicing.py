@@ -197,7 +197,7 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
     ndim = len(out_shape)
     skipped = [x.ndim == 1 and x.shape[0] == 0 and ndim != 1 for x in ins]
     d = _dim(_arg(node, 1, "dim", 0), ndim)
-    rowless = [not skip and int(x.shape[d]) == 0 for x, skip in zip(ins, skipped)]
+    rowless = [not skip and x.shape[d] == 0 for x, skip in zip(ins, skipped)]  # (a symbolic size is not 0)
     if all(skip or none for skip, none in zip(skipped, rowless)):
         rowless = [False] * len(ins)  # nothing but empty inputs: decided among them as ever
     kept = [x for x, skip, none in zip(ins, skipped, rowless) if not (skip or none)]
@@ -217,6 +217,7 @@ def concat_rule(node: Any, ins: Sequence[Layout], cost) -> tuple[tuple[Layout, .
         if best is None or c < best[0]:
             best = (c, required, out)
     chosen, out = iter(best[1]), best[2]
+
     def asked(x: Layout, skip: bool, none: bool) -> Layout:
         if skip:
             return x

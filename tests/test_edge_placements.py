@@ -280,14 +280,13 @@ def test_partial_reduce_ops_on_two_gloo_ranks(inductor, ops):
             assert (error <= 1e-5, lowered) == (True, [f"{kind}({op})"]), (rank, name, error)
 
 
-def test_fxshard_compile_runs_an_empty_view_without_dtensor_rules():
+def test_fxshard_compile_runs_an_empty_view_without_dtensor_rules(fake_ranks):
     """fxshard.compile captures on fake global stand-ins, so DTensor's own view rule (which loops forever on
     [4, 0] -> [0, 4], torch 2.13 and 2.15: torch.compile of a DTensor input cannot get past Dynamo) is never
-    asked; rank 0 of a fake group holds its block of the cat."""
+    asked; rank 0 of a fake group (dp=2 x tp=2) holds its block of the cat."""
     x, z = torch.randn(4, 0), torch.randn(3, 4)
-    with fake_world(TP2) as mesh:
-        f = fxshard.compile(lambda t, u: torch.cat([t.reshape(0, 4), u]), mesh, placements={0: (S(0),), 1: (S(1),)},
-                            inductor=False)
-        y = f(x, z)
-    assert (type(y), tuple(y.shape), y.placements) == (DTensor, (3, 4), (S(1),))
+    f = fxshard.compile(lambda t, u: torch.cat([t.reshape(0, 4), u]), fake_ranks,
+                        placements={0: (R(), S(0)), 1: (R(), S(1))}, inductor=False)
+    y = f(x, z)
+    assert (type(y), tuple(y.shape), y.placements) == (DTensor, (3, 4), (R(), S(1)))
     torch.testing.assert_close(y.to_local(), z[:, :2], rtol=0, atol=0)
