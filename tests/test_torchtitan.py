@@ -70,15 +70,43 @@ def test_training_step_gradients_match_one_device():
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_vocab_parallel_embedding_as_torchtitan_writes_it_on_two_gloo_ranks():
+@pytest.fixture(scope="module")
+def vocab_parallel_ranks():
+    """torchtitan's Llama 3 (one layer) at tp 2 with its vocab-parallel ``Embedding.forward`` as written, on two
+    gloo ranks without Inductor (~50 s, one spawn for the tests below): each rank's forward, loss and gradients
+    against one device (``titan.gloo_training_step``)."""
+    return _spawn(titan.gloo_training_step, 2, timeout=600.0)
+
+
+def test_vocab_parallel_embedding_as_torchtitan_writes_it_on_two_gloo_ranks(vocab_parallel_ranks):
     """torchtitan's vocab-parallel ``Embedding.forward`` as written: inside code on ``to_local()`` shards it shifts
     the ids by ``dist.get_rank(tp_group) * rows``, masks them and looks them up in the rank's table. Each real rank
     captures its own offset; fxshard runs that lookup as eager did, on the ids it computed (reading the region's
     lookup as its own masked lookup of the Shard(0) table shifted them again: max error 39.7 before)."""
-    results = _spawn(titan.gloo_forward, 2, timeout=600.0, vocab_offsets=True, sequence_parallel=False,
-                     inductor=False)
-    for rank, r in sorted(results.items()):
-        assert r["type"] == "DTensor" and r["error"] <= 1e-4, f"rank {rank}: {r}"
+    for rank, r in sorted(vocab_parallel_ranks.items()):
+        assert r["forward"]["type"] == "DTensor" and r["forward"]["error"] <= 1e-4, f"rank {rank}: {r['forward']}"
+
+
+def test_training_step_with_the_vocab_parallel_embedding_on_two_gloo_ranks(vocab_parallel_ranks):
+    """The loss and every gradient but the embedding table's (the next test's) match one device on both ranks."""
+    for rank, r in sorted(vocab_parallel_ranks.items()):
+        assert r["loss"] <= 1e-4, (rank, r["loss"])
+        grads = {name: g for name, g in r["grads"].items() if name != "tok_embeddings.weight"}
+        assert all(g is not None for g in grads.values()) and len(grads) == 9, (rank, grads)
+        for name, (error, largest) in grads.items():
+            assert error <= 1e-5 + 1e-4 * largest, (rank, name, error, largest)
+
+
+@pytest.mark.xfail(strict=True, reason="the backward's accumulate into the table reads the forward's ids (computed "
+                   "on plain tensors, no local region) and is itself autograd's, outside the region: localize shifts "
+                   "the ids by the rank's block again and masks them, so rank 1 accumulates nothing (max error = the "
+                   "gradient's largest row entry, 0.27). Marking the accumulate with its lookup's LOCAL_REGION on the "
+                   "joint before the training split (a lookup of the same ids in a region) makes it exact (8.9e-8).")
+def test_vocab_parallel_embedding_gradient_on_two_gloo_ranks(vocab_parallel_ranks):
+    """The table's gradient, each rank's Shard(0) block gathered, against one device's."""
+    for rank, r in sorted(vocab_parallel_ranks.items()):
+        error, largest = r["grads"]["tok_embeddings.weight"]
+        assert error <= 1e-5 + 1e-4 * largest, (rank, error, largest)
 
 
 def test_simulate_warns_where_the_vocab_parallel_embedding_reads_its_rank():

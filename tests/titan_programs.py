@@ -160,3 +160,46 @@ def gloo_forward(rank: int, world_size: int, device: str, kind: str = "llama3", 
         out = torch.compile(sharded, backend="fxshard", options={"inductor": inductor})(x)
     full = out.full_tensor() if hasattr(out, "full_tensor") else out
     return {"error": float((full - ref).abs().max()), "type": type(out).__name__}
+
+
+def full(t: Any) -> torch.Tensor:
+    """A DTensor gathered whole; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gloo_training_step(rank: int, world_size: int, device: str, kind: str = "llama3", vocab_offsets: bool = True,
+                       sequence_parallel: bool = False, n_layers: int = 1, inductor: bool = False,
+                       debug_dir: str | None = None) -> dict:
+    """One rank of a real process group: torchtitan parallelizes ``kind`` on tp = the world (its vocab-parallel
+    embedding as written unless ``vocab_offsets=False``), ``torch.compile(backend="fxshard")`` runs the loss
+    ``mean(out**2)``, backward fills every parameter's ``.grad``. Returns numbers only (a tensor a spawned rank
+    returns lives in memory shared with a process that exits), each against one device: the no-grad forward's
+    max abs error (and the output's type), the loss's error, and each parameter's gradient's max abs error
+    beside that gradient's largest magnitude (None: no gradient)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims.device_type = "cpu"
+    cfg = CONFIGS[kind](n_layers, sequence_parallel)
+    if not vocab_offsets:
+        replicate_embedding(cfg)
+    single, sharded = build(cfg), build(cfg)
+    sharded.load_state_dict(single.state_dict())
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = single(x).float().pow(2).mean()
+    loss.backward()
+    sharded.parallelize(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1,
+                                     world_size=world_size, spmd_backend="partial_dtensor"))
+    if not vocab_offsets:
+        sharded.tok_embeddings.tp_group = None
+    options = {"inductor": inductor, **({"debug_dir": debug_dir} if debug_dir else {})}
+    with torch.no_grad():  # the forward alone first (its own capture): the output against one device's
+        ref = single(x)
+        out = torch.compile(sharded, backend="fxshard", options=options)(x)
+    forward = {"error": float((full(out) - ref).abs().max()), "type": type(out).__name__}
+    value = torch.compile(lambda t: sharded(t).float().pow(2).mean(), backend="fxshard", options=options)(x)
+    value.backward()
+    want = dict(single.named_parameters())
+    grads = {name: (float((full(p.grad) - want[name].grad).abs().max()), float(want[name].grad.abs().max()))
+             if p.grad is not None else None for name, p in sharded.named_parameters()}
+    return {"forward": forward, "loss": float((full(value.detach()) - loss.detach()).abs()), "grads": grads}
