@@ -30,6 +30,7 @@ from . import inputs
 from .block_joint import Templates, stamp
 from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
 from .dtensor_reads import eager_dtensor, read_kind
+from .functional_copy import copy_into, is_copy_, needs_own_copy
 from .dynamo_compat import dtensor_prim, prim_arguments
 from .inputs import find_device_mesh, from_local_arguments, is_from_local
 from .trace_hints import local_input_message, own_collective, own_collective_message
@@ -165,6 +166,8 @@ class _GlobalInterpreter(fx.Interpreter):
                                  "(ctx.mark_dirty), which fxshard cannot trace as a functional program; "
                                  "return new tensors instead")
             return self._run_local_aware(lambda: apply_autograd_function(*args, **kwargs), args, kwargs)
+        if is_copy_(target) and needs_own_copy(args, kwargs):  # a joint trace's copy_: its derivative (functional_copy.py)
+            return self._run_local_aware(lambda: copy_into(*args, **kwargs), args, kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
                                      args, kwargs)
 
@@ -191,6 +194,8 @@ class _GlobalInterpreter(fx.Interpreter):
                 return x
             self.local_views[x] = layout
             return x
+        if is_copy_(target) and needs_own_copy(args, kwargs):
+            return self._run_local_aware(lambda: copy_into(*args, **kwargs), args, kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_method(target, args, kwargs),
                                      args, kwargs)
 

@@ -162,8 +162,10 @@ def test_forward_is_one_devices(name):
 # (4 all_gathers, 54 KiB/rank, per Qwen3-MoE layer at tp=2); now each layer all-reduces twice forward and
 # twice backward (the norms' weight gradients: 4 more of 32 B). GptOss trains exact alone (4 all_reduce,
 # 8 all_gather: its ::2 slices) but, after its forward test in one process, fails inside Dynamo on a
-# process group of the earlier fake world (open); DeepseekV3's backward meets an aten.copy autograd lacks
-TRAINING = {"qwen3_moe": {"all_reduce": 12}}
+# process group of the earlier fake world (open). DeepseekV3 writes its keys into slices of a new_empty
+# (copy_), which trains through backend/functional_copy.py; its 8: the two forward ones a layer and the
+# backward's of the experts' and shared experts' input gradients
+TRAINING = {"qwen3_moe": {"all_reduce": 12}, "deepseek_v3": {"all_reduce": 8}}
 
 
 @pytest.mark.parametrize("name", list(TRAINING))
@@ -176,3 +178,40 @@ def test_a_training_step_is_one_devices(name):
         torch.testing.assert_close(g, grads[key], rtol=1e-4, atol=2e-4, msg=lambda m: f"{key}: {m}")
     assert warned == []
     assert moved == TRAINING[name]
+
+
+class SliceWrites(torch.nn.Module):
+    """DeepseekV3's expand_kv in small: a new tensor filled by copy_ into two slices, one from a
+    broadcast source of another dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)[:, :1].double()
+        out = a.new_empty(*a.shape[:-1], 12)
+        out[..., :8].copy_(a)
+        out[..., 8:].copy_(b)  # [n, 1] -> [n, 4], float64 -> float32
+        return (out * out).sum()
+
+
+def test_a_copy_into_a_slice_trains():
+    """autograd has no derivative of functionalization's aten.copy; the joint trace gives it copy_'s."""
+    torch.manual_seed(0)
+    model, x = SliceWrites(), torch.randn(6, 8)
+    want = model(x)
+    want.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with fake_world(fxshard.MeshSpec(tp=WORLD)) as mesh:
+        with LocalTensorMode(WORLD):
+            parallelize_module(model, mesh, {"a": ColwiseParallel(use_local_output=False)})
+        with implicit_replication():
+            ran = simulate_ranks(model, x, grad=True)
+    torch.testing.assert_close(ran.full()[0], want)
+    got = ran.full_grads()
+    assert sorted(got) == sorted(grads)
+    for key, g in got.items():
+        torch.testing.assert_close(g, grads[key], msg=lambda m: f"{key}: {m}")
