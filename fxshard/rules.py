@@ -259,8 +259,10 @@ def scatter_add(node: Any) -> Signature | None:
 
 def index_select(node: Any) -> Signature:
     """x.index_select(dim, index): ``dim`` and the index stay whole, x's other dims are independent;
-    picking elements keeps a Partial's shares apart."""
+    picking elements keeps a Partial's shares apart. A 0-d x (and index) has no dim to shard."""
     names = tuple(_letters(len(_shape(node.args[0]))))
+    if not names:
+        return Signature(((), ()), (), partial_groups=((0,),), partial_ops=ALL_OPS)
     d = names[node.args[1] % len(names)]
     return Signature((names, (d,)), names, partial_groups=((0,),), partial_ops=ALL_OPS, whole=frozenset({d}))
 
@@ -273,8 +275,11 @@ def reduce_whole_indexed(node: Any) -> Signature:
 
 def index_copy(node: Any) -> Signature:
     """x.index_copy(dim, index, source) (a static KV cache's write): dim ``dim`` and the index stay
-    whole, every other dim of x and source is independent (a cache sharded on heads writes its heads)."""
+    whole, every other dim of x and source is independent (a cache sharded on heads writes its heads).
+    A 0-d x, index and source have no dim to shard."""
     x = _shape(node.args[0])
+    if not x:
+        return Signature(((), (), ()), ())
     d = node.args[1] % len(x)
     names = tuple(_letters(len(x)))
     source = tuple("i" if k == d else f for k, f in enumerate(names))

@@ -290,3 +290,16 @@ def test_fxshard_compile_runs_an_empty_view_without_dtensor_rules(fake_ranks):
     y = f(x, z)
     assert (type(y), tuple(y.shape), y.placements) == (DTensor, (3, 4), (R(), S(1)))
     torch.testing.assert_close(y.to_local(), z[:, :2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["index_select", "index_add", "index_copy"])
+def test_an_index_op_of_a_0d_tensor_runs_replicated_without_a_fallback(op):
+    """index_select / index_add / index_copy of 0-d tensors (dim 0 of a scalar, as torch allows) divided by the
+    number of dims to find the picked one (ZeroDivisionError): there is no dim to shard, and no fallback to warn of."""
+    run = {"index_select": lambda x, i: x.index_select(0, i), "index_add": lambda x, i: x.index_add(0, i, x * 3),
+           "index_copy": lambda x, i: x.index_copy(0, i, x * 2)}[op]
+    x, i = torch.randn(()), torch.zeros((), dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fxshard.simulate(run, x, i, mesh=MeshSpec(tp=2), placements={0: (R(),)})
+    assert torch.equal(out, run(x, i))
