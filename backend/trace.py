@@ -166,7 +166,7 @@ class _GlobalInterpreter(fx.Interpreter):
                                  "(ctx.mark_dirty), which fxshard cannot trace as a functional program; "
                                  "return new tensors instead")
             return self._run_local_aware(lambda: apply_autograd_function(*args, **kwargs), args, kwargs)
-        if is_copy_(target) and needs_own_copy(args, kwargs):  # a joint trace's copy_: its derivative (functional_copy.py)
+        if is_copy_(target) and needs_own_copy(args, kwargs):  # a joint trace's copy_ (functional_copy.py)
             return self._run_local_aware(lambda: copy_into(*args, **kwargs), args, kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
                                      args, kwargs)

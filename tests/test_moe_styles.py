@@ -12,6 +12,7 @@ replicated, with the collectives counted.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
 
@@ -21,6 +22,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxshard
@@ -118,6 +120,25 @@ def _experts_placements(plan: dict) -> dict:
             if ".experts." in key and style in PARAMETER_STYLES}
 
 
+@contextlib.contextmanager
+def fresh_world():
+    """A fake world of WORLD ranks whose DTensors hold its own mesh.
+
+    DTensor's sharding-propagation caches (Python's and the C++ fast path's) are keyed by specs whose
+    DeviceMesh compares by value (ranks, layout, device, names), not by process group; their output
+    specs keep the mesh of the call that filled them. Without clearing them, ``nn.Parameter(dt)``
+    (``detach``) in a second world gets the first world's mesh back, and its destroyed group
+    ("Group ... is not registered") surfaces where DTensor redistributes (GptOss' grouped matmul
+    after its forward test). torch's design, so the fixture clears them, as
+    ``torch.distributed.tensor.debug`` offers."""
+    _clear_sharding_prop_cache()
+    try:
+        with fake_world(fxshard.MeshSpec(tp=WORLD)) as mesh:
+            yield mesh
+    finally:
+        _clear_sharding_prop_cache()
+
+
 def run(name: str, grad: bool):
     """(one device's logits and gradients, the simulated run, its collectives by kind, fxshard's warnings)."""
     build, _ = MODELS[name]
@@ -137,7 +158,7 @@ def run(name: str, grad: bool):
         want.backward(torch.ones_like(want))
         grads = {n: p.grad for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-    with fake_world(fxshard.MeshSpec(tp=WORLD)) as mesh:
+    with fresh_world() as mesh:
         with LocalTensorMode(WORLD), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # plan entries for modules a config leaves out (dense MLPs)
             parallelize_module(model, mesh, torch_styles(model, plan, experts))
@@ -160,12 +181,12 @@ def test_forward_is_one_devices(name):
 # training through transformers' fallback op and its backward op (transformers::grouped_mm_fallback_backward):
 # before its rule it ran replicated, gathering the experts' weights, their activations and the gradient
 # (4 all_gathers, 54 KiB/rank, per Qwen3-MoE layer at tp=2); now each layer all-reduces twice forward and
-# twice backward (the norms' weight gradients: 4 more of 32 B). GptOss trains exact alone (4 all_reduce,
-# 8 all_gather: its ::2 slices) but, after its forward test in one process, fails inside Dynamo on a
-# process group of the earlier fake world (open). DeepseekV3 writes its keys into slices of a new_empty
-# (copy_), which trains through backend/functional_copy.py; its 8: the two forward ones a layer and the
-# backward's of the experts' and shared experts' input gradients
-TRAINING = {"qwen3_moe": {"all_reduce": 12}, "deepseek_v3": {"all_reduce": 8}}
+# twice backward (the norms' weight gradients: 4 more of 32 B). GptOss: 4 all_reduce, 8 all_gather (its ::2
+# slices; after its forward test in one process too, each world fresh_world's). DeepseekV3 writes its keys
+# into slices of a new_empty (copy_), which trains through backend/functional_copy.py; its 8: the two
+# forward ones a layer and the backward's of the experts' and shared experts' input gradients
+TRAINING = {"qwen3_moe": {"all_reduce": 12}, "deepseek_v3": {"all_reduce": 8},
+            "gpt_oss": {"all_reduce": 4, "all_gather": 8}}
 
 
 @pytest.mark.parametrize("name", list(TRAINING))
@@ -205,7 +226,7 @@ def test_a_copy_into_a_slice_trains():
     want.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    with fake_world(fxshard.MeshSpec(tp=WORLD)) as mesh:
+    with fresh_world() as mesh:
         with LocalTensorMode(WORLD):
             parallelize_module(model, mesh, {"a": ColwiseParallel(use_local_output=False)})
         with implicit_replication():
