@@ -73,3 +73,21 @@ def test_cross_entropys_backward_sums_no_one_hot():
     fold_one_hot_sums(gm)
     assert ops(gm).count(aten.sum.dim_IntList) == 1
     torch.testing.assert_close(gm(logits, y), grad(logits, y))
+
+
+def test_the_fold_makes_its_values_in_the_graphs_own_fake_mode():
+    """Under torch.compile(backend="fxshard") the fold runs inside Dynamo's tracing context, whose fake mode is
+    not the one the graph was traced in (``torch._guards.detect_fake_mode`` returns the context's first):
+    the fold's values are made in the graph's own ("Mixing fake modes NYI" before)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t, g, w = targets(), torch.randn(8), torch.randn(CLASSES)
+    gm = make_fx(one_hot_sum(False, per_class=False), tracing_mode="fake")(t, g, w)
+    expected = gm(t, g, w)
+    with tracing(TracingContext(FakeTensorMode())):
+        fold_one_hot_sums(gm)
+    assert aten.sum.dim_IntList not in ops(gm)
+    own = {n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert len(own) == 1
+    assert torch.equal(gm(t, g, w), expected)
