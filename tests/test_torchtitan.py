@@ -140,3 +140,45 @@ def test_compiled_on_two_gloo_ranks():
     results = _spawn(titan.gloo_forward, 2, timeout=600.0)
     for rank, r in sorted(results.items()):
         assert r["type"] == "DTensor" and r["error"] <= 1e-4, f"rank {rank}: {r}"
+
+
+def moe_forward(kind: str, n_layers: int):
+    """(one device's logits, the simulated run, its collectives by kind, fxshard's warnings): torchtitan's MoE
+    model ``kind`` under its own parallelize at tp 2 (the embedding replicated), in eval mode (training counts
+    tokens per expert into a buffer in place, which simulate cannot write back into a DTensor)."""
+    from collections import Counter
+    import warnings
+
+    from fxshard.backend.explain import collectives_of
+    from fxshard.backend.simulate import simulate_ranks
+
+    x = tokens()
+    with titan.parallel_dims_on_cpu(2) as dims:
+        single, sharded = parallelized(kind, 2, dims, n_layers=n_layers)
+        single.eval(), sharded.eval()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = single(x)
+            ran = simulate_ranks(sharded, x)
+    ours = sorted({str(w.message) for w in caught if str(w.message).startswith("fxshard")})
+    return ref, ran, Counter(c.kind for c in collectives_of(ran.graph)), ours
+
+
+# torchtitan's MoE models at tp 2 (layers: Qwen3-MoE's every layer MoE; DeepSeek V3's first layer dense, the second
+# MoE): two all_reduce of the residual stream [2, 16, 64] per layer, dense or MoE: after attention (wo's partial
+# sums) and after the feed-forward (w2's; in a MoE layer the routed experts' partial output, which torchtitan's
+# local_map region scatter-adds into zeros, summed with the shared experts' before the one all_reduce)
+MOE_MODELS = [("qwen3_moe", 1, {"all_reduce": 2}), ("deepseek_v3", 2, {"all_reduce": 4})]
+
+
+@pytest.mark.parametrize("kind,n_layers,collectives", MOE_MODELS)
+def test_moe_forward_matches_one_device(kind, n_layers, collectives):
+    """torchtitan's own MoE (router, grouped-mm experts in a local_map region, deterministic_scatter_add combine)
+    under its own parallelize: exact against one device, every op with a rule (no replicated-op warning), and
+    only the per-layer all_reduces of dense TP. (The combine's zeros used to stop the plan: the region's
+    scatter_add wants them as partial sums, fxshard/factories.py now gives them that layout.)"""
+    ref, ran, counts, ours = moe_forward(kind, n_layers)
+    assert ours == [], ours
+    assert dict(counts) == collectives
+    out = ran.full()
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, ref, rtol=1e-4, atol=1e-4)

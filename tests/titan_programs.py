@@ -79,7 +79,52 @@ def qwen3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
     return cfg
 
 
-CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config}
+EXPERTS, TOP_K, MOE_HIDDEN = 4, 2, 32
+
+
+def qwen3_moe_config(n_layers: int = 1, sequence_parallel: bool = False) -> Any:
+    """torchtitan's Qwen3-MoE (its registry's ``debugmodel_moe`` shape: every layer MoE, softmax router with
+    route_norm, grouped-mm experts) at ``DIM`` with ``EXPERTS`` experts, top ``TOP_K``; its TP sharding config
+    without EP. Untied head, as ``qwen3_config``."""
+    from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    head_dim = 16
+    layers = _build_qwen3_moe_layers(n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                                     head_dim=head_dim, moe_hidden_dim=MOE_HIDDEN, num_experts=EXPERTS,
+                                     top_k=TOP_K, attn_backend="flex", moe_comm_backend="standard",
+                                     rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0))
+    cfg = Qwen3Model.Config(**_ends(head_dim), layers=_sdpa(layers), enable_weight_tying=False)
+    set_qwen3_sharding_config(cfg, enable_sp=sequence_parallel, enable_ep=False)
+    return cfg
+
+
+def deepseek_v3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
+    """torchtitan's DeepSeek V3 (its registry's ``debugmodel`` shape: MLA without q LoRA, YaRN complex RoPE, the
+    first layer dense, then MoE layers with shared experts and a softmax top-k router) at ``DIM``, heads of 8 +
+    8 rope dims, ``EXPERTS`` routed experts; its TP sharding config without EP."""
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    rope_dim = 8
+    layers = _build_dsv3_layers(n_layers=n_layers, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0,
+                                kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=rope_dim, v_head_dim=8,
+                                mscale=0.70, dense_hidden_dim=HIDDEN, moe_hidden_dim=MOE_HIDDEN,
+                                num_experts=EXPERTS, num_shared_experts=2, router_top_k=TOP_K,
+                                router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+                                non_blocking_capacity_factor=None,
+                                rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=64 * 4, theta=10000.0,
+                                                        scaling="yarn", rope_factor=40.0, beta_fast=32.0,
+                                                        beta_slow=1.0, original_seq_len=64))
+    cfg = DeepSeekV3Model.Config(**_ends(rope_dim), layers=_sdpa(layers))
+    set_deepseek_v3_sharding_config(cfg, enable_sp=sequence_parallel, enable_ep=False)
+    return cfg
+
+
+CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config,
+           "deepseek_v3": deepseek_v3_config}
 
 
 def replicate_embedding(cfg: Any) -> Any:
