@@ -182,3 +182,17 @@ def test_moe_forward_matches_one_device(kind, n_layers, collectives):
     assert dict(counts) == collectives
     out = ran.full()
     torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # ~50 s: two gloo ranks
+def test_flex_attention_on_two_gloo_ranks():
+    """torchtitan's Llama 3 with its own FlexAttention (run unfused: its max-autotune compile wants Triton) and its
+    packed-document block mask, under its own parallelize at tp 2, forward on two gloo ranks: each rank's output
+    DTensor is one device's, with no fxshard warning. Real ranks, not simulate: torchtitan calls flex on the
+    ``to_local()`` shards, which under simulate are LocalTensors, and torch 2.15 has no flex_attention rule for
+    LocalTensor ('There was no rule registered for HOP flex_attention and subclass LocalTensor'; Dynamo breaks
+    the graph there and eager then fails the same way)."""
+    results = _spawn(titan.gloo_flex_forward, 2, timeout=600.0)
+    for rank, r in sorted(results.items()):
+        assert r["type"] == "DTensor" and r["warnings"] == [], (rank, r)
+        assert r["error"] <= 1e-5 * r["largest"], (rank, r)

@@ -47,8 +47,9 @@ def _ends(rope_dim: int) -> dict:
                               param_init={"weight": torch.nn.init.normal_, "bias": torch.nn.init.zeros_}))
 
 
-def llama3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
-    """torchtitan's Llama 3 (fused QKV, GQA, complex RoPE, SwiGLU) with its TP (+ SP) sharding config."""
+def llama3_config(n_layers: int = 2, sequence_parallel: bool = False, flex: bool = False) -> Any:
+    """torchtitan's Llama 3 (fused QKV, GQA, complex RoPE, SwiGLU) with its TP (+ SP) sharding config; ``flex``:
+    its own FlexAttention (the caller passes the block mask and runs flex eagerly, ``eager_flex``)."""
     from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -57,7 +58,7 @@ def llama3_config(n_layers: int = 2, sequence_parallel: bool = False) -> Any:
     layers = _build_llama3_layers(n_layers=n_layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
                                   rope=ComplexRoPE.Config(dim=head_dim, max_seq_len=64, theta=500000, scaling="none"),
                                   attn_backend="flex", fuse_qkv=True)
-    cfg = Llama3Model.Config(**_ends(head_dim), layers=_sdpa(layers))
+    cfg = Llama3Model.Config(**_ends(head_dim), layers=layers if flex else _sdpa(layers))
     set_llama3_sharding_config(cfg, enable_sp=sequence_parallel)
     return cfg
 
@@ -248,3 +249,50 @@ def gloo_training_step(rank: int, world_size: int, device: str, kind: str = "lla
     grads = {name: (float((full(p.grad) - want[name].grad).abs().max()), float(want[name].grad.abs().max()))
              if p.grad is not None else None for name, p in sharded.named_parameters()}
     return {"forward": forward, "loss": float((full(value.detach()) - loss.detach()).abs()), "grads": grads}
+
+
+def eager_flex() -> None:
+    """torchtitan's FlexAttention calls ``flex_attention`` compiled with Inductor's max-autotune (Triton kernels);
+    on the CPU the plain function runs instead (the one device's reference unfused, the same higher-order op
+    under torch.compile). Call in the process that runs the model (a spawned rank's own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    FlexAttention._compiled_flex_attn = flex_attention
+
+
+def document_positions() -> torch.Tensor:
+    """Positions of two packed documents per row (10 and 6 tokens), torchtitan's block-causal masking input."""
+    return torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)
+
+
+def gloo_flex_forward(rank: int, world_size: int, device: str) -> dict:
+    """One rank: torchtitan's Llama 3 (one layer) with its FlexAttention and a packed-document block mask
+    (``get_attention_masks``), parallelized by torchtitan on tp = the world (embedding replicated), run by
+    ``torch.compile(backend="fxshard")`` without Inductor; the output's max abs error against one device, and
+    fxshard's warnings (a replicated op, a graph break it reports)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims.device_type = "cpu"
+    eager_flex()
+    cfg = replicate_embedding(llama3_config(1, flex=True))
+    single, sharded = build(cfg), build(cfg)
+    sharded.load_state_dict(single.state_dict())
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    positions = document_positions()
+    masks = single.get_attention_masks(positions)
+    with torch.no_grad():
+        ref = single(x, positions=positions, attention_masks=masks)
+    sharded.parallelize(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1,
+                                     world_size=world_size, spmd_backend="partial_dtensor"))
+    sharded.tok_embeddings.tp_group = None
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(lambda t, p: sharded(t, positions=p, attention_masks=masks), backend="fxshard",
+                            options={"inductor": False})(x, positions)
+    return {"error": float((full(out) - ref).abs().max()), "largest": float(ref.abs().max()),
+            "type": type(out).__name__,
+            "warnings": sorted({str(w.message) for w in caught if str(w.message).startswith("fxshard")})}
