@@ -48,7 +48,8 @@ def contiguous_blocks(layout: Layout) -> bool:
 
 def _partial_zeros(node: fx.Node) -> bool:
     """Give a replicated zeros tensor the partial-sum layout all its consumers want (in place), where it or a
-    consumer lies in a local region; whether it did. Only sums: zeros are not the partial products (or maxima) of a zeros tensor in general."""
+    consumer lies in a local region; whether it did. Only sums: zeros are not the partial products (or maxima)
+    of a zeros tensor in general."""
     schema = getattr(node.target, "_schema", None)
     have = node.meta.get(LAYOUT)
     in_region = LOCAL_REGION in node.meta or any(LOCAL_REGION in user.meta for user in node.users)
