@@ -14,8 +14,9 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .graph import ARG_LAYOUTS, EAGER_SHAPE, LAYOUT, LOCAL_REGION, REGION_EXIT, tensor_inputs
+from .graph import ARG_LAYOUTS, EAGER_SHAPE, LAYOUT, LOCAL_REGION, LOCALIZE, REGION_EXIT, tensor_inputs
 from .layout import Layout
+from .localization import MaskedAccumulate, MaskedLookup
 
 _ADVICE = ("That code runs on each rank's shard in eager mode; fxshard reads it as a global program and the two "
            "disagree here. Keep DTensors through it instead (use_local_output=False in the parallel style), "
@@ -52,3 +53,23 @@ def _check_inputs(node: fx.Node, where: str) -> None:
             what = "from_local() declares" if node.meta.get(REGION_EXIT) else f"{node.target} needs"
             raise LocalRegionError(f"{where}: {what} {want} but the value computed from local shards is laid out as "
                                    f"{have}, so it would need a redistribution eager code never did. {_ADVICE}")
+
+
+def mark_local_accumulations(gm: fx.GraphModule) -> None:
+    """Give a lookup's backward the mark of the local region its lookup lies in.
+
+    A region's lookup of the rank's own table shard keeps the ids eager computed for that shard
+    (``lowering/localize.indexes_its_own_shard``: torchtitan's vocab-parallel embedding shifts them by
+    ``dist.get_rank()`` itself). Autograd makes the accumulation of its gradient outside the region, at
+    the same ids, which may be computed on plain tensors and so carry no mark: unmarked, stage 4 shifted
+    them into the rank's block a second time and the rank's rows of the table gradient got nothing.
+    Run on the planned joint graph, where the lookup and its accumulation are both still there."""
+    for node in gm.graph.nodes:
+        recipe = node.meta.get(LOCALIZE)
+        if not isinstance(recipe, MaskedAccumulate) or LOCAL_REGION in node.meta:
+            continue
+        for ids in node.args[recipe.indices]:
+            lookups = [u for u in getattr(ids, "users", ()) if LOCAL_REGION in u.meta
+                       and isinstance(u.meta.get(LOCALIZE), MaskedLookup) and u.args[u.meta[LOCALIZE].index] is ids]
+            if lookups:
+                node.meta[LOCAL_REGION] = lookups[0].meta[LOCAL_REGION]

@@ -10,7 +10,7 @@ from .costs import CostModel
 from .factories import shard_factories
 from .graph import LOCALIZE
 from .layout import Layout
-from .local_regions import check_local_regions
+from .local_regions import check_local_regions, mark_local_accumulations
 from .mesh import MeshSpec
 from .policies import DEFAULT_REFINEMENT, Refinement
 from .propagate import Decisions, propagate
@@ -53,5 +53,6 @@ def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, 
             recipe = recipe_of(node)
             if recipe is not None:
                 node.meta[LOCALIZE] = recipe
+        mark_local_accumulations(gm)
     return gm
 

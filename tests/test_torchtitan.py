@@ -97,13 +97,11 @@ def test_training_step_with_the_vocab_parallel_embedding_on_two_gloo_ranks(vocab
             assert error <= 1e-5 + 1e-4 * largest, (rank, name, error, largest)
 
 
-@pytest.mark.xfail(strict=True, reason="the backward's accumulate into the table reads the forward's ids (computed "
-                   "on plain tensors, no local region) and is itself autograd's, outside the region: localize shifts "
-                   "the ids by the rank's block again and masks them, so rank 1 accumulates nothing (max error = the "
-                   "gradient's largest row entry, 0.27). Marking the accumulate with its lookup's LOCAL_REGION on the "
-                   "joint before the training split (a lookup of the same ids in a region) makes it exact (8.9e-8).")
 def test_vocab_parallel_embedding_gradient_on_two_gloo_ranks(vocab_parallel_ranks):
-    """The table's gradient, each rank's Shard(0) block gathered, against one device's."""
+    """The table's gradient, each rank's Shard(0) block gathered, against one device's: the backward's accumulation
+    into the table reads the forward's ids (computed on plain tensors) and is autograd's, outside the region, so it
+    takes its lookup's mark (local_regions.mark_local_accumulations); unmarked, localize shifted the ids into the
+    rank's block again and rank 1's rows got nothing (max error 0.27, the gradient's largest entry)."""
     for rank, r in sorted(vocab_parallel_ranks.items()):
         error, largest = r["grads"]["tok_embeddings.weight"]
         assert error <= 1e-5 + 1e-4 * largest, (rank, error, largest)
