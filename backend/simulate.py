@@ -65,6 +65,19 @@ def fake_world(spec: MeshSpec, device_type: str = "cpu") -> Iterator[Any]:
     finally:
         if created:
             dist.destroy_process_group()
+            _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's) as a world made here ends.
+    They key specs whose ``DeviceMesh`` compares by value, not by process group, so a second fake world of the
+    same shape got the first's mesh back from them (``nn.Parameter(dt)``'s detach), and its dead group
+    ('Group ... is not registered'). Missing on a torch without the function: nothing to clear then."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
 
 
 def _key(a: Any, index: Mapping[fx.Node, int]) -> Any:
