@@ -168,8 +168,27 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._run_local_aware(lambda: apply_autograd_function(*args, **kwargs), args, kwargs)
         if is_copy_(target) and needs_own_copy(args, kwargs):  # a joint trace's copy_ (functional_copy.py)
             return self._run_local_aware(lambda: copy_into(*args, **kwargs), args, kwargs)
+        if target is torch.ops.higher_order.flex_attention and any(args[7:9]):
+            return self._flex_with_captures(target, args, kwargs)
         return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
                                      args, kwargs)
+
+    def _flex_with_captures(self, target: Any, args: Any, kwargs: Any) -> Any:
+        """flex_attention whose score_mod or mask_mod reads tensors it captures (its last two arguments):
+        torch's functionalize, under which stage 1 traces, has no rule for that call (plain
+        make_fx(functionalize(...)) of the same graph fails alike): say so, and what to write instead."""
+        try:
+            return self._run_local_aware(lambda: super(_GlobalInterpreter, self).call_function(target, args, kwargs),
+                                         args, kwargs)
+        except RuntimeError as e:
+            if "Functionalize rule" not in str(e):
+                raise
+            raise TraceError(
+                f"{self._where()}: flex_attention's score_mod or mask_mod reads tensors it captures "
+                f"({len(args[7]) + len(args[8])} of them: a module's buffer or a closure's tensor), which fxshard's "
+                "trace cannot run: torch's functionalize has no rule for that call ('NYI: Functionalize rule for "
+                "custom_function_call'). Compute the values inside the function from its indices instead (ALiBi's "
+                "slopes from h: 2 ** (-8 * (h + 1) / heads); fxshard hands each rank's copy global head indices).") from e
 
     def call_method(self, target: str, args: Any, kwargs: Any) -> Any:
         x = args[0]

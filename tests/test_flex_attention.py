@@ -108,16 +108,26 @@ CAPTURED = {"window per head, captured slopes tp2": Case(2, score_mod=None, mask
                                                          slopes=True)}
 
 
-@pytest.mark.parametrize("name", list(CASES) + [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason="functionalize")) for n in CAPTURED])
+@pytest.mark.parametrize("name", list(CASES))
 def test_heads_sharded_match_one_device_and_move_nothing(name):
-    case = CASES.get(name) or CAPTURED[name]
+    case = CASES[name]
     model, x = model_and_input(case, zlib.crc32(name.encode()))
     expected = model(x)
     run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(tp=case.tp), placements=MEGATRON)
     torch.testing.assert_close(run.full()[0], expected, rtol=1e-5, atol=1e-6)
     # the output is left P(sum) (as DTensor leaves a row-parallel matmul): nothing moves on any rank
     assert all(summarize(collective_calls(g))[0] == {} for g in run.lowered.values())
+
+
+@pytest.mark.parametrize("name", list(CAPTURED))
+def test_a_captured_tensor_is_refused_with_what_to_write_instead(name):
+    """A score_mod reading a tensor it captures (a slopes buffer): stage 1 cannot trace it (torch's functionalize
+    has no rule for that flex call), and says so with the fix, not functionalize's 'NYI'."""
+    from fxshard.backend.trace import TraceError
+
+    model, x = model_and_input(CAPTURED[name], 0)
+    with pytest.raises(TraceError, match=r"reads tensors it captures \(1 of them.*Compute the values inside"):
+        simulate_ranks(model, x, mesh=fxshard.MeshSpec(tp=CAPTURED[name].tp), placements=MEGATRON)
 
 
 def test_each_rank_calls_its_subgraphs_with_global_heads():
