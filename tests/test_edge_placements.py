@@ -295,11 +295,12 @@ def test_fxshard_compile_runs_an_empty_view_without_dtensor_rules(fake_ranks):
 @pytest.mark.parametrize("op", ["index_select", "index_add", "index_copy"])
 def test_an_index_op_of_a_0d_tensor_runs_replicated_without_a_fallback(op):
     """index_select / index_add / index_copy of 0-d tensors (dim 0 of a scalar, as torch allows) divided by the
-    number of dims to find the picked one (ZeroDivisionError): there is no dim to shard, and no fallback to warn of."""
+    number of dims to find the picked one (ZeroDivisionError): there is no dim to shard, and no fallback to warn of.
+    On 4 ranks: the module's fake process group of 4 may be up (simulate runs on it then)."""
     run = {"index_select": lambda x, i: x.index_select(0, i), "index_add": lambda x, i: x.index_add(0, i, x * 3),
            "index_copy": lambda x, i: x.index_copy(0, i, x * 2)}[op]
     x, i = torch.randn(()), torch.zeros((), dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = fxshard.simulate(run, x, i, mesh=MeshSpec(tp=2), placements={0: (R(),)})
+        out = fxshard.simulate(run, x, i, mesh=MeshSpec(tp=4), placements={0: (R(),)})
     assert torch.equal(out, run(x, i))
