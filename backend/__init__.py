@@ -6,8 +6,8 @@ parallelized model's graph breaks, FSDP2's compute between its hooks) has nothin
 compiles it as ``backend="inductor"`` does. Options (``torch.compile(..., options={...})``): ``strict``
 (error on ops without a sharding rule), ``inductor`` (False runs the lowered graph, or the plain one, as it is),
 ``bucketing`` (False leaves each collective and its wait where fxshard lowered them: see
-``backend/inductor_config.py``), ``regional`` (default True: each distinct layer compiled once, not the whole local program:
-less compile time, the same buckets, collectives overlapped within a layer only: ``backend/regions.py``),
+``backend/inductor/compile_local.py``), ``regional`` (default True: each distinct layer compiled once, not the whole local program:
+less compile time, the same buckets, collectives overlapped within a layer only: ``backend/layers/regions.py``),
 ``cost_model`` (a ``fxshard.CostModel``), ``training_split`` (a ``fxshard.TrainingSplit``: which gathered
 values the forward keeps for the backward; ``TrainingSplit(keep_gathered_activations=False)`` gathers a
 sequence-parallel block's input again in the backward, as Megatron-LM: less memory, one all_gather more
@@ -16,12 +16,12 @@ as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each st
 as text: ``<graph>_<n>_<stage>.txt``).
 
 When autograd records and an input requires grad, the backend compiles the joint
-forward+backward program (backend/joint.py, training.py): gradients come back as DTensors
+forward+backward program (backend/programs/joint.py, training.py): gradients come back as DTensors
 with their parameters' placements.
 
 Sizes: fxshard plans for concrete sizes. When Dynamo hands over a graph with dynamic sizes
 (automatic dynamic shapes after a size changed, or ``dynamic=True``), the backend compiles one
-program per distinct set of input sizes and picks it per call (``backend/sizes.py``): a program
+program per distinct set of input sizes and picks it per call (``backend/programs/sizes.py``): a program
 never runs on sizes it was not planned for.
 
 Logging the PyTorch way: ``TORCH_LOGS="fxshard"`` prints what each stage did and how long it
@@ -41,7 +41,7 @@ __all__ = ["fxshard_backend"]
 # Dynamo traces a DTensor program through DTensor's own sharding rules: lend it fxshard's for the
 # ops it lacks (CPU flash attention), before torch.compile's first trace (this module is imported
 # when torch.compile resolves backend="fxshard")
-from .dtensor_rules import lend_rules_to_dtensor  # noqa: E402
+from fxshard.backend.capture.dtensor_rules import lend_rules_to_dtensor  # noqa: E402
 
 lend_rules_to_dtensor()
 
@@ -50,9 +50,9 @@ _OPTIONS = {"strict", "inductor", "bucketing", "regional", "cost_model", "traini
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
                     mode: str | None = None) -> Callable:
-    from .inputs import find_device_mesh
-    from .report import StageReporter
-    from .sizes import per_size
+    from fxshard.backend.capture.inputs import find_device_mesh
+    from fxshard.backend.reports.report import StageReporter
+    from fxshard.backend.programs.sizes import per_size
 
     options = dict(options or {})
     unknown = set(options) - _OPTIONS
@@ -77,7 +77,7 @@ def _plain_program(gm: fx.GraphModule, example_inputs: list[Any], inductor: bool
 
 def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter: Any) -> Callable:
     """Stages 1-6 for inputs of concrete sizes: the program that runs each call of those sizes."""
-    from .driver import compile_program
+    from fxshard.backend.driver import compile_program
 
     return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
                            cost_model=options.get("cost_model"), inductor=options.get("inductor", True),

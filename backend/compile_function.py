@@ -27,12 +27,12 @@ from fxshard.costs import CostModel
 from fxshard.placements import as_mesh_spec
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 
-from .block_regions import captured_with_regions, repeated_blocks
-from .capture import capture, fake_stand_in
-from .driver import compile_program
-from .inductor_config import start_compile_workers
-from .inputs import input_layouts, one_mesh
-from .report import StageReporter, label_of
+from fxshard.backend.layers.block_regions import captured_with_regions, repeated_blocks
+from fxshard.backend.capture.capture import capture, fake_stand_in
+from fxshard.backend.driver import compile_program
+from fxshard.backend.inductor.compile_local import start_compile_workers
+from fxshard.backend.capture.inputs import input_layouts, one_mesh
+from fxshard.backend.reports.report import StageReporter, label_of
 
 
 class CompiledFunction:

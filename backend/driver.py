@@ -26,19 +26,19 @@ from fxshard.placements import as_mesh_spec
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.timing import stage
 
-from . import outputs as outputs_
-from .capture import Captured, capture
-from .collector import collector_paused
-from .fold import Shortened, folding_on, shorten, unfolder
-from .fold_lowered import FoldedLowering, lower_folded
-from .inductor_config import start_compile_workers
-from .inference import InferenceProgram
-from .inputs import find_device_mesh, input_layouts, named_inputs
-from .joint import TrainingPlan, plan_training
-from .lowered_cache import load_lowered, lowered_key, read_lowered_graphs, store_lowered, store_regions
-from .report import StageReporter, label_of
-from .trace import TracedProgram, trace_global
-from .training import LoweredTraining, TrainingProgram
+from fxshard.backend.capture import outputs as outputs_
+from fxshard.backend.capture.capture import Captured, capture
+from fxshard.backend.inductor.collector import collector_paused
+from fxshard.backend.programs.fold import Shortened, folding_on, shorten, unfolder
+from fxshard.backend.programs.fold_lowered import FoldedLowering, lower_folded
+from fxshard.backend.inductor.compile_local import start_compile_workers
+from fxshard.backend.programs.inference import InferenceProgram
+from fxshard.backend.capture.inputs import find_device_mesh, input_layouts, named_inputs
+from fxshard.backend.programs.joint import TrainingPlan, plan_training
+from fxshard.backend.programs.lowered_cache import load_lowered, lowered_key, read_lowered_graphs, store_lowered, store_regions
+from fxshard.backend.reports.report import StageReporter, label_of
+from fxshard.backend.capture.trace import TracedProgram, trace_global
+from fxshard.backend.programs.training import LoweredTraining, TrainingProgram
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PlannedProgram:
     # the forward and backward cut from the joint graph, or (folded) what unfolds them when first read
     planned_training: TrainingPlan | Callable[[], TrainingPlan] | None = None
     # per output the user's program has: None (a DTensor) or the layout of the plain block eager holds
-    # (backend/outputs.py); empty when placements= shards plain tensors (a global program throughout)
+    # (backend/capture/outputs.py); empty when placements= shards plain tensors (a global program throughout)
     eager_outputs: list[Any] = field(default_factory=list)
     # a training program of repeated layers planned folded: the four-layer plan ``training`` was unfolded
     # from, and how it was shortened (stages 4-6 run on it: ``fold_lowered.py``)
@@ -250,7 +250,7 @@ def _planner(gm: fx.GraphModule, inputs: Sequence[Any], plan_options: Mapping[st
     if any(isinstance(x, torch.Tensor) and not _fake(x) for x in inputs):
         def unavailable() -> TrainingPlan:
             raise RuntimeError("this program's lowered forward and backward were loaded from disk, planned by an "
-                               "earlier run (backend/lowered_cache.py), and its planned global graphs are not kept: "
+                               "earlier run (backend/programs/lowered_cache.py), and its planned global graphs are not kept: "
                                "set FXSHARD_LOWERED_CACHE=0 to plan it in this run")
         return unavailable
 

@@ -22,11 +22,11 @@ from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
 
-from .capture import Captured, capture_graphs, outputs_on_meta
-from .driver import PlannedProgram
-from .graph_runs import RunPlanner
-from .simulate import SimulatedGraphs, holds_every_rank
-from .report import StageReporter, label_of
+from fxshard.backend.capture.capture import Captured, capture_graphs, outputs_on_meta
+from fxshard.backend.driver import PlannedProgram
+from fxshard.backend.graph_runs import RunPlanner
+from fxshard.backend.simulate import SimulatedGraphs, holds_every_rank
+from fxshard.backend.reports.report import StageReporter, label_of
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Explanation(Communication):
     def to_html(self, path: Any, title: str = "fxshard explanation") -> Any:
         """Write one self-contained HTML page: graph (redistributions highlighted), communication
         with reasons, totals per axis, memory. Returns the path."""
-        from .html_report import write_html
+        from fxshard.backend.reports.html_report import write_html
 
         return write_html(self, path, title)
 

@@ -17,10 +17,10 @@ from fxshard.costs import CostModel
 from fxshard.layout import Layout
 from fxshard.placements import as_mesh_spec
 
-from .capture import Captured
-from .driver import PlannedProgram, plan_program
-from .inputs import find_device_mesh, input_layouts, modules_of, named_inputs
-from .report import StageReporter
+from fxshard.backend.capture.capture import Captured
+from fxshard.backend.driver import PlannedProgram, plan_program
+from fxshard.backend.capture.inputs import find_device_mesh, input_layouts, modules_of, named_inputs
+from fxshard.backend.reports.report import StageReporter
 
 
 class RunPlanner:

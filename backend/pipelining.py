@@ -29,10 +29,10 @@ from fxshard.memory import MemoryReport
 from fxshard.mesh import MeshSpec
 from fxshard.placements import as_mesh_spec, placements_from_layout, user_layout
 
-from .capture import Captured
-from .driver import PlannedProgram, plan_function
-from .explain import Explanation, collectives_of
-from .report import StageReporter
+from fxshard.backend.capture.capture import Captured
+from fxshard.backend.driver import PlannedProgram, plan_function
+from fxshard.backend.explain import Explanation, collectives_of
+from fxshard.backend.reports.report import StageReporter
 
 
 class PassThrough(nn.Module):
@@ -229,7 +229,7 @@ class LocalBlocks(nn.Module):
 
     def __init__(self, program: StageProgram, trace: StageTrace, device_mesh: Any, plan: StagePlan,
                  inductor: bool = True):
-        from .training import TrainingProgram
+        from fxshard.backend.programs.training import TrainingProgram
 
         super().__init__()
         self.program = program  # registered: the schedule scales and the optimizer steps its parameters
@@ -406,7 +406,7 @@ def simulate_pipeline(plan: PipelinePlan, inputs: Sequence[torch.Tensor],
     from fxshard.lowering.groups import MeshGroups
     from fxshard.lowering.localize import localize
 
-    from .simulate import fake_world, run_lockstep
+    from fxshard.backend.simulate import fake_world, run_lockstep
 
     coords = plan.mesh.coordinates()
     first = [_rank_microbatches(t, p, plan, coords, f"input {k}") for k, (t, p) in

@@ -34,11 +34,11 @@ from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 
-from .capture import Captured, capture_graphs
-from .driver import PlannedProgram, plan_function
-from .graph_runs import RunPlanner
-from .inputs import named_inputs
-from .regions import Region, RegionalProgram, program_regions, training_regions
+from fxshard.backend.capture.capture import Captured, capture_graphs
+from fxshard.backend.driver import PlannedProgram, plan_function
+from fxshard.backend.graph_runs import RunPlanner
+from fxshard.backend.capture.inputs import named_inputs
+from fxshard.backend.layers.regions import Region, RegionalProgram, program_regions, training_regions
 
 
 @contextlib.contextmanager
@@ -265,12 +265,12 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
 
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
     (default ``layout.shard``), e.g. to give Partial inputs arbitrary per-rank shares.
-    With ``grad`` the joint forward+backward program runs (backend/joint.py): gradients of
+    With ``grad`` the joint forward+backward program runs (backend/programs/joint.py): gradients of
     the inputs that require grad, seeded with ``grad_outputs`` (default ones), come back too.
     ``regional``: each rank's programs run region by region, as regional compilation cuts and
-    reuses them (backend/regions.py); each region runs as a graph, without Inductor. ``fold``: a training
+    reuses them (backend/layers/regions.py); each region runs as a graph, without Inductor. ``fold``: a training
     program of repeated layers (captured as nested compile regions) is planned on four of them and unfolded,
-    as ``fxshard.compile`` plans it (backend/fold.py); each rank's programs are lowered from the unfolded plan.
+    as ``fxshard.compile`` plans it (backend/programs/fold.py); each rank's programs are lowered from the unfolded plan.
     """
     captured, planned = plan_function(fn, args, mesh=mesh, placements=placements, training=grad, strict=strict,
                                       cost_model=cost_model, fold=fold)

@@ -12,7 +12,7 @@ moves; shapes are real):
   and its all_to_all path for Shard->Shard even though the process group is a CPU one (DTensor
   would otherwise fall back to all_gather + chunk on CPU, which it does not do on GPUs).
 
-Bytes are what one rank receives, by one formula for both (``fxshard.backend.traffic``):
+Bytes are what one rank receives, by one formula for both (``fxshard.backend.reports.traffic``):
 all_gather (n-1)·in, all_reduce 2(n-1)/n·in, reduce_scatter and all_to_all (n-1)/n·in.
 Counts are deterministic, so there is no timing and no noise here.
 """
@@ -35,7 +35,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 import fxshard
-from fxshard.backend.traffic import CollectiveCall, collective_call, collective_calls, summarize
+from fxshard.backend.reports.traffic import CollectiveCall, collective_call, collective_calls, summarize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from models.llama import Llama, LlamaConfig, tensor_parallel_plan  # noqa: E402

@@ -35,7 +35,7 @@ compile from scratch on one core. The machine is shared and noisy: the table rec
 graph cache and AOTAutograd's), in a fresh directory for the whole bench; each row runs twice, each time
 in fresh processes, and the second is measured: both systems find their kernels in the caches the first
 run filled, and fxshard loads each rank's lowered programs instead of running stages 1-5 (``load``:
-backend/lowered_cache.py; Dynamo's capture and the cut into regions run again).
+backend/programs/lowered_cache.py; Dynamo's capture and the cut into regions run again).
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def dynamo_seconds() -> float:
 def warm_up() -> None:
     """Imports and Inductor's first compile, paid once before any timing (not by the first row): with each
     of its wrappers, whose precompiled headers Inductor keeps on disk for every later process (fxshard
-    compiles CPU programs with the C++ one, backend/cpu_wrapper.py; FSDP2's blocks use the Python one)."""
-    from fxshard.backend.cpu_wrapper import cpu_wrapper_patches
+    compiles CPU programs with the C++ one, backend/inductor/cpu_wrapper.py; FSDP2's blocks use the Python one)."""
+    from fxshard.backend.inductor.cpu_wrapper import cpu_wrapper_patches
 
     for patches in ({}, cpu_wrapper_patches()):
         with torch._inductor.config.patch(patches):

@@ -36,7 +36,7 @@ once (fxshard's programs as lowered, one collective per redistribution, are give
 fxshard's are read from its lowered forward and backward programs; DTensor's are recorded by
 ``CommDebugMode`` around one eager forward and backward (bucketing merges collectives, it does not
 change their bytes); both add what ``CommDebugMode`` records around an optimizer step. One formula
-for both (``fxshard.backend.traffic``).
+for both (``fxshard.backend.reports.traffic``).
 fxshard plans with its default cost model (``CostModel()``: 10 us and 100 GB/s a collective; a
 training plan's moves of one block's parameters, and of its gradients, priced as the one call each
 becomes). Until refinement priced blocks so, this bench used a bandwidth-only model (the default
@@ -70,7 +70,7 @@ CASES = ("tp", "tp_sp", "tp_loss", "fsdp", "fsdp_tp")
 
 
 def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:
-    from fxshard.backend.traffic import summarize
+    from fxshard.backend.reports.traffic import summarize
 
     return summarize(calls)
 
@@ -111,7 +111,7 @@ def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tup
     """(model, step function (tokens, targets) -> loss, what fxshard compiled: the collectives of its
     lowered programs by stage (tp) or its compiled function; None for DTensor) (bench/systems.py)."""
     import fxshard
-    from fxshard.backend.traffic import collective_calls
+    from fxshard.backend.reports.traffic import collective_calls
     from models.llama import Llama
     from systems import TP_CASES, build
 
@@ -128,7 +128,7 @@ def _build(case: str, system: str, mesh: Any, config: Any, options: dict) -> tup
 def run(rank: int, world_size: int, device: str, case: str, system: str, options: dict | None = None) -> dict:
     import fxshard  # noqa: F401 (registers the op library on this rank)
     from comm import CommBytesMode
-    from fxshard.backend.traffic import collective_calls
+    from fxshard.backend.reports.traffic import collective_calls
     from models.llama import LlamaConfig
     from systems import adamw, case_mesh, cpu_seconds
 

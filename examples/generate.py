@@ -16,7 +16,7 @@ A static cache compiles two programs (prefill, then one decode step reused for e
 dynamic cache grows by one position per token, and fxshard plans for concrete sizes: the decode
 steps of the first lengths get programs of their own, whose local code differs only in the
 cache's length, which no layout shards; from then on one program compiled for symbolic lengths
-serves every token (backend/size_generic.py).
+serves every token (backend/programs/size_generic.py).
 
 Prints the tokens of every rank against the single-device run, the collectives of one decode
 step (Megatron's: an all_reduce per attention and per MLP, one for the vocab-parallel embedding,

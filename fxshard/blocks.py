@@ -1,7 +1,7 @@
 """The block a parameter belongs to, by its name alone: the first indexed module in it.
 
 FSDP2 gathers one block's parameters in one call and reduce-scatters its gradients in one; fxshard
-buckets its collectives the same way (``backend/buckets.py``), and refinement prices a plan's moves
+buckets its collectives the same way (``backend/inductor/buckets.py``), and refinement prices a plan's moves
 of one block's parameters as the one call they become (``refine.planned_cost``).
 """
 from __future__ import annotations

@@ -161,7 +161,7 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
     """``graph.eliminate_dead_code()`` for a graph in order (not linted here) and without submodules: each node
     that no one reads and that has no side effect (``Node.is_impure``; random ops are impure), in reverse order.
     fx's asks every node whether it is impure before counting its readers: in a 32-layer step unfolded from four
-    layers (backend/fold.py) that was ~14k schema reads for a few hundred dead nodes."""
+    layers (backend/programs/fold.py) that was ~14k schema reads for a few hundred dead nodes."""
     for node in reversed(graph.nodes):
         if not node.users and node.op != "output" and not node.is_impure(True):
             graph.erase_node(node)

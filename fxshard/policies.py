@@ -1,7 +1,7 @@
 """Parallelism policies: the choices the generic passes leave to a strategy, named and documented.
 
 Propagation (fxshard/propagate.py) is greedy and exact per op; planning the joint graph and
-splitting it (backend/joint.py) is mechanical. What is a *policy* sits here: which second
+splitting it (backend/programs/joint.py) is mechanical. What is a *policy* sits here: which second
 opinions refinement asks for (``Refinement``), and which gathered values the training split
 keeps between forward and backward instead of gathering again (``TrainingSplit``). A pass takes
 its policy as an argument; the defaults are the strategies the tests and benchmarks measure.

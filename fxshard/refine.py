@@ -95,7 +95,7 @@ def _priced(asked: list[tuple[fx.Node, list]], edges: Iterable[tuple[fx.Node, La
         bare = redistribute_cost(a.meta[LAYOUT], want, dtype, bare_model)  # priced alike: no shard filled
         steps = tuple((step.kind, step.axes) for step in plan.collectives)
         # one call per block, kind and axes; per dtype too unless it only gathers (stage 6 packs the
-        # gathers of several dtypes as bytes, backend/bucket_copies.py; a reduction adds in its dtype)
+        # gathers of several dtypes as bytes, backend/inductor/bucket_copies.py; a reduction adds in its dtype)
         key = group + (None if all(kind == "all_gather" for kind, _ in steps) else dtype, steps)
         total += bare
         latency[key] = max(latency.get(key, 0.0), plan.cost - bare)

@@ -13,9 +13,9 @@ from typing import Callable, ContextManager, Iterator
 Timer = Callable[[str], ContextManager[None]]  # a stage's name -> the block that measures it
 
 # fxshard's stages, in the order a compile runs them (Inductor's is the backend's, after them); "unfold" (a
-# model's repeated layers planned once: the plan of a four-layer program made whole, backend/fold.py) runs
+# model's repeated layers planned once: the plan of a four-layer program made whole, backend/programs/fold.py) runs
 # where a training step's layers were folded; "regions" (the cut into regional programs and the merge of
-# their buckets) runs at the first call, when Inductor compiles a regional program (backend/regions.py)
+# their buckets) runs at the first call, when Inductor compiles a regional program (backend/layers/regions.py)
 STAGES = ("trace", "propagate", "refine", "plan", "split", "unfold", "localize", "lower", "regions")
 
 _TIMER: contextvars.ContextVar[Timer | None] = contextvars.ContextVar("fxshard_stage_timer", default=None)

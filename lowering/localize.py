@@ -398,7 +398,7 @@ def program_fake_values(gm: fx.GraphModule, inputs: Sequence[Any], mode: FakeTen
 
 def complete_fake_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> None:
     """``meta["val"]`` of every value of ``gm`` where one lacks it (a region a second run loaded without them,
-    ``backend/lowered_cache.py``), for inputs of ``inputs``' metadata (real or fake tensors)."""
+    ``backend/programs/lowered_cache.py``), for inputs of ``inputs``' metadata (real or fake tensors)."""
     if all("val" in n.meta for n in gm.graph.nodes if n.op != "output"):
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)

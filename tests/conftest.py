@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 # each test plans what it compiles: a program an earlier test (or run) compiled is not loaded from disk
-# (backend/lowered_cache.py; tests/test_lowered_cache.py turns it on for its own tests)
+# (backend/programs/lowered_cache.py; tests/test_lowered_cache.py turns it on for its own tests)
 os.environ["FXSHARD_LOWERED_CACHE"] = "0"
 
 

@@ -1,6 +1,6 @@
 """What a program Inductor generated calls, read from its Python wrapper or its C++ one alike.
 
-fxshard compiles CPU programs with Inductor's C++ wrapper (backend/cpu_wrapper.py); ``FXSHARD_CPU_WRAPPER=0``
+fxshard compiles CPU programs with Inductor's C++ wrapper (backend/inductor/cpu_wrapper.py); ``FXSHARD_CPU_WRAPPER=0``
 or a GPU gives the Python wrapper. Both call the same things in the same order, spelled differently:
 
 - an operator: ``torch.ops._c10d_functional.wait_tensor.default(...)`` in Python; in C++ a shim,

@@ -89,7 +89,7 @@ def threads_and_slow_exit(rank: int, world_size: int, device: str = "cpu", exit_
 
     import torch._inductor.config as inductor_config
 
-    from fxshard.backend.report import StageReporter
+    from fxshard.backend.reports.report import StageReporter
 
     if exit_delay:
         multiprocessing.util.Finalize(None, time.sleep, args=(exit_delay,), exitpriority=100)
@@ -102,7 +102,7 @@ def busy_in_a_stage(rank: int, world_size: int, device: str = "cpu", seconds: fl
     """Rank 1 stays inside an fxshard stage (as a long Inductor compile would); rank 0 returns at once."""
     import time
 
-    from fxshard.backend.report import StageReporter
+    from fxshard.backend.reports.report import StageReporter
 
     if rank == 1:
         with StageReporter().timed("compiling the local program with Inductor"):
@@ -297,7 +297,7 @@ def sequence_parallel(model: torch.nn.Sequential, mesh) -> None:
 def sequence_parallel_blocks(rank: int, world_size: int, device: str = "cpu", dim: int = 32, hidden: int = 64,
                              tokens: int = 16, steps: int = 2) -> dict:
     """SGD steps of two ``SwiGLUBlock``s under ``sequence_parallel`` through torch.compile(backend="fxshard")
-    (whole programs: the collectives' windows, backend/collective_windows.py, span both blocks); the same
+    (whole programs: the collectives' windows, backend/inductor/collective_windows.py, span both blocks); the same
     steps on one device. Returns the worst loss and parameter errors and the compiled programs' code."""
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)

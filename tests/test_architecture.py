@@ -13,12 +13,15 @@ OP_KNOWLEDGE = {"fxshard.registry", "fxshard.op_kinds", "fxshard.rules", "fxshar
 
 
 def modules() -> dict[str, pathlib.Path]:
+    """Every module of the installed package, its sub-packages' included: dotted name -> file."""
     out = {}
     for pkg in PACKAGES:
         spec = importlib.util.find_spec(pkg)
         for folder in spec.submodule_search_locations:
-            for f in pathlib.Path(folder).glob("*.py"):
-                out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+            for f in pathlib.Path(folder).rglob("*.py"):
+                parts = f.relative_to(folder).with_suffix("").parts
+                parts = parts[:-1] if parts[-1] == "__init__" else parts
+                out[".".join((pkg, *parts))] = f
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard.backend.trace import TraceError
+from fxshard.backend.capture.trace import TraceError
 
 
 class DoubledRelu(torch.autograd.Function):

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fxshard
 from fxshard.backend.explain import explain
 from fxshard.backend.simulate import simulate
-from fxshard.backend.trace import TensorMap, TraceError
+from fxshard.backend.capture.trace import TensorMap, TraceError
 from fxshard.layout import LayoutError
 from fxshard.placements import placements_from_layout
 from fxshard.propagate import UnsupportedOpError
@@ -116,9 +116,9 @@ def test_unknown_backend_option_is_an_error():
 
 
 def test_traffic_of_the_lowered_program_is_what_explain_planned():
-    """backend/traffic.py reads the collectives back from every rank's lowered program."""
+    """backend/reports/traffic.py reads the collectives back from every rank's lowered program."""
     from fxshard.backend.simulate import fake_world, lowered_graphs
-    from fxshard.backend.traffic import collective_calls, summarize
+    from fxshard.backend.reports.traffic import collective_calls, summarize
 
     def f(x, w1, w2):
         return torch.relu(x @ w1) @ w2
@@ -253,7 +253,7 @@ def test_outputs_have_the_type_and_block_eager_gives(fake_mesh_4, style, local_s
 ], ids=["shard", "replicate", "reduce-scatter"])
 def test_output_dtensors_of_later_calls_reuse_the_first_calls_spec(fake_mesh_4, style, exact):
     """A DTensor output is built by DTensor.from_local on the first call and on that call's DTensorSpec
-    afterwards (backend/outputs.py: nothing that depends only on the program is worked out per call):
+    afterwards (backend/capture/outputs.py: nothing that depends only on the program is worked out per call):
     eager's spec, around the later call's block (exact where no collective runs on the fake group)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 16)
@@ -295,7 +295,7 @@ def test_a_partial_inputs_gradient_is_replicated_and_takes_its_blocks_strides(fa
     made once per input spec: later gradients share it (it is never the input's own object)."""
     from torch.distributed.tensor import Partial
 
-    from fxshard.backend.inputs import DTensorGradients
+    from fxshard.backend.capture.inputs import DTensorGradients
 
     x = DTensor.from_local(torch.randn(4, 6), fake_mesh_4, [Partial()], run_check=False)
     gradients = DTensorGradients()

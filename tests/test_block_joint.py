@@ -1,4 +1,4 @@
-"""A repeated block's joint traced once and stamped out per call (backend/block_joint.py): the joint
+"""A repeated block's joint traced once and stamped out per call (backend/capture/block_joint.py): the joint
 program is the one the inline trace gives, node for node; training through it matches one device (our
 Llama under FSDP and FSDP x TP, Hugging Face's architectures under Megatron TP); a block the template
 cannot stand for (a pin inside it, a write into an operand) is read inline."""
@@ -14,13 +14,13 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
-from fxshard.backend import block_joint
-from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
-from fxshard.backend.capture import capture
-from fxshard.backend.inputs import input_layouts, named_inputs
-from fxshard.backend.regions import program_structure
+from fxshard.backend.capture import block_joint
+from fxshard.backend.layers.block_regions import blocks_as_regions, repeated_blocks
+from fxshard.backend.capture.capture import capture
+from fxshard.backend.capture.inputs import input_layouts, named_inputs
+from fxshard.backend.layers.regions import program_structure
 from fxshard.backend.simulate import simulate_ranks
-from fxshard.backend.trace import trace_global
+from fxshard.backend.capture.trace import trace_global
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements  # noqa: E402
@@ -265,7 +265,7 @@ def test_hugging_face_layers_run_through_their_templates(name, grad, monkeypatch
 
 def test_a_stamp_that_fails_leaves_the_program_traced_inline(monkeypatch):
     """Stamping saves time and never costs a program: should it fail, stage 1 traces the blocks inline."""
-    from fxshard.backend import trace
+    from fxshard.backend.capture import trace
 
     def failing(gm: torch.fx.GraphModule) -> None:
         raise RuntimeError("a stamp gone wrong")
@@ -287,8 +287,8 @@ def test_inputs_a_folded_program_never_reads_are_added_after_its_trace_as_if_tra
     """A folded model's Dynamo graph keeps its dropped layers' parameters as inputs no node reads
     (``fold.shorten``): stage 1 traces without them and adds each as a placeholder where it stands, its
     gradient a ``zeros_like`` of it. The program is the one tracing them gives, node for node and by name."""
-    from fxshard.backend import trace
-    from fxshard.backend.fold import shorten
+    from fxshard.backend.capture import trace
+    from fxshard.backend.programs.fold import shorten
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64))

@@ -1,4 +1,4 @@
-"""Repeated blocks captured once (backend/block_regions.py): Dynamo traces a block class's forward
+"""Repeated blocks captured once (backend/layers/block_regions.py): Dynamo traces a block class's forward
 once and calls its body for every block; stage 1 reads the calls inline, so the traced program is
 the one Dynamo gives without regions. The user's classes are left as they were, blocks that differ
 (Python attributes, buffers, branches) compute what they do, and a block Dynamo cannot take as a
@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard.backend.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
-from fxshard.backend.capture import capture
-from fxshard.backend.inputs import input_layouts, named_inputs
-from fxshard.backend.regions import program_structure
-from fxshard.backend.trace import _GlobalInterpreter, trace_global
+from fxshard.backend.layers.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
+from fxshard.backend.capture.capture import capture
+from fxshard.backend.capture.inputs import input_layouts, named_inputs
+from fxshard.backend.layers.regions import program_structure
+from fxshard.backend.capture.trace import _GlobalInterpreter, trace_global
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import Llama, LlamaConfig, fsdp_placements  # noqa: E402

@@ -4,7 +4,7 @@
 ``gradient_checkpointing_enable()``, under ``fxshard.simulate(grad=True)``, ``fxshard.compile`` and
 ``torch.compile(backend="fxshard")`` (a fake process group here, two gloo ranks for the numerics), in
 Megatron TP and TP+SP layouts. A multi-output op (SDPA's ``(out, logsumexp)``) crosses from the forward to
-the backward through its outputs, never as its tuple (backend/joint.py: ``recomputed``).
+the backward through its outputs, never as its tuple (backend/programs/joint.py: ``recomputed``).
 """
 from __future__ import annotations
 

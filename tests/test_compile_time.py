@@ -13,10 +13,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.capture import capture
-from fxshard.backend.inputs import input_layouts, named_inputs
-from fxshard.backend.joint import plan_training
-from fxshard.backend.trace import trace_global
+from fxshard.backend.capture.capture import capture
+from fxshard.backend.capture.inputs import input_layouts, named_inputs
+from fxshard.backend.programs.joint import plan_training
+from fxshard.backend.capture.trace import trace_global
 from fxshard.printing import format_graph
 from fxshard.propagate import Decisions, propagate
 from fxshard.refine import propagate_with_pins
@@ -290,12 +290,12 @@ def test_a_layouts_cached_hash_is_not_pickled():
 
 
 def test_the_collector_is_paused_while_fxshard_plans_and_on_again_after(fake_mesh_4, make_mlp):
-    """backend/collector.py: no automatic garbage collection walks the compile's objects during the
+    """backend/inductor/collector.py: no automatic garbage collection walks the compile's objects during the
     stages (each full pass walks every FX node and fake tensor made so far: 1.1 s of an 8-layer first
     step); the collector is as it was after, and a block that finds it off leaves it off."""
     import gc
 
-    from fxshard.backend.collector import collector_paused
+    from fxshard.backend.inductor.collector import collector_paused
 
     torch.manual_seed(0)
     model = make_mlp()
@@ -419,7 +419,7 @@ def _trace_record(gm) -> list[tuple]:
             for node in gm.graph.nodes if node.op != "placeholder"]
 
 
-@pytest.mark.parametrize("name", __import__("fxshard.backend.bucket_traces", fromlist=["RECORDED"]).RECORDED)
+@pytest.mark.parametrize("name", __import__("fxshard.backend.inductor.bucket_traces", fromlist=["RECORDED"]).RECORDED)
 def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
     """``bucket_traces.recorded`` records the ops a bucket function dispatches instead of tracing it with
     ``make_fx``: for every function it records, the graph Inductor's ``bucketing._trace`` makes (nodes,
@@ -430,7 +430,7 @@ def test_a_recorded_bucket_trace_is_make_fxs(fake_mesh_4, name):
 
     from torch._inductor.fx_passes import bucketing
 
-    from fxshard.backend.bucket_traces import recorded, traces_reused
+    from fxshard.backend.inductor.bucket_traces import recorded, traces_reused
 
     group = fake_mesh_4.get_group().group_name
     for fn, arguments in _bucket_trace_calls(name, group):
@@ -467,7 +467,7 @@ def test_a_merge_that_keeps_its_values_metadata_leaves_their_readers_values(laid
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fxshard.backend.bucket_traces import users_kept
+    from fxshard.backend.inductor.bucket_traces import users_kept
 
     aten = torch.ops.aten
 

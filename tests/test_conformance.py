@@ -58,7 +58,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxshard import CostModel, LayoutError, MeshSpec, plan_redistribute, simulate_plan
-from fxshard.backend.traffic import collective_call
+from fxshard.backend.reports.traffic import collective_call
 from fxshard.placements import as_dtensor, contiguous_strides, dtensor_spec_of, layout_from_placements, placements_from_layout
 
 # the default tier checks a sample of the slow tier's (FXSHARD_SLOW=1) cases: the first of the same random stream
@@ -443,7 +443,7 @@ def pairs(n: int, seed: int) -> list[Pair]:
 
 class CollectiveBytes(TorchDispatchMode):
     """The bytes each rank receives in the collectives dispatched under it (LocalTensors: rank by
-    rank), sized by fxshard.backend.traffic (the planner's formula, ``costs.collective_bytes``)."""
+    rank), sized by fxshard.backend.reports.traffic (the planner's formula, ``costs.collective_bytes``)."""
 
     def __init__(self, ranks: int) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""fxshard's CPU programs compile with Inductor's C++ wrapper (backend/cpu_wrapper.py): two C++ compiles per
+"""fxshard's CPU programs compile with Inductor's C++ wrapper (backend/inductor/cpu_wrapper.py): two C++ compiles per
 program (its calling code, its kernels), the same calls in the same order as the Python wrapper's, and the
 Python wrapper where the C++ one fails or is switched off. FSDP in miniature (``rank_programs.Blocks``, every
 weight Shard(0) on a fake group of 4): its forward and backward hold every kind of call the mends are for
@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend import cpu_wrapper
+from fxshard.backend.inductor import cpu_wrapper
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from inductor_code import calls, collective_kinds, is_cpp, kernels  # noqa: E402
@@ -55,7 +55,7 @@ def _step(mesh, monkeypatch, wrapper: str, dim: int = 32) -> tuple[torch.Tensor,
 def steps(fake_mesh_4) -> dict[str, tuple[torch.Tensor, dict, list[str]]]:
     """``Blocks``' step with each wrapper, every program taken by the C++ wrapper here, however few its kernels
     (``MIN_KERNELS``), and with its graphs run as they are (``uncompiled``)."""
-    from fxshard.backend import training
+    from fxshard.backend.programs import training
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
@@ -137,7 +137,7 @@ def test_a_program_of_as_many_kernels_as_the_cpp_wrapper_pays_off_at_takes_it(mo
     from torch._inductor.utils import run_and_get_code
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxshard.backend.inductor_config import compile_local
+    from fxshard.backend.inductor.compile_local import compile_local
 
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
     args = [torch.randn(16, 16), torch.randn(16, 16) / 4]
@@ -220,7 +220,8 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
     read that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
     for the buffer the call returns (``out``), and torch 2.15's wrapper reads none. Every region runs in the
     C++ wrapper (however few its kernels) and the step computes what its regions' graphs do run as they are."""
-    from fxshard.backend import end_regions, training
+    from fxshard.backend.layers import end_regions
+    from fxshard.backend.programs import training
 
     listed: list[list[str | None]] = []
     wrapper = cpu_wrapper._mended_class()
@@ -250,7 +251,7 @@ def test_the_calling_code_is_compiled_at_its_own_level_and_the_kernels_at_O3(mon
     import torch._inductor.cpp_builder as cpp_builder
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxshard.backend.inductor_config import compile_local
+    from fxshard.backend.inductor.compile_local import compile_local
 
     built: list[str] = []
     build = cpp_builder.CppBuilder.build

@@ -3,7 +3,7 @@
 The pattern of torchtitan's fused QKV projection (tests/test_torchtitan.py runs the real one): a
 ``local_map`` built from the activation's own ``placements`` and ``device_mesh``, its function run on
 the local blocks. Dynamo leaves ``y.device_mesh`` in the graph as an attribute read and the local_map's
-``to_local()`` of an activation fxshard had not pinned (backend/dtensor_reads.py).
+``to_local()`` of an activation fxshard had not pinned (backend/capture/dtensor_reads.py).
 """
 from __future__ import annotations
 

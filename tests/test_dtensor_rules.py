@@ -1,4 +1,4 @@
-"""fxshard's rules lent to DTensor (backend/dtensor_rules.py) for the ops it has no strategy for.
+"""fxshard's rules lent to DTensor (backend/capture/dtensor_rules.py) for the ops it has no strategy for.
 
 Dynamo traces a DTensor program through DTensor's own sharding propagation, so an op DTensor lacks
 breaks the program in front of the backend (CPU flash attention: every Hugging Face model's sdpa on
@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fxshard.backend.dtensor_rules import dtensor_rule, is_lent, lend_rules_to_dtensor
+from fxshard.backend.capture.dtensor_rules import dtensor_rule, is_lent, lend_rules_to_dtensor
 from fxshard.op_kinds import Declared
 from fxshard.registry import OPS
 

@@ -1,4 +1,4 @@
-"""torch 2.11's Dynamo graphs (backend/dynamo_compat.py): DTensor API calls as closures that hold their
+"""torch 2.11's Dynamo graphs (backend/capture/dynamo_compat.py): DTensor API calls as closures that hold their
 mesh and placements. fxshard must read them as the calls torch 2.13 records.
 
 CI runs torch 2.13, whose Dynamo records the calls themselves; these tests rewrite its graphs into
@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxshard
-from fxshard.backend import capture as capture_module
+from fxshard.backend.capture import capture as capture_module
 from fxshard.backend import fxshard_backend
-from fxshard.backend.dynamo_compat import dtensor_prim, prim_arguments
-from fxshard.backend.inputs import is_from_local
+from fxshard.backend.capture.dynamo_compat import dtensor_prim, prim_arguments
+from fxshard.backend.capture.inputs import is_from_local
 from fxshard.backend.simulate import fake_world
-from fxshard.backend.traffic import collective_calls
+from fxshard.backend.reports.traffic import collective_calls
 
 RECORDS_CALLS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12)  # Dynamo's 2.13 form
 

@@ -72,7 +72,7 @@ def test_mlp_training_through_torch_compile_on_two_gloo_ranks(mlp_tp):
 def test_llama_fsdp_x_tp_training_on_four_gloo_ranks():
     """examples/train_llama.py at a small size: five (for-loop) AdamW steps of FSDP x TP (2 x 2) track the
     single-device losses; the first step's gradients match; each weight is all-gathered on dp. Five layers:
-    the step is planned folded (backend/fold.py: layers 0, 1, 3 and 4 planned, layer 2 stamped from layer 1)."""
+    the step is planned folded (backend/programs/fold.py: layers 0, 1, 3 and 4 planned, layer 2 stamped from layer 1)."""
     sys.path.insert(0, str(EXAMPLES))
     try:
         import train_llama
@@ -179,7 +179,7 @@ def test_generate_on_two_gloo_ranks(generate, cache, new_tokens, programs):
     compiled model gives the single-device tokens on every rank. A static cache compiles the prefill
     and one decode step. A dynamic one the prefill and decode steps for the first two lengths, whose programs
     differ only in the cache's length, unsharded: one program then serves the three later lengths
-    (backend/size_generic.py). Each decode step does Megatron's
+    (backend/programs/size_generic.py). Each decode step does Megatron's
     collectives: an all_reduce per attention and per MLP (2 layers), one for the vocab-parallel
     embedding, and the all_gather of the logits; the cache is never gathered."""
     results = generate.spawn(world_size=2, timeout=900.0, cache=cache, prompt=6, new_tokens=new_tokens, repeats=1,
@@ -193,7 +193,7 @@ def test_generate_on_two_gloo_ranks(generate, cache, new_tokens, programs):
 def test_sequence_parallel_training_with_windows_on_two_gloo_ranks():
     """Two SwiGLU blocks under torchtitan's tensor + sequence parallel plan, trained through
     torch.compile(backend="fxshard") as whole programs: the backward's gather for the first block runs
-    while the second block's weight gradients compute (backend/collective_windows.py; tests/test_overlap.py
+    while the second block's weight gradients compute (backend/inductor/collective_windows.py; tests/test_overlap.py
     reads the same code on a fake group). Two SGD steps match one device on both ranks."""
     with examples_and_tests_on_path():
         from inductor_code import calls, collective_kinds
@@ -211,7 +211,7 @@ def test_sequence_parallel_training_with_windows_on_two_gloo_ranks():
 
 @pytest.mark.slow
 def test_regional_fsdp_with_uneven_shards_on_two_gloo_ranks():
-    """The same uneven FSDP blocks, three of them, compiled regionally (backend/regions.py): each rank
+    """The same uneven FSDP blocks, three of them, compiled regionally (backend/layers/regions.py): each rank
     compiles its block once and runs it for all three; the ranks' collectives agree (a mismatch would hang)
     and two SGD steps match one device."""
     results = run_program("fsdp_blocks", 2, timeout=900.0, regional=True, layers=3)
@@ -226,7 +226,7 @@ def test_regional_fsdp_with_uneven_shards_on_two_gloo_ranks():
 @pytest.mark.slow
 def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
     """FSDP blocks whose rows do not divide by 2 (15 and 31: shards of 8 and 7, 16 and 15), bucketed by
-    block (backend/buckets.py): both ranks issue the same buckets (a mismatch would hang), and
+    block (backend/inductor/buckets.py): both ranks issue the same buckets (a mismatch would hang), and
     two SGD steps match one device. tests/test_overlap.py checks the same buckets without ranks."""
     with examples_and_tests_on_path():
         from inductor_code import collective_kinds

@@ -1,4 +1,4 @@
-"""backend/end_regions.py: a training step's prologue or epilogue is compiled where its ops, run as they are,
+"""backend/layers/end_regions.py: a training step's prologue or epilogue is compiled where its ops, run as they are,
 cost a step more than ``WORTH_SECONDS``; the estimate reads layouts, so every rank decides alike. Which ends
 of a real step are compiled: tests/test_regions.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxshard.backend import end_regions
+from fxshard.backend.layers import end_regions
 from fxshard.graph import LAYOUT
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_from_placements

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fxshard
 from fxshard.backend.simulate import simulate_ranks
-from fxshard.backend.traffic import collective_calls, summarize
+from fxshard.backend.reports.traffic import collective_calls, summarize
 
 B, S, D = 2, 16, 8
 
@@ -102,7 +102,7 @@ def model_and_input(case: Case, seed: int) -> tuple[Attention, torch.Tensor]:
     return model.requires_grad_(False), torch.randn(B, S, case.heads * D)
 
 
-# a tensor the score_mod captures (its other buffers): the trace (backend/trace.py's make_fx of
+# a tensor the score_mod captures (its other buffers): the trace (backend/capture/trace.py's make_fx of
 # torch.func.functionalize) fails on it, as make_fx(functionalize(...)) of the same Dynamo graph does in plain torch
 CAPTURED = {"window per head, captured slopes tp2": Case(2, score_mod=None, mask_mod=window_per_head, mask_heads=4,
                                                          slopes=True)}
@@ -123,7 +123,7 @@ def test_heads_sharded_match_one_device_and_move_nothing(name):
 def test_a_captured_tensor_is_refused_with_what_to_write_instead(name):
     """A score_mod reading a tensor it captures (a slopes buffer): stage 1 cannot trace it (torch's functionalize
     has no rule for that flex call), and says so with the fix, not functionalize's 'NYI'."""
-    from fxshard.backend.trace import TraceError
+    from fxshard.backend.capture.trace import TraceError
 
     model, x = model_and_input(CAPTURED[name], 0)
     with pytest.raises(TraceError, match=r"reads tensors it captures \(1 of them.*Compute the values inside"):

@@ -1,4 +1,4 @@
-"""A training step's repeated layers planned once (backend/fold.py): stages 1-5 run on layers 0, 1, L-2 and
+"""A training step's repeated layers planned once (backend/programs/fold.py): stages 1-5 run on layers 0, 1, L-2 and
 L-1, and layer 1's plan (and its lowered programs) stamped out for the others.
 
 The folded program must be the program planning the whole model gives: the same local code per region
@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.block_regions import blocks_as_regions, repeated_blocks
-from fxshard.backend.fold import STAMP
-from fxshard.backend.fold_lowered import REGION
-from fxshard.backend.regions import RegionalProgram, program_structure, region_schedule
+from fxshard.backend.layers.block_regions import blocks_as_regions, repeated_blocks
+from fxshard.backend.programs.fold import STAMP
+from fxshard.backend.programs.fold_lowered import REGION
+from fxshard.backend.layers.regions import RegionalProgram, program_structure, region_schedule
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

@@ -179,7 +179,7 @@ def test_a_program_without_calls_runs_when_its_preparation_is_read_back():
     from torch._inductor.utils import fresh_cache
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxshard.backend.inductor_direct import compile_direct
+    from fxshard.backend.inductor.compile_inner import compile_direct
 
     graph = torch.fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")

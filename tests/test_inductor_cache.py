@@ -5,8 +5,8 @@ Inductor's on-disk cache. fxshard hands Inductor its lowered programs with real 
 inputs, for which ``compile_fx`` made a fake mode without a shape environment, and both caches
 bypassed every program ("No shape env"): every run compiled every region again.
 ``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one. (The programs
-skip AOTAutograd, ``backend/inductor_direct.py``, and so its cache; each program's preparation for
-Inductor is kept instead, ``backend/prepared_cache.py``.)
+skip AOTAutograd, ``backend/inductor/compile_inner.py``, and so its cache; each program's preparation for
+Inductor is kept instead, ``backend/inductor/prepared_cache.py``.)
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _compiled_twice(model: torch.nn.Module, x: torch.Tensor) -> tuple:
         first = _step(model, x)
         compiled = counters["inductor"]["fxgraph_cache_miss"]
         assert compiled > 0 and counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
-        # each program prepared for Inductor once and kept (backend/prepared_cache.py)
+        # each program prepared for Inductor once and kept (backend/inductor/prepared_cache.py)
         assert counters["fxshard"]["prepared_cache_miss"] == compiled, dict(counters["fxshard"])
         assert counters["fxshard"]["prepared_cache_hit"] == 0, dict(counters["fxshard"])
         torch._dynamo.reset()
@@ -61,7 +61,7 @@ def _compiled_twice(model: torch.nn.Module, x: torch.Tensor) -> tuple:
         # read back prepared: the same program (code, names) that Inductor's cache keyed the first time
         assert counters["fxshard"]["prepared_cache_hit"] == compiled, dict(counters["fxshard"])
         assert counters["fxshard"]["prepared_cache_miss"] == 0, dict(counters["fxshard"])
-        # the regions go to Inductor without AOTAutograd (backend/inductor_direct.py): none is traced again
+        # the regions go to Inductor without AOTAutograd (backend/inductor/compile_inner.py): none is traced again
         assert not counters["aot_autograd"], dict(counters["aot_autograd"])
     torch._dynamo.reset()
     return first, second
@@ -103,13 +103,13 @@ class _WithConstant(torch.nn.Module):
 
 
 def test_a_prepared_programs_key_reads_what_its_preparation_reads():
-    """backend/prepared_cache.py keeps a program prepared for Inductor under a key of its code, constants
+    """backend/inductor/prepared_cache.py keeps a program prepared for Inductor under a key of its code, constants
     and inputs' metadata (not their values), and keeps nothing where Inductor's cache is off or a custom
     joint pass would run."""
     import torch.fx as fx
 
-    from fxshard.backend.inductor_config import cacheable_inputs
-    from fxshard.backend.prepared_cache import prepared_key
+    from fxshard.backend.inductor.compile_local import cacheable_inputs
+    from fxshard.backend.inductor.prepared_cache import prepared_key
 
     ones, twos = fx.symbolic_trace(_WithConstant(torch.ones(8))), fx.symbolic_trace(_WithConstant(torch.full((8,), 2.0)))
 
@@ -133,8 +133,8 @@ def test_a_prepared_programs_key_reads_what_its_preparation_reads():
 def test_a_cache_directory_that_cannot_be_written_keeps_nothing_and_compiles(tmp_path, monkeypatch):
     """A prepared program that cannot be stored (a read-only or full disk) is not kept; the program is
     compiled and computes what it computes."""
-    from fxshard.backend import prepared_cache
-    from fxshard.backend.inductor_config import compile_local
+    from fxshard.backend.inductor import prepared_cache
+    from fxshard.backend.inductor.compile_local import compile_local
 
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the store's directory would go: mkdir fails

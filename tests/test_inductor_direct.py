@@ -1,4 +1,4 @@
-"""backend/inductor_direct.py: fxshard's local programs reach Inductor without AOTAutograd's second trace.
+"""backend/inductor/compile_inner.py: fxshard's local programs reach Inductor without AOTAutograd's second trace.
 
 A program is decomposed as AOTAutograd's trace would decompose it (Inductor's table, composite ops),
 then compiled by Inductor's inner compiler: the compiled program computes what the graph computes, on
@@ -14,8 +14,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxshard.backend.inductor_config import cacheable_inputs, compile_local
-from fxshard.backend.inductor_direct import decompose_for_inductor, takes_directly
+from fxshard.backend.inductor.compile_local import cacheable_inputs, compile_local
+from fxshard.backend.inductor.compile_inner import decompose_for_inductor, takes_directly
 from fxshard.lowering.localize import fake_values
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxshard.backend.inductor_config import compile_local
+from fxshard.backend.inductor.compile_local import compile_local
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from inductor_code import kernels as generated_kernels  # noqa: E402

@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxshard
 from fxshard.backend.simulate import fake_world, lowered_graphs
-from fxshard.backend.traffic import collective_calls
+from fxshard.backend.reports.traffic import collective_calls
 from fxshard.placements import placements_from_layout
 
 INDEX = torch.tensor([4, 0, 2, 0])

@@ -1,4 +1,4 @@
-"""A second run loads each rank's lowered programs instead of planning again (backend/lowered_cache.py).
+"""A second run loads each rank's lowered programs instead of planning again (backend/programs/lowered_cache.py).
 
 The programs loaded must be the ones planned (the same code, signature and numerics), the key must
 change with everything planning reads, and nothing may be loaded where it cannot be trusted (a torn
@@ -19,8 +19,8 @@ from torch._inductor.utils import fresh_cache
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.regions import program_structure
-from fxshard.backend.training import TrainingProgram
+from fxshard.backend.layers.regions import program_structure
+from fxshard.backend.programs.training import TrainingProgram
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rank_programs import Blocks, shard_parameters  # noqa: E402
@@ -106,7 +106,7 @@ def test_a_second_compile_loads_the_programs_the_first_lowered(fake_mesh_4, cach
 
 
 def test_a_folded_steps_four_layers_are_kept_and_made_whole_when_read(fake_mesh_4, cache_on, monkeypatch):
-    """Six layers of our Llama under FSDP fold (backend/fold.py): the first run keeps the four layers' lowered
+    """Six layers of our Llama under FSDP fold (backend/programs/fold.py): the first run keeps the four layers' lowered
     programs without making them whole; a second run loads them and, when its lowered programs are read,
     unfolds them into the first run's, node for node."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -170,7 +170,7 @@ def test_an_inference_program_is_loaded_too(fake_mesh_4, cache_on):
 
 def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on, monkeypatch):
     """What planning reads is in the key: a cost model, the weights' placements, the input's shape, whether
-    repeated layers fold (backend/fold.py: a rank loading a program must load what the others plan)."""
+    repeated layers fold (backend/programs/fold.py: a rank loading a program must load what the others plan)."""
     x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
     _compile_and_step(_sharded_blocks(fake_mesh_4), x)
     _compile_and_step(_sharded_blocks(fake_mesh_4), x, cost_model=fxshard.CostModel(default_latency=0.0))
@@ -188,7 +188,7 @@ def test_another_option_placement_or_shape_plans_again(fake_mesh_4, cache_on, mo
 def test_the_key_reads_the_program_its_constants_and_the_switches(fake_mesh_4, monkeypatch):
     """The key changes with the program's code and its constants' values; nothing is kept with Inductor's
     caches off, with ``FXSHARD_LOWERED_CACHE=0``, or for a program holding a module the key cannot read."""
-    from fxshard.backend.lowered_cache import lowered_key
+    from fxshard.backend.programs.lowered_cache import lowered_key
 
     class Scaled(torch.nn.Module):
         def __init__(self, constant: torch.Tensor):
@@ -238,7 +238,7 @@ def _tripled(x: torch.Tensor) -> torch.Tensor:
 def test_the_key_reads_the_body_of_a_python_function_the_program_calls(fake_mesh_4, monkeypatch):
     """A graph calls a user's function by name (``allow_in_graph``): its code is the same when the function's
     body changes, the key is not; a closure over something other than plain values keeps nothing."""
-    from fxshard.backend.lowered_cache import lowered_key
+    from fxshard.backend.programs.lowered_cache import lowered_key
 
     def calling(fn) -> fx.GraphModule:
         graph = fx.Graph()
@@ -317,7 +317,7 @@ def test_a_graph_kept_as_records_comes_back_the_same():
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxshard.backend.graph_records import graph_from_records, graph_records
+    from fxshard.backend.programs.graph_records import graph_from_records, graph_records
 
     three = torch.full((8,), 3.0)
 
@@ -374,7 +374,8 @@ def test_loaded_regions_come_without_fake_values_and_their_compiles_compute_them
     """A second run's regions are loaded without their values' fake tensors (a layer's compile makes its own);
     compiled through ``compile_fx`` instead (a region Inductor's direct path does not take), and bucketed
     uncompiled, they are computed where read, and the step computes the single-device result."""
-    from fxshard.backend import inductor_config, training
+    from fxshard.backend.inductor import compile_local as inductor_config
+    from fxshard.backend.programs import training
     from fxshard.lowering.localize import complete_fake_values
 
     model, reference, data, x = _replicated(fake_mesh_4)
@@ -431,7 +432,7 @@ def test_an_operator_a_module_registers_on_import_is_found_in_a_fresh_process():
     imported: a second run reading it has not imported them yet."""
     import subprocess
 
-    code = ("import torch, fxshard.backend.graph_records as g\n"
+    code = ("import torch, fxshard.backend.programs.graph_records as g\n"
             "assert not hasattr(torch.ops.bucketing, '_pre_bucket_all_gather')\n"
             "print(g._Op('bucketing', '_pre_bucket_all_gather', 'default').resolve())")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -442,8 +443,8 @@ def test_the_key_reads_the_state_a_program_is_traced_under(fake_mesh_4, monkeypa
     """Each process-wide state tracing reads (tests/cache_states.py: autocast per dtype, default dtype, SDPA's
     backends, deterministic algorithms, grad mode) gives the same graph another key; where the state cannot
     be read, nothing is kept and a warning says so once."""
-    from fxshard.backend import cache_files
-    from fxshard.backend.lowered_cache import lowered_key
+    from fxshard.backend.inductor import cache_files
+    from fxshard.backend.programs.lowered_cache import lowered_key
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from cache_states import STATES

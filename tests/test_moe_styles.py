@@ -7,7 +7,7 @@ plan stands in) becomes torch's styles: "colwise" / "rowwise" modules ``ColwiseP
 gate and up each cut by rank, ``_StridedShard``; "rowwise": the input features) and replicates
 their inputs and output, as transformers' own style does. The experts' grouped matmul is
 transformers' custom op (fp32 under torch.compile), which DTensor has no rule for: fxshard lends
-its own (backend/dtensor_rules.py). Exact against one device on simulated ranks, no op run
+its own (backend/capture/dtensor_rules.py). Exact against one device on simulated ranks, no op run
 replicated, with the collectives counted.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_forward_is_one_devices(name):
 # (4 all_gathers, 54 KiB/rank, per Qwen3-MoE layer at tp=2); now each layer all-reduces twice forward and
 # twice backward (the norms' weight gradients: 4 more of 32 B). GptOss: 4 all_reduce, 8 all_gather (its ::2
 # slices; after its forward test in one process too, each world fresh_world's). DeepseekV3 writes its keys
-# into slices of a new_empty (copy_), which trains through backend/functional_copy.py; its 8: the 4 forward
+# into slices of a new_empty (copy_), which trains through backend/capture/functional_copy.py; its 8: the 4 forward
 # ones and as many backward
 TRAINING = {"qwen3_moe": {"all_reduce": 12}, "deepseek_v3": {"all_reduce": 8},
             "gpt_oss": {"all_reduce": 4, "all_gather": 8}}

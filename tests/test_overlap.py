@@ -1,10 +1,10 @@
-"""Collectives bucketed and waits overlapped by Inductor's own passes (backend/inductor_config.py).
+"""Collectives bucketed and waits overlapped by Inductor's own passes (backend/inductor/compile_local.py).
 
 FSDP in miniature (``rank_programs.Blocks``: two residual MLP blocks, every weight Shard(0) on 4
 ranks): fxshard lowers one all_gather per weight and one reduce_scatter per gradient, each wait
 right behind its collective; Inductor merges each block's into one and moves waits below compute.
 Counts are read from the code Inductor generates, on a fake process group (rank 0), for whole
-programs (``regional: False``: regional compilation, backend/regions.py, compiles each block apart,
+programs (``regional: False``: regional compilation, backend/layers/regions.py, compiles each block apart,
 and Inductor buckets and overlaps inside each), read from Inductor's Python wrapper
 (``FXSHARD_CPU_WRAPPER=0``): fxshard's CPU programs run in its C++ wrapper, whose calls are the same
 calls in the same order (tests/test_cpu_wrapper.py).
@@ -21,8 +21,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.buckets import BLOCK_KEY, block_buckets, nodes_made, tag_blocks
-from fxshard.backend.inductor_config import BucketPolicy, block_bytes, inductor_patches
+from fxshard.backend.inductor.buckets import BLOCK_KEY, block_buckets, nodes_made, tag_blocks
+from fxshard.backend.inductor.compile_local import BucketPolicy, block_bytes, inductor_patches
 from fxshard.backend.simulate import fake_world, lowered_graphs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -150,7 +150,7 @@ def test_waits_move_below_compute(training_step, program, overlapped):
     ("backward", 1),  # the last block's two weights regathered as one bucket; the first block's one weight alone
 ])
 def test_a_gathered_bucket_is_unpacked_by_one_call(training_step, program, unpacked):
-    """``backend/bucket_copies.py``: every member of a gathered bucket comes out of it in one
+    """``backend/inductor/bucket_copies.py``: every member of a gathered bucket comes out of it in one
     ``fxshard::unpack_gathered`` call (Inductor's default merge would generate a copy kernel per member)."""
     _, inductor, lines = training_step[program]
     unpacks = [s for s in lines if "fxshard.unpack_gathered" in s]
@@ -161,7 +161,7 @@ def test_unpack_gathered_gives_every_ranks_piece_of_each_member():
     """What an all_gather of a packed bucket holds, rank after rank (each rank's members back to back),
     comes out member by member in the shape asked for: a gathered member's own (its ranks' pieces stacked
     on dim 0), or ``(ranks, numel)``; its fake implementation agrees (``opcheck``)."""
-    from fxshard.backend import bucket_copies  # noqa: F401  (registers the op)
+    from fxshard.backend.inductor import bucket_copies  # noqa: F401  (registers the op)
 
     ranks, shards = 3, [(5,), (1,), (2, 3), (7,)]  # each rank's shard of each member
     numels = [math.prod(s) for s in shards]
@@ -208,7 +208,7 @@ def uneven_programs() -> tuple[dict, tuple[str, ...]]:
 
 
 def test_buckets_are_the_same_on_every_rank_of_an_uneven_program(uneven_programs):
-    """The block buckets of each rank's program (``backend/buckets.py``: tags from names, grouped in
+    """The block buckets of each rank's program (``backend/inductor/buckets.py``: tags from names, grouped in
     program order): the same collectives in the same buckets on every rank (a rank that bucketed
     otherwise would hang the job), though rank 3's shards are smaller."""
     def shapes(gm: torch.fx.GraphModule) -> list:
@@ -308,7 +308,7 @@ def test_a_gather_bucket_of_several_dtypes_is_one_call_and_gives_each_member_bac
     number of int64s between float32s and bytes: the offsets are in the narrowest dtype's units)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxshard.backend.inductor_config import bucketed_uncompiled, compile_local
+    from fxshard.backend.inductor.compile_local import bucketed_uncompiled, compile_local
 
     fake = FakeTensorMode()
     c10d = torch.ops._c10d_functional
@@ -392,7 +392,7 @@ def tensor_parallel_step(fake_mesh_4):
     ("backward", [("all_reduce", 2), ("all_reduce", 2)]),
 ])
 def test_a_lone_all_reduce_overlaps_the_compute_that_does_not_need_it(tensor_parallel_step, program, compiled):
-    """``backend/collective_windows.py``: fxshard lowers each wait right behind its all_reduce; in Inductor's code
+    """``backend/inductor/collective_windows.py``: fxshard lowers each wait right behind its all_reduce; in Inductor's code
     the matmuls that neither feed an all_reduce nor read its result run between its start and its wait."""
     fxshard_lowered, inductor = tensor_parallel_step[program]
     assert [(kind, compute) for kind, compute in fxshard_lowered] == [(kind, 0) for kind, _ in compiled]
@@ -404,7 +404,7 @@ def test_a_kernel_goes_to_the_first_window_it_fits_and_a_bucketable_all_reduce_g
     gave) and three matmuls: one feeding the first, one free of both (the first window's), one reading the
     first's result (the second window's). Each window's kernel comes to lie between its start and wait. Then
     a graph of two independent all_reduces (Inductor may bucket the two): neither gets a window."""
-    from fxshard.backend.collective_windows import collective_windows
+    from fxshard.backend.inductor.collective_windows import collective_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     graph = torch.fx.Graph()
@@ -441,7 +441,7 @@ def test_no_window_makes_a_collective_start_before_one_that_started_before_it():
     """A matmul free of an all_reduce's data but reading a gather issued after a later all_reduce gets no
     window: in the first's it would pull the gather before the second all_reduce (each rank must issue
     collectives in one order), in the second's likewise."""
-    from fxshard.backend.collective_windows import collective_windows
+    from fxshard.backend.inductor.collective_windows import collective_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     graph = torch.fx.Graph()
@@ -494,7 +494,7 @@ def sequence_parallel_step(fake_mesh_4):
 ])
 def test_sequence_parallel_gathers_overlap_the_compute_that_does_not_need_them(sequence_parallel_step, program,
                                                                                compiled):
-    """``backend/collective_windows.py`` with sequence parallelism: a lone reduce_scatter or all_gather gets
+    """``backend/inductor/collective_windows.py`` with sequence parallelism: a lone reduce_scatter or all_gather gets
     the matmuls that neither feed it nor read its result, where Inductor's own reordering keeps them there."""
     assert sequence_parallel_step[program] == compiled
 
@@ -505,7 +505,7 @@ def test_a_collective_that_leads_straight_to_another_leaves_its_kernels_to_the_s
     gather, and the reduce_scatter's wait with it, over any kernel in between. The free matmul goes to the
     gather's window. When what follows is not lone (two all_reduces Inductor may bucket), the reduce_scatter
     keeps its window."""
-    from fxshard.backend.collective_windows import collective_windows
+    from fxshard.backend.inductor.collective_windows import collective_windows
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fxshard
-from fxshard.backend.inputs import InputError
+from fxshard.backend.capture.inputs import InputError
 from fxshard.backend.pipelining import PassThrough, PipelineRank, explain_pipeline, simulate_pipeline, split_model
 from fxshard.backend.simulate import fake_world
 

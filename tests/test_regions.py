@@ -1,4 +1,4 @@
-"""Regional compilation (backend/regions.py): each rank's lowered programs cut at their layers, each
+"""Regional compilation (backend/layers/regions.py): each rank's lowered programs cut at their layers, each
 distinct region compiled once and reused by every layer with its key.
 
 Numerics: every rank's programs run region by region in lockstep (``simulate_ranks(regional=True)``:
@@ -6,7 +6,7 @@ a layer runs the graph of the first region with its key, as its compiled code wo
 one device on fresh random data. Reuse: the production path (``TrainingProgram``) asks
 ``compile_local`` for no more region graphs at 5 layers than at 3. Collectives: the regional FSDP
 step issues the whole program's buckets, its gathers a layer early and its reductions waited a layer
-late (backend/prefetch.py); tests/test_e2e_gloo.py runs that on real ranks.
+late (backend/layers/prefetch.py); tests/test_e2e_gloo.py runs that on real ranks.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend import end_regions, training
+from fxshard.backend.layers import end_regions
+from fxshard.backend.programs import training
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -142,7 +143,7 @@ def _traces_and_merges(layers: int, mesh, monkeypatch) -> tuple[int, int]:
     """(traces Inductor's bucket merges made, buckets merged) for one FSDP training step of ``layers`` layers."""
     from torch._inductor.fx_passes import bucketing
 
-    from fxshard.backend import buckets
+    from fxshard.backend.inductor import buckets
 
     counts = Counter()
     original = bucketing._trace
@@ -166,7 +167,7 @@ def _traces_and_merges(layers: int, mesh, monkeypatch) -> tuple[int, int]:
 
 
 def test_every_layers_buckets_are_traced_once(fake_mesh_4, monkeypatch):
-    """The layers' buckets are alike: each kind's merge is traced once (backend/bucket_traces.py), so one
+    """The layers' buckets are alike: each kind's merge is traced once (backend/inductor/bucket_traces.py), so one
     more layer merges more buckets and traces none more (three layers: the fewest a program is cut at)."""
     (traces_three, merges_three), (traces_four, merges_four) = (_traces_and_merges(n, fake_mesh_4, monkeypatch)
                                                                 for n in (3, 4))
@@ -182,7 +183,7 @@ def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
     import torch.fx as fx
     from torch._inductor.fx_passes import bucketing
 
-    from fxshard.backend import buckets
+    from fxshard.backend.inductor import buckets
 
     counts: Counter = Counter()
     walk, reach = fx.graph._node_list.__iter__, buckets.reachable
@@ -218,7 +219,7 @@ def _compile_work(layers: int, mesh, monkeypatch) -> Counter:
 def test_compiling_a_program_takes_time_linear_in_its_layers(fake_mesh_4, monkeypatch, fold, depths):
     """Every stage reads each layer's part of the program a fixed number of times: two more layers add about
     as many nodes visited from 4 layers to 6 as from 2 to 4 (2 / 4 / 6 / 8 layers: 64k / 107k / 152k / 197k,
-    each layer planned: ``FXSHARD_FOLD=0``), and folded (backend/fold.py: five layers and more planned as
+    each layer planned: ``FXSHARD_FOLD=0``), and folded (backend/programs/fold.py: five layers and more planned as
     four, the others copied) from 7 to 9 as from 5 to 7.
     The cut into regions was quadratic (64 layers' cut took 3.2 s, 32 layers' 1.1 s): each bucket merge
     compared the program's nodes before and after it, searched from each member to the program's end for
@@ -292,7 +293,7 @@ def test_a_retained_graph_runs_its_backward_again(fake_mesh_4, monkeypatch):
 def _fsdp_step(regional: bool, mesh, monkeypatch) -> training.TrainingProgram:
     """One FSDP training step's program, its regions (or whole programs) bucketed by the pass
     ``compile_local`` gives Inductor, applied here without Inductor (``bucketed_uncompiled``)."""
-    from fxshard.backend.inductor_config import bucketed_uncompiled
+    from fxshard.backend.inductor.compile_local import bucketed_uncompiled
 
     monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: bucketed_uncompiled(gm, policy))
     return _fsdp_program(mesh, batch=(8, 64), regional=regional)
@@ -460,7 +461,7 @@ def test_a_program_is_cut_where_one_layer_program_serves_three_layers(layers):
     """The cut adds the prologue's and the epilogue's compiles to the layer's: it pays from three alike layers
     (``regions.SHARED_LAYERS``). Two layers are compiled whole, one program each way; three run region by
     region, a layer on another's graph; both compute what one device does."""
-    from fxshard.backend.regions import SHARED_LAYERS
+    from fxshard.backend.layers.regions import SHARED_LAYERS
 
     assert SHARED_LAYERS == 3
     torch.manual_seed(layers)
@@ -498,7 +499,7 @@ def test_layers_are_alike_by_global_layouts_on_every_rank(fake_mesh_4):
     """``layers_alike`` reads parameter names and global layouts, the same on every rank (the cut decides
     the buckets, which every rank must issue alike): the MLP's two layers have parameters of the same local
     shapes on every rank but not the same layouts; the Llama's layers are alike."""
-    from fxshard.backend.regions import layers_alike
+    from fxshard.backend.layers.regions import layers_alike
     from fxshard.backend.simulate import lowered_graphs
 
     mlp = lowered_graphs(_tp_mlp(), torch.randn(4, 4), device_mesh=fake_mesh_4, placements=MLP_PLACEMENTS)
@@ -515,7 +516,7 @@ def test_fxshard_compile_of_a_sequential_trains_as_one_program_each_way(fake_mes
     """``fxshard.compile`` of an ``nn.Sequential`` (its parameters named "0.weight": the traced program's
     arguments are made identifiers, "_0_weight") trains, and, its layers differing, compiles its forward and
     its backward whole: two programs, no regions."""
-    from fxshard.backend.regions import RegionalProgram
+    from fxshard.backend.layers.regions import RegionalProgram
 
     compiled = _record_compiles(monkeypatch)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
-"""One program for every length of a dim that grows and that no layout shards (backend/size_generic.py).
+"""One program for every length of a dim that grows and that no layout shards (backend/programs/size_generic.py).
 
-A graph Dynamo made dynamic gets a program per set of sizes (backend/sizes.py); two programs whose local
+A graph Dynamo made dynamic gets a program per set of sizes (backend/programs/sizes.py); two programs whose local
 code is the same and whose layouts differ only in the sizes of unsharded dims give one program compiled for
 symbolic sizes, which serves every later size on the line through the two. Checked here: the line, the
 layouts, which Dynamo graphs qualify, and, on a fake process group of 4, that the program for symbolic sizes
@@ -13,8 +13,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend import size_generic
-from fxshard.backend.size_generic import Affine, affine_sizes_only, flat_key, resized, same_but_sizes
+from fxshard.backend.programs import size_generic
+from fxshard.backend.programs.size_generic import Affine, affine_sizes_only, flat_key, resized, same_but_sizes
 from fxshard.layout import Layout, Piece
 
 MESH = fxshard.MeshSpec(tp=2)

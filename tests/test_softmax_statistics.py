@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from fxshard.backend.simulate import fake_world, lowered_graphs, simulate_ranks
-from fxshard.backend.traffic import collective_calls
+from fxshard.backend.reports.traffic import collective_calls
 
 BANDWIDTH_BOUND = fxshard.CostModel(default_latency=0.0)  # bytes alone: two all_reduces move fewer than the gather
 

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
-from fxshard.backend.capture import capture
-from fxshard.backend.inputs import input_layouts, named_inputs
-from fxshard.backend.joint import plan_training
+from fxshard.backend.capture.capture import capture
+from fxshard.backend.capture.inputs import input_layouts, named_inputs
+from fxshard.backend.programs.joint import plan_training
 from fxshard.memory import step_memory
 
 F32 = 4  # bytes of an fp32 element (a bool is 1)

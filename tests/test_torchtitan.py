@@ -3,7 +3,7 @@
 The models, their sharding configs and ``ParallelDims`` are torchtitan's (tests/titan_programs.py says what
 is shrunk or left out, and why). torchtitan's fused QKV projection builds a ``local_map`` from
 ``qkv.placements`` and ``qkv.device_mesh``; these tests run that code as it is written
-(backend/dtensor_reads.py). torchtitan 0.3.0 imports triton (its expert-parallel kernels), which torch
+(backend/capture/dtensor_reads.py). torchtitan 0.3.0 imports triton (its expert-parallel kernels), which torch
 2.15's build brings and the 2.13 CPU wheel does not: there this file skips. CI installs torchtitan 0.3.0
 with spmd_types 0.2.3 and tyro (.ci/run).
 """

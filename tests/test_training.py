@@ -1,4 +1,4 @@
-"""Training: the joint forward+backward program, sharded (backend/joint.py, training.py, parallel.py).
+"""Training: the joint forward+backward program, sharded (backend/programs/joint.py, training.py, parallel.py).
 
 Loss and every gradient are checked against the single-device run on fresh random data; the
 collectives of each plan are counted on the lowered forward and backward programs.
@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import fxshard
 from fxshard.backend.simulate import fake_world, lowered_graphs, simulate_ranks
-from fxshard.backend.traffic import collective_calls
+from fxshard.backend.reports.traffic import collective_calls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models.llama import (  # noqa: E402
@@ -114,7 +114,7 @@ def test_fsdp_under_the_default_cost_model_prices_a_blocks_gathers_as_one_call()
     layer's weights. Priced one latency per parameter, a layer's 9 gathers and 9 reduce_scatters lose
     to a tensor-parallel plan (the batch replicated, activations all-reduced at every layer: each rank
     computes and holds the whole batch's norms and residuals); stage 6 buckets each block's into one
-    call (backend/buckets.py), and refinement now prices them so (``refine.planned_cost``): FSDP."""
+    call (backend/inductor/buckets.py), and refinement now prices them so (``refine.planned_cost``): FSDP."""
     torch.manual_seed(5)
     config = LlamaConfig(vocab_size=1024, dim=128, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=384)
     model = Llama(config)
@@ -253,7 +253,7 @@ def test_grad_without_trainable_inputs_says_so():
 def test_no_rank_keeps_a_gathered_value_between_the_passes():
     """FSDP x TP: no activation is saved gathered; of the gathered weights only the norms' (tiny) and
     the one the backward needs first are kept, the others are gathered again in the backward."""
-    from fxshard.backend.joint import grows
+    from fxshard.backend.programs.joint import grows
     from fxshard.refine import input_root
     from fxshard.backend.driver import plan_function
     from fxshard.registry import RELABELS as RELABEL_OPS
@@ -314,7 +314,7 @@ def test_the_backward_rebuilds_pointwise_values_from_what_it_keeps():
     view of kept values alone, and fewer bytes cross than when every read value is saved
     (``TrainingSplit(recompute_pointwise=False)``), with the same collectives."""
     from fxshard.backend.driver import plan_function
-    from fxshard.backend.joint import _rebuilds_freely
+    from fxshard.backend.programs.joint import _rebuilds_freely
 
     torch.manual_seed(0)
     model = Llama(CFG)

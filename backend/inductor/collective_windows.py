@@ -29,7 +29,7 @@ Lone: no other collective of its kind (all_reduce, reduce_scatter, all_gather) i
 the data flow, as in a chain of activations and their gradients (TP's, TP + SP's). A lone all_reduce is
 one Inductor's greedy all_reduce bucketing, which runs after this pass and expects a collective's wait as
 it was made, would leave alone; the gathers and reduce_scatters were bucketed before it
-(``backend/buckets.py``). FSDP's gathers and reduce_scatters, independent of each other across blocks,
+(``backend/inductor/buckets.py``). FSDP's gathers and reduce_scatters, independent of each other across blocks,
 are not lone: Inductor's reordering prefetches them within the memory it allows, which a window that
 holds every independent kernel behind a start would not. ``tests/test_overlap.py`` reads the generated
 code.

@@ -40,9 +40,9 @@ from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
 
-from .buckets import ROOT, block_of
-from .inputs import dtensor_layout
-from .trace import JointSignature, TangentMismatch, TracedProgram, trace_global
+from fxshard.backend.inductor.buckets import ROOT, block_of
+from fxshard.backend.capture.inputs import dtensor_layout
+from fxshard.backend.capture.trace import JointSignature, TangentMismatch, TracedProgram, trace_global
 
 aten = torch.ops.aten
 
@@ -54,7 +54,7 @@ class TrainingPlan:
 
     forward: fx.GraphModule  # primals -> (*outputs, *saved)
     backward: fx.GraphModule  # (*saved, *tangents) -> gradients of grad_inputs
-    joint: fx.GraphModule | None  # the planned joint graph both were cut from (None: unfolded, backend/fold.py)
+    joint: fx.GraphModule | None  # the planned joint graph both were cut from (None: unfolded, backend/programs/fold.py)
     program: TracedProgram  # the joint trace (names, positions, input layouts)
     num_outputs: int
     grad_inputs: tuple[int, ...]  # which primals get a gradient, in the backward's output order
@@ -179,7 +179,7 @@ def reuse_first_gather(gm: fx.GraphModule, forward: set[fx.Node]) -> set[fx.Node
     after forward for the same reason. Only a parameter outside the repeated layers (``block_of``:
     the root): a layer's kept gather (the last layer's, where the plan leaves the output projection
     sharded) is one more output of that layer's program, which then differs from the others' and
-    costs Inductor a compile each way (backend/regions.py). Rewrites the joint graph; returns the
+    costs Inductor a compile each way (backend/layers/regions.py). Rewrites the joint graph; returns the
     forward gathers kept.
     """
     def parity(n: fx.Node) -> int | None:
@@ -337,7 +337,7 @@ def _check_saved(saved: Sequence[fx.Node]) -> None:
     for n in saved:
         if isinstance(n.meta.get("val"), (tuple, list)):
             raise RuntimeError(f"fxshard's training split would save {n.format_node()}, a multi-output op, whole: "
-                               "this is a bug in backend/joint.py (recomputed); please report it with the program")
+                               "this is a bug in backend/programs/joint.py (recomputed); please report it with the program")
 
 
 def partition(joint: fx.GraphModule, signature: JointSignature,

@@ -30,8 +30,8 @@ from fxshard.graph import (ARG_LAYOUTS, LAYOUT, copy_node, copy_nodes, eliminate
                            outputs)
 from fxshard.timing import stage
 
-from .joint import TrainingPlan
-from .regions import (Region, backward_regions, forward_regions, indexed_layer, layer_of_inputs, program_structure,
+from fxshard.backend.programs.joint import TrainingPlan
+from fxshard.backend.layers.regions import (Region, backward_regions, forward_regions, indexed_layer, layer_of_inputs, program_structure,
                       renumbered, saved_regions, split_regions)
 
 __all__ = ["Shortened", "shorten", "unfold", "unfolder", "folding_on", "MIN_LAYERS", "STAMP"]

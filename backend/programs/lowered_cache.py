@@ -56,12 +56,12 @@ from torch.distributed.tensor import DTensor
 from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
 
-from .cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
-from .graph_records import graph_from_records, graph_records
-from .fold_lowered import unfolded_lowered
-from .inference import LoweredInference
-from .regions import Region, program_structure
-from .training import KeptRegions, LoweredTraining
+from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
+from fxshard.backend.programs.graph_records import graph_from_records, graph_records
+from fxshard.backend.programs.fold_lowered import unfolded_lowered
+from fxshard.backend.programs.inference import LoweredInference
+from fxshard.backend.layers.regions import Region, program_structure
+from fxshard.backend.programs.training import KeptRegions, LoweredTraining
 
 __all__ = ["lowered_key", "load_lowered", "read_lowered_graphs", "store_lowered", "store_regions"]
 
@@ -198,9 +198,10 @@ def _option_text(value: Any) -> Any:
 def _source_digest() -> str:
     """fxshard's source, every module of the package, read once per process (an explicit cache)."""
     digest = hashlib.sha256()
-    for package in ("fxshard", "fxshard.backend", "fxshard.lowering"):  # imported already: this module imports them
-        for path in sorted(pathlib.Path(sys.modules[package].__file__).parent.glob("*.py")):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for package in ("fxshard", "fxshard.lowering", "fxshard.backend"):  # imported already: this module imports them
+        root = pathlib.Path(sys.modules[package].__file__).parent
+        for path in sorted(root.rglob("*.py")):  # the sub-packages too: a moved module is a changed source
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

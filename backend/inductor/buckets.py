@@ -26,8 +26,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fxshard.blocks import ROOT, block_of
 from fxshard.graph import reachable
 
-from .bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
-from .bucket_traces import inputs_not_sorted, traces_reused, users_kept
+from fxshard.backend.inductor.bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
+from fxshard.backend.inductor.bucket_traces import inputs_not_sorted, traces_reused, users_kept
 
 __all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
 

@@ -248,7 +248,7 @@ def generalize(samples: Sequence[tuple[Hashable, Any]], affine_sizes: bool) -> "
     program), in the order compiled), if they allow it (above). Where int arguments move with the sizes,
     the line through two programs' must hold at a third's too (a product of two lengths agrees with a
     line at two points, not at three)."""
-    from .inference import InferenceProgram
+    from fxshard.backend.programs.inference import InferenceProgram
 
     if not affine_sizes or len(samples) < 2:
         return None
@@ -312,7 +312,7 @@ class SizeGenericProgram:
         return self._writer(outs)(outs)
 
     def _reader(self, key: Hashable, args: Sequence[Any]) -> Any:
-        from .inputs import InputReader
+        from fxshard.backend.capture.inputs import InputReader
 
         reader = self.readers.get(key)
         if reader is None:
@@ -324,7 +324,7 @@ class SizeGenericProgram:
         return reader
 
     def _writer(self, outs: Sequence[torch.Tensor]) -> Any:
-        from .outputs import OutputWriter
+        from fxshard.backend.capture.outputs import OutputWriter
 
         shapes = tuple(tuple(o.shape) for o in outs)
         writer = self.writers.get(shapes)
@@ -350,10 +350,10 @@ class SizeGenericProgram:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-        from .inductor_config import compile_local
+        from fxshard.backend.inductor.compile_local import compile_local
 
         sample = self.sample
-        from .regions import program_copy
+        from fxshard.backend.layers.regions import program_copy
 
         program = with_size_arguments(program_copy(sample.local_graph), self.sizes)
         if not sample.inductor:  # the local code, its moving sizes read from its input

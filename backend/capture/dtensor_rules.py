@@ -8,7 +8,7 @@ public ``register_sharding``, the strategies fxshard's signature for such an op 
 replication, and each factor that passes through to every output (not one that must stay whole)
 sharded on all tensors carrying it. Ops DTensor already has are left alone; other libraries' ops
 (the registry's ``NAMED_OPS``, keyed by schema name) are lent once that library has defined them, so
-lending runs again at each capture (backend/capture.py), cheap and idempotent. The strategies
+lending runs again at each capture (backend/capture/capture.py), cheap and idempotent. The strategies
 only have to be right, not best: under the backend fxshard plans the program itself; in
 DTensor eager they make the op run (sharded where the signature allows) instead of raising.
 """

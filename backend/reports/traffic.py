@@ -90,7 +90,7 @@ def collective_call(op: Any, args: Sequence[Any]) -> CollectiveCall | None:
     if packet is getattr(torch.ops._dtensor, "shard_dim_alltoall", None):
         return CollectiveCall("all_to_all", _group_size(args[3]), _nbytes(args[0]))
     if _is_communication(packet):
-        raise UnknownCollectiveError(f"{op} communicates, but fxshard.backend.traffic cannot size it")
+        raise UnknownCollectiveError(f"{op} communicates, but fxshard.backend.reports.traffic cannot size it")
     return None
 
 

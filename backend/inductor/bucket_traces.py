@@ -32,7 +32,7 @@ __all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded", "users_
 
 # the functions ``recorded`` traces (by name: in torch/_inductor/fx_passes/bucketing.py, or this project's),
 # each checked against make_fx's trace of it by tests/test_compile_time.py; any other is traced by make_fx
-RECORDED = ("fxshard.backend.bucket_copies._gather_bucket",
+RECORDED = ("fxshard.backend.inductor.bucket_copies._gather_bucket",
             "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace",
             "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace_custom_ops",
             "torch._inductor.fx_passes.bucketing.reduce_scatter_merge_fn_to_trace",

@@ -40,7 +40,7 @@ def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Cal
             "torch.compile(..., dynamic=True) with backend='fxshard': fxshard plans communication for concrete "
             "sizes, so it compiles one program per distinct set of input sizes it is called with (checked at each "
             "call, never reused for other sizes). Leave dynamic unset to silence this.", stacklevel=3)
-    from .size_generic import affine_sizes_only
+    from fxshard.backend.programs.size_generic import affine_sizes_only
 
     return PerSizePrograms(example_inputs, compile_for, graph_id, affine_sizes=affine_sizes_only(gm))
 
@@ -54,7 +54,7 @@ class PerSizePrograms:
         self.graph_id = graph_id
         self.programs: dict[Hashable, Callable] = {}
         # one program for the sizes that grow where two programs show the plan does not depend on them
-        # (backend/size_generic.py); ``affine_sizes``: Dynamo's graph computes sizes by sums and products only
+        # (backend/programs/size_generic.py); ``affine_sizes``: Dynamo's graph computes sizes by sums and products only
         self.affine_sizes = affine_sizes
         self.generic: Any = None  # a SizeGenericProgram, once two programs allow one
         self._recent: list[tuple[Hashable, Callable]] = []  # the last three (sizes, program) compiled
@@ -86,7 +86,7 @@ class PerSizePrograms:
         program = self.programs[key] = self.compile_for(inputs)
         self._recent = [*self._recent[-2:], (key, program)]
         if self.generic is None and self.affine_sizes:
-            from .size_generic import generalize
+            from fxshard.backend.programs.size_generic import generalize
 
             # while the programs may yet prove one serves every size, Inductor waits for a size's second call
             if hasattr(program, "uncompiled_calls"):

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 
 from fxshard.lowering.localize import program_fake_values
 
-from .cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
+from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
 
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 

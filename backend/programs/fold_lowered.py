@@ -23,12 +23,12 @@ import torch.fx as fx
 from fxshard.lowering.groups import MeshGroups
 from fxshard.timing import stage
 
-from .buckets import tag_blocks
-from .fold import STAMP, Shortened, _Layers, _Step
-from .inductor_config import block_bytes
-from .joint import TrainingPlan
-from .regions import Merge, Region, cut_training, program_copy, training_region_maps
-from .training import LoweredTraining, lower_training
+from fxshard.backend.inductor.buckets import tag_blocks
+from fxshard.backend.programs.fold import STAMP, Shortened, _Layers, _Step
+from fxshard.backend.inductor.compile_local import block_bytes
+from fxshard.backend.programs.joint import TrainingPlan
+from fxshard.backend.layers.regions import Merge, Region, cut_training, program_copy, training_region_maps
+from fxshard.backend.programs.training import LoweredTraining, lower_training
 
 __all__ = ["FoldedLowering", "lower_folded", "unfolded_lowered"]
 

@@ -7,7 +7,7 @@ fxshard.compile captures (a wrapper of it: marking sets attributes on the functi
 gets its own ``forward`` back after), Dynamo traces the first call and reuses its graph for
 every later call its guards accept (a block whose Python attributes differ is traced again), as
 ``invoke_subgraph`` calls of one body; stage 1 reads each call's body inline
-(``backend/trace.py``), so the traced program is the one Dynamo gives without regions. The class
+(``backend/capture/trace.py``), so the traced program is the one Dynamo gives without regions. The class
 is marked, not each block: marked per instance (a bound method), torch 2.13's Dynamo passed the
 first block's weights to every call. Dynamo inlines a block with a Python side effect (a cache
 list appended to) as before; where it refuses the regions, ``captured_with_regions`` captures

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fxshard.graph import copy_graph_module, copy_node, metadata
 from fxshard.lowering.localize import fake_values, program_fake_values
 
-from .prepared_cache import load_prepared, prepared_key, store_prepared
+from fxshard.backend.inductor.prepared_cache import load_prepared, prepared_key, store_prepared
 
 __all__ = ["compile_direct", "takes_directly"]
 

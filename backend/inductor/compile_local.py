@@ -4,7 +4,7 @@ fxshard lowers each redistribution to its own functional collective, its wait ri
 (FSDP: one all_gather per parameter). ``compile_local(gm, inputs, policy)`` fixes both for one
 lowered program (the whole program, or one region of it: nothing here looks past the graph given):
 
-- buckets aligned to blocks (``backend/buckets.py``): the all_gathers of one block's parameters
+- buckets aligned to blocks (``backend/inductor/buckets.py``): the all_gathers of one block's parameters
   (the first indexed module in their names, ``layers.0``; parameters in none are the ``root``
   block), forward and backward regathers, and the reduce_scatters of its gradients are merged into
   one collective per (kind, process group, dtype, block) by an Inductor post-grad pass calling
@@ -19,7 +19,7 @@ lowered program (the whole program, or one region of it: nothing here looks past
   merged gather, placed before the first use of its weights, is prefetched during the block before;
 - a lone collective (TP's all_reduces, TP + SP's reduce_scatters and gathers: none of its kind independent
   of it) gets the matmuls that do not need it between its start and its wait by ordering edges
-  (``backend/collective_windows.py``), where Inductor's order and fusion would leave none.
+  (``backend/inductor/collective_windows.py``), where Inductor's order and fusion would leave none.
 
 Every rank must issue the same collectives, of the same sizes, in the same order, or the job
 hangs. Here, also for uneven layouts whose local programs differ by rank:
@@ -52,12 +52,12 @@ import torch.fx as fx
 from fxshard.graph import copy_graph_module
 from fxshard.lowering.localize import complete_fake_values
 
-from .bucket_traces import traces_reused, users_kept
-from .buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
-from .collective_windows import CollectiveWindows
-from .collector import collector_paused
-from .cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
-from .inductor_direct import compile_direct, takes_directly
+from fxshard.backend.inductor.bucket_traces import traces_reused, users_kept
+from fxshard.backend.inductor.buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
+from fxshard.backend.inductor.collective_windows import CollectiveWindows
+from fxshard.backend.inductor.collector import collector_paused
+from fxshard.backend.inductor.cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
+from fxshard.backend.inductor.compile_inner import compile_direct, takes_directly
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
@@ -78,7 +78,7 @@ BUCKETED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.de
 @dataclass(frozen=True)
 class BucketPolicy:
     """How ``compile_local`` buckets one program's collectives: a block's parameter gathers and gradient
-    reduce_scatters one each (``backend/buckets.py``), the rest greedily under ``cap`` bytes."""
+    reduce_scatters one each (``backend/inductor/buckets.py``), the rest greedily under ``cap`` bytes."""
 
     cap: int  # bytes per bucket of the collectives of no block (all_reduces, activations): ``block_bytes``
     output_names: tuple[str | None, ...] = ()  # per output, the input it is the gradient of (a backward)

@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .dynamo_compat import dtensor_prim
-from .inputs import from_local_arguments, is_from_local
+from fxshard.backend.capture.dynamo_compat import dtensor_prim
+from fxshard.backend.capture.inputs import from_local_arguments, is_from_local
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 

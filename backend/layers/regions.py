@@ -47,8 +47,8 @@ import torch.fx as fx
 
 from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_node
 
-from .buckets import BLOCK_KEY, ROOT
-from .prefetch import start_early_wait_late
+from fxshard.backend.inductor.buckets import BLOCK_KEY, ROOT
+from fxshard.backend.layers.prefetch import start_early_wait_late
 
 __all__ = ["SHARED_LAYERS", "Region", "renumbered", "indexed_layer", "forward_regions",
            "backward_regions", "saved_regions", "split_regions", "program_regions", "training_regions",

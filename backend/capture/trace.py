@@ -26,14 +26,14 @@ from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
-from . import inputs
-from .block_joint import Templates, stamp
-from .custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
-from .dtensor_reads import eager_dtensor, read_kind
-from .functional_copy import copy_into, is_copy_, needs_own_copy
-from .dynamo_compat import dtensor_prim, prim_arguments
-from .inputs import find_device_mesh, from_local_arguments, is_from_local
-from .trace_hints import local_input_message, own_collective, own_collective_message
+from fxshard.backend.capture import inputs
+from fxshard.backend.capture.block_joint import Templates, stamp
+from fxshard.backend.capture.custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
+from fxshard.backend.capture.dtensor_reads import eager_dtensor, read_kind
+from fxshard.backend.capture.functional_copy import copy_into, is_copy_, needs_own_copy
+from fxshard.backend.capture.dynamo_compat import dtensor_prim, prim_arguments
+from fxshard.backend.capture.inputs import find_device_mesh, from_local_arguments, is_from_local
+from fxshard.backend.capture.trace_hints import local_input_message, own_collective, own_collective_message
 
 
 class TraceError(RuntimeError):
@@ -145,7 +145,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         method = dtensor_prim(target)
-        if method in ("redistribute", "to_local"):  # torch 2.11's closure for the method (backend/dynamo_compat.py)
+        if method in ("redistribute", "to_local"):  # torch 2.11's closure for the method (backend/capture/dynamo_compat.py)
             return self.call_method(method, *prim_arguments(target, args, kwargs))
         if is_from_local(target):
             args, kwargs = from_local_arguments(target, args, kwargs)
@@ -249,8 +249,8 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _inlined(self, body: fx.GraphModule, identifier: Any, *operands: Any) -> Any:
         """A call of a nested compile region (a repeated block Dynamo traced once,
-        ``backend/block_regions.py``): its body read inline, as Dynamo gives it without regions, or in
-        a joint trace stamped out from its joint traced once (``backend/block_joint.py``)."""
+        ``backend/layers/block_regions.py``): its body read inline, as Dynamo gives it without regions, or in
+        a joint trace stamped out from its joint traced once (``backend/capture/block_joint.py``)."""
         if self.templates is not None and not any(isinstance(x, torch.Tensor) and x in self.local_views
                                                   for x in operands):
             out = self.templates.call(body, operands)

@@ -18,7 +18,7 @@ from fxshard.graph import outputs
 from fxshard.layout import Layout
 from fxshard.placements import as_dtensor, placements_from_layout, written_placements
 
-from .trace import DERIVED, TracedProgram
+from fxshard.backend.capture.trace import DERIVED, TracedProgram
 
 AS_PLANNED = "as planned"  # a value computed on to_local() shards: stage 2 checked its local shape is eager's
 

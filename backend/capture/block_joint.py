@@ -4,7 +4,7 @@ Stage 1's joint trace runs autograd over the whole program under ``make_fx``: ev
 layer is dispatched twice (forward and backward) through functionalization, the proxy tracer and
 fake tensors, about 0.1 s per Llama layer on this machine, the largest of fxshard's own stages at
 8 layers. Dynamo already gives a model's repeated blocks as calls of one body
-(``backend/block_regions.py``). So, while the joint is traced, a call of a body runs as one opaque
+(``backend/layers/block_regions.py``). So, while the joint is traced, a call of a body runs as one opaque
 op (``fxshard::block_forward``, whose autograd formula is ``fxshard::block_backward``): the
 body's own joint is traced on the first call with its inputs' metadata (``trace_template``) and
 split where its backward starts; each op call is then replaced by a copy of the template's

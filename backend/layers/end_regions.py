@@ -33,7 +33,7 @@ import torch.fx as fx
 from fxshard.graph import LAYOUT
 from fxshard.layout import Layout
 
-from .cpu_wrapper import generated_op
+from fxshard.backend.inductor.cpu_wrapper import generated_op
 
 __all__ = ["BYTES_PER_SECOND", "OP_SECONDS", "WORTH_SECONDS", "eager_seconds", "worth_compiling"]
 

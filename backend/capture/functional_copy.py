@@ -1,12 +1,12 @@
 """``dst.copy_(src)`` in a joint trace: functionalization's ``aten.copy`` with the derivative autograd lacks.
 
-In the joint trace autograd runs below functionalization (backend/trace.py's ``_joint``), so it
+In the joint trace autograd runs below functionalization (backend/capture/trace.py's ``_joint``), so it
 records the functional ops functionalization emits, not the program's in-place ones. For
 ``copy_`` that op is ``aten.copy``, which has no derivative in torch ("derivative for aten::copy
 is not implemented"; AOTAutograd, running autograd above functionalization, records ``copy_``'s
 instead). A write into a slice of a new tensor (DeepseekV3's ``key_states[..., :d].copy_(k_nope)``)
 is then untrainable. Here the copy is applied one level below functionalization as a
-``torch.autograd.Function`` (as backend/custom_functions.py applies a user's Function), whose
+``torch.autograd.Function`` (as backend/capture/custom_functions.py applies a user's Function), whose
 forward is the same ``aten.copy`` and whose backward is ``copy_``'s: no gradient to the
 overwritten values, the output's gradient summed back to ``src``'s shape and dtype. The result is
 written into ``dst`` as functionalization writes an in-place op's (replace, commit, sync), so the

@@ -23,15 +23,15 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import complete_fake_values, localize
 from fxshard.timing import stage
 
-from .buckets import merge_blocks, tag_blocks
-from .collector import collector_paused
-from .end_regions import worth_compiling
-from .inductor_config import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
-from .inputs import DTensorGradients, InputReader
-from .outputs import OutputWriter
-from .joint import TrainingPlan
-from .regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
-from .report import StageReporter
+from fxshard.backend.inductor.buckets import merge_blocks, tag_blocks
+from fxshard.backend.inductor.collector import collector_paused
+from fxshard.backend.layers.end_regions import worth_compiling
+from fxshard.backend.inductor.compile_local import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
+from fxshard.backend.capture.inputs import DTensorGradients, InputReader
+from fxshard.backend.capture.outputs import OutputWriter
+from fxshard.backend.programs.joint import TrainingPlan
+from fxshard.backend.layers.regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
+from fxshard.backend.reports.report import StageReporter
 
 
 @dataclass
@@ -119,7 +119,7 @@ class TrainingProgram:
         cap = kept.cap if kept is not None else folded.cap() if folded is not None else block_bytes(self.forward_graph)
         self.buckets = ({"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, lowered.grad_names)}
                         if bucketing else None)
-        # compile each distinct layer once (backend/regions.py); the cache is shared by forward and backward
+        # compile each distinct layer once (backend/layers/regions.py); the cache is shared by forward and backward
         self.regional = regional
         self.region_cache: dict = {}
         self._region_split: tuple[list, list] | None = None

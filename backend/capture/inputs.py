@@ -19,7 +19,7 @@ from fxshard.layout import Layout
 from fxshard.mesh import Coordinate, MeshSpec
 from fxshard.placements import layout_from_placements, user_layout
 
-from .dynamo_compat import dtensor_prim, prim_arguments
+from fxshard.backend.capture.dynamo_compat import dtensor_prim, prim_arguments
 
 
 class InputError(ValueError):
@@ -82,7 +82,7 @@ def is_from_local(target: Any) -> bool:
 
 
 def from_local_arguments(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a from_local call as ``DTensor.from_local`` takes them (backend/dynamo_compat.py)."""
+    """``(args, kwargs)`` of a from_local call as ``DTensor.from_local`` takes them (backend/capture/dynamo_compat.py)."""
     return prim_arguments(target, args, kwargs) if dtensor_prim(target) else (tuple(args), dict(kwargs))
 
 

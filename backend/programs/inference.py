@@ -19,13 +19,13 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import localize
 from fxshard.timing import stage
 
-from .buckets import merge_blocks, tag_blocks
-from .collector import collector_paused
-from .inductor_config import BucketPolicy, block_bytes, compile_local
-from .inputs import InputReader
-from .outputs import OutputWriter
-from .regions import Region, RegionalProgram, program_copy, program_regions
-from .report import StageReporter
+from fxshard.backend.inductor.buckets import merge_blocks, tag_blocks
+from fxshard.backend.inductor.collector import collector_paused
+from fxshard.backend.inductor.compile_local import BucketPolicy, block_bytes, compile_local
+from fxshard.backend.capture.inputs import InputReader
+from fxshard.backend.capture.outputs import OutputWriter
+from fxshard.backend.layers.regions import Region, RegionalProgram, program_copy, program_regions
+from fxshard.backend.reports.report import StageReporter
 
 
 @dataclass
@@ -75,12 +75,12 @@ class InferenceProgram:
         self.inductor = inductor
         # a bucket per block's parameter gathers, others capped at a block's bytes (inductor_config.py)
         self.buckets = BucketPolicy(block_bytes(self.local_graph)) if bucketing else None
-        self.regional = regional  # compile each distinct layer once (backend/regions.py)
+        self.regional = regional  # compile each distinct layer once (backend/layers/regions.py)
         self.reporter = reporter or StageReporter()
         self._run: Callable | None = None
         self._warned_grad = False  # said once per program: its outputs carry no gradient
         # first calls that run the local program as its FX graph, Inductor compiling at the next: a program
-        # that may serve one call only (backend/sizes.py: a size before one program serves them all)
+        # that may serve one call only (backend/programs/sizes.py: a size before one program serves them all)
         self.uncompiled_calls = 0
 
     @property
@@ -120,7 +120,7 @@ class InferenceProgram:
             self._run = self.local_graph
             with torch.no_grad():
                 return self._run(*local_inputs)
-        # the cut into regions is fxshard's stage, not Inductor's (no collections meanwhile: backend/collector.py)
+        # the cut into regions is fxshard's stage, not Inductor's (no collections meanwhile: backend/inductor/collector.py)
         with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
             if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
                 tag_blocks(self.local_graph)

@@ -23,8 +23,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from .collector import collector_paused
-from .dtensor_rules import lend_rules_to_dtensor
+from fxshard.backend.inductor.collector import collector_paused
+from fxshard.backend.capture.dtensor_rules import lend_rules_to_dtensor
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _fresh_entry(fn: Callable) -> Callable:
 
 def capture(fn: Callable, args: Sequence[Any]) -> Captured:
     """``fn(*args)`` as one graph (fullgraph), never run: the frame returns its outputs on meta."""
-    with collector_paused():  # Dynamo's trace of the whole program, nothing run (backend/collector.py)
+    with collector_paused():  # Dynamo's trace of the whole program, nothing run (backend/inductor/collector.py)
         graphs, _ = _compile_and_call(fn, args, lambda captured, inputs: outputs_on_meta(captured), fullgraph=True)
     return graphs[0]
 
