@@ -30,7 +30,7 @@ from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stab
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 
 # the code that prepares a program: a change to it makes every entry stale
-_PREPARATION = ("inductor_direct.py", "prepared_cache.py")
+_PREPARATION = ("compile_inner.py", "prepared_cache.py")
 # Inductor's switches whose values the portable config leaves out and the joint passes run
 _JOINT_PASSES = ("joint_custom_pre_pass", "joint_custom_post_pass")
 
