@@ -15,15 +15,14 @@ tried is a policy (``fxshard.policies.Refinement``).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch.fx as fx
 
 from . import graph
-from .blocks import block_of
 from .costs import DEFAULT_COST_MODEL, CostModel
 from .graph import LAYOUT, PROPAGATED, requirements
+from .layer_names import block_of, unnumbered
 from .layout import Layout
 from .planner import plan_redistribute, redistribute_cost
 from .policies import DEFAULT_REFINEMENT, Pin, Refinement
@@ -39,7 +38,7 @@ def planned_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
     cheaper to compute again where it is wanted at that price: ``rebuild.Rebuilds``). The moves of one
     block's parameters pay one latency per kind of move, as do the reductions of one block's gradients
     (``output_names``: per output, the input it is the gradient of; training programs only): stage 6
-    buckets each into one call (``blocks.block_of``; FSDP2's grouping), so twenty small gathers of one
+    buckets each into one call (``layer_names.block_of``; FSDP2's grouping), so twenty small gathers of one
     layer cost one gather's latency, not twenty. ``arguments``: the nodes' tensor arguments, read once for
     the pricings of one refinement."""
     arguments = arguments or TensorArguments()
@@ -223,7 +222,7 @@ def smallest_classes(moved: Mapping[str, int], count: int) -> list[frozenset[str
     once, all of it pinned: at 8 layers the six smallest inputs (norm weights) are two classes, two
     propagations for six."""
     def class_of(name: str) -> tuple[str, int]:
-        return re.sub(r"\d+", "#", name), moved[name]
+        return unnumbered(name), moved[name]
 
     classes: dict[tuple[str, int], set[str]] = {}
     for name in moved:

@@ -23,13 +23,13 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fxshard.blocks import ROOT, block_of
+from fxshard.layer_names import block_of
 from fxshard.graph import reachable
 
 from fxshard.backend.inductor.bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
 from fxshard.backend.inductor.bucket_traces import inputs_not_sorted, traces_reused, users_kept
 
-__all__ = ["BLOCK_KEY", "ROOT", "BlockBuckets", "block_of", "merge_blocks", "tag_blocks"]
+__all__ = ["BLOCK_KEY", "BlockBuckets", "merge_blocks", "tag_blocks"]
 
 BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
 _MERGED_KEY = "fxshard_merged"  # in node.meta["custom"]: a block's merged collective

@@ -53,7 +53,8 @@ from fxshard.graph import copy_graph_module
 from fxshard.lowering.localize import complete_fake_values
 
 from fxshard.backend.inductor.bucket_traces import traces_reused, users_kept
-from fxshard.backend.inductor.buckets import _TAGGED, ROOT, BlockBuckets, _placeholders_of, _tag, block_of, tag_blocks
+from fxshard.layer_names import ROOT, block_of
+from fxshard.backend.inductor.buckets import _TAGGED, BlockBuckets, _placeholders_of, _tag, tag_blocks
 from fxshard.backend.inductor.collective_windows import CollectiveWindows
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.inductor.cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper

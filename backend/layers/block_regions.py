@@ -15,7 +15,6 @@ again without them.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import types
 from typing import Any, Callable, Iterator, Sequence
@@ -23,24 +22,17 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from fxshard.layer_names import layer_members
+
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The members of ``module``'s ``ModuleList``s (and ``Sequential``s) whose class occurs there twice or
-    more: blocks of the user's own (modules holding modules; torch's classes, ``nn.Linear`` in a
-    ``Sequential``, are left alone: marking one marks it everywhere), with the class's ``forward``
-    (no instance override)."""
-    blocks: list[nn.Module] = []
-    for container in module.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        count = collections.Counter(type(member) for member in container)
-        for block in container:
-            cls = type(block)
-            if (count[cls] > 1 and not cls.__module__.startswith("torch.")
-                    and any(True for _ in block.children()) and "forward" not in vars(block)
-                    and isinstance(getattr(cls, "forward", None), types.FunctionType)):
-                blocks.append(block)
-    return blocks
+    """The layers of ``module`` (``layer_names.layer_members``: members of a ``ModuleList`` or ``Sequential``
+    whose class occurs there twice or more) that are blocks of the user's own (modules holding modules;
+    torch's classes, ``nn.Linear`` in a ``Sequential``, are left alone: marking one marks it everywhere),
+    with the class's ``forward`` (no instance override)."""
+    return [block for block in layer_members(module)
+            if not type(block).__module__.startswith("torch.") and any(True for _ in block.children())
+            and "forward" not in vars(block) and isinstance(getattr(type(block), "forward", None), types.FunctionType)]
 
 
 @contextlib.contextmanager

@@ -37,7 +37,6 @@ gathers start a layer early, its reductions waited a layer late, in regions betw
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -47,15 +46,14 @@ import torch.fx as fx
 
 from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_node
 
-from fxshard.backend.inductor.buckets import BLOCK_KEY, ROOT
+from fxshard.layer_names import ROOT, layer_of_inputs, within_layer
+from fxshard.backend.inductor.buckets import BLOCK_KEY
 from fxshard.backend.layers.prefetch import start_early_wait_late
 
-__all__ = ["SHARED_LAYERS", "Region", "renumbered", "indexed_layer", "forward_regions",
+__all__ = ["SHARED_LAYERS", "Region", "forward_regions",
            "backward_regions", "saved_regions", "split_regions", "program_regions", "training_regions",
            "training_region_maps", "cut_training", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
 
-# a placeholder in an indexed module: "layers_0_attention_wq_weight" -> ("layers", 0)
-_INDEXED = re.compile(r"^(.*?)_(\d+)(?:_|$)")
 # a program is cut only where one compiled layer serves this many layers: the cut adds the prologue's and the
 # epilogue's compiles, which cost what a layer's code does (bench/train.py's Llama under TP, first step, one
 # process: 2 layers 16.0 s whole against 17.4 cut, 3 layers 17.4 / 17.7 both ways, 4 layers 19.3 / 18.0)
@@ -83,29 +81,6 @@ class Region:
     def between_layers(self) -> bool:
         """A region ``prefetch.py`` made between two layers: collectives alone, nothing to compile."""
         return not float(self.index).is_integer()
-
-
-def layer_of_inputs(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Placeholder -> layer index, for the indexed prefix most placeholders share (``layers``)."""
-    found = {p: _INDEXED.match(p.name) for p in gm.graph.find_nodes(op="placeholder")}
-    prefixes = Counter(m.group(1) for m in found.values() if m)
-    if not prefixes:
-        return {}
-    prefix = prefixes.most_common(1)[0][0]
-    return {p: int(m.group(2)) for p, m in found.items() if m and m.group(1) == prefix}
-
-
-def indexed_layer(name: str) -> int | None:
-    """The layer index in an indexed input's name (``layers_7_wq_weight`` -> 7), or None."""
-    m = _INDEXED.match(name)
-    return int(m.group(2)) if m else None
-
-
-def renumbered(name: str, layer: int) -> str:
-    """An indexed input's name for another layer: ``layers_1_wq_weight`` -> ``layers_7_wq_weight``."""
-    m = _INDEXED.match(name)
-    assert m is not None, f"{name} is not an indexed module's input"
-    return name[:m.start(2)] + str(layer) + name[m.end(2):]
 
 
 def forward_regions(gm: fx.GraphModule, root_gathers_first: bool = True) -> dict[fx.Node, int]:
@@ -647,7 +622,7 @@ def layers_alike(gm: fx.GraphModule) -> bool:
     params: dict[int, list[tuple]] = {}
     for p, k in layer_of_inputs(gm).items():
         val = p.meta.get("val")
-        params.setdefault(k, []).append((p.name[_INDEXED.match(p.name).end():], p.meta.get(LAYOUT),
+        params.setdefault(k, []).append((within_layer(p.name), p.meta.get(LAYOUT),
                                          getattr(val, "dtype", None)))
     kinds = Counter(tuple(sorted(v, key=lambda t: t[0])) for v in params.values())
     return max(kinds.values(), default=0) >= SHARED_LAYERS

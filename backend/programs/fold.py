@@ -28,11 +28,12 @@ import torch.fx as fx
 
 from fxshard.graph import (ARG_LAYOUTS, LAYOUT, copy_node, copy_nodes, eliminate_dead_code, graph_module, new_node,
                            outputs)
+from fxshard.layer_names import common_layer, layer_of_inputs, renumbered
 from fxshard.timing import stage
 
 from fxshard.backend.programs.joint import TrainingPlan
-from fxshard.backend.layers.regions import (Region, backward_regions, forward_regions, indexed_layer, layer_of_inputs, program_structure,
-                      renumbered, saved_regions, split_regions)
+from fxshard.backend.layers.regions import (Region, backward_regions, forward_regions, program_structure, saved_regions,
+                                            split_regions)
 
 __all__ = ["Shortened", "shorten", "unfold", "unfolder", "folding_on", "MIN_LAYERS", "STAMP"]
 
@@ -102,8 +103,7 @@ def shorten(gm: fx.GraphModule) -> Shortened | None:
 def _layer_of(call: fx.Node) -> int | None:
     """The layer a call is of: the index in its parameters' names (``layers_7_...``), one for all; None else.
     Not always its position among the calls: Dynamo may trace a model's first layer inline."""
-    found = {indexed_layer(a.name) for a in call.args[2:] if isinstance(a, fx.Node) and a.op == "placeholder"}
-    return found.pop() if len(found) == 1 and None not in found else None
+    return common_layer(a.name for a in call.args[2:] if isinstance(a, fx.Node) and a.op == "placeholder")
 
 
 def _erase_unread(nodes: Sequence[fx.Node]) -> None:

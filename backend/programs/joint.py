@@ -40,7 +40,7 @@ from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
 
-from fxshard.backend.inductor.buckets import ROOT, block_of
+from fxshard.layer_names import ROOT, block_of
 from fxshard.backend.capture.inputs import dtensor_layout
 from fxshard.backend.capture.trace import JointSignature, TangentMismatch, TracedProgram, trace_global
 
