@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.lowering.collective_ops import COLLECTIVES, LOWERED
 from fxshard.lowering.collectives import _Emit, lower_step
 from fxshard.mesh import Coordinate, MeshAxis, MeshSpec
 from fxshard.plans import Plan
@@ -61,10 +62,8 @@ def _group_of(axes: Sequence[MeshAxis], coord: dict[str, int]) -> tuple[tuple, i
     return tuple(sorted(rest.items())), pos
 
 
-_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-                c10d.all_reduce.default, c10d.all_to_all_single.default}
-_GROUP_ARG = {c10d.all_gather_into_tensor.default: 2, c10d.reduce_scatter_tensor.default: 3,
-              c10d.all_reduce.default: 2, c10d.all_to_all_single.default: 3}
+_COLLECTIVES = frozenset(LOWERED)  # what a lowered program runs
+_GROUP_ARG = {op: COLLECTIVES[op._opname].group_at for op in LOWERED}
 
 
 # a reduction's name, as lowering passes it to a functional collective -> that reduction over the

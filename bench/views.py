@@ -55,6 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
+from fxshard.lowering.collective_ops import COLLECTIVES, LOWERED
 from fxshard.placements import placements_from_layout, placements_to_str
 from fxshard.propagate import UnsupportedOpError
 
@@ -219,12 +220,7 @@ def received_bytes(kind: str, input_bytes: float, n: int) -> float:
     raise ValueError(f"no byte formula for collective {kind!r}")
 
 
-_FUNCOL_KINDS = {  # torch.ops._c10d_functional.<name> -> kind
-    "all_gather_into_tensor": "all_gather",
-    "all_reduce": "all_reduce",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-}
+_FUNCOL_KINDS = {op._opname: COLLECTIVES[op._opname].kind for op in LOWERED}  # torch.ops._c10d_functional.<name> -> kind
 
 
 class CollectiveRecorder(TorchDispatchMode):

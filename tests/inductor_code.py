@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from fxshard.lowering.collective_ops import COLLECTIVES
+
 __all__ = ["calls", "collective_kinds", "is_cpp", "kernels"]
 
 _PYTHON = re.compile(r"torch\.ops\.([\w.]+?)\.default\(|extern_kernels\.(\w+)\(|\b(cpp_fused_\w+)\(")
@@ -20,8 +22,8 @@ _CPP = re.compile(r'PyUnicode_FromString\("torch\.ops\.([\w.]+?)\.default"\)|aot
                   r'|\b(cpp_fused_\w+)\(')
 # a shim's name is the operator's with its namespace's dot an underscore
 _SHIM_NAMESPACES = ("_c10d_functional",)
-_COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce", "all_reduce_": "all_reduce"}
+_COLLECTIVES = {name: c.kind for name, c in COLLECTIVES.items()  # a subset: the kinds stage 6 buckets
+                if c.kind in ("all_gather", "reduce_scatter", "all_reduce")}
 
 
 def is_cpp(code: str) -> bool:

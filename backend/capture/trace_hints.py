@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.backend.capture.dynamo_compat import dtensor_prim
 from fxshard.backend.capture.inputs import from_local_arguments, is_from_local
 
-COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+from fxshard.lowering.collective_ops import NAMESPACES as COLLECTIVE_NAMESPACES
 
 
 def own_collective(gm: fx.GraphModule) -> fx.Node | None:

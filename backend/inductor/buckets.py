@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxshard.layer_names import block_of
 from fxshard.graph import reachable
+from fxshard.lowering.collective_ops import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER
 
 from fxshard.backend.inductor.bucket_copies import gather_key, merge_all_gathers, merge_reduce_scatters
 from fxshard.backend.inductor.bucket_traces import inputs_not_sorted, traces_reused, users_kept
@@ -34,9 +35,8 @@ __all__ = ["BLOCK_KEY", "BlockBuckets", "merge_blocks", "tag_blocks"]
 BLOCK_KEY = "fxshard_block"  # the key of a collective's block in node.meta["custom"]
 _MERGED_KEY = "fxshard_merged"  # in node.meta["custom"]: a block's merged collective
 _c10d = torch.ops._c10d_functional
-_TAGGED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
-_MERGED = (_c10d.all_gather_into_tensor_out.default, _c10d.all_gather_into_tensor.default,
-           _c10d.reduce_scatter_tensor.default)  # what a bucket's merge makes
+_TAGGED = (ALL_GATHER, REDUCE_SCATTER)  # a subset: the collectives a block's parameters and gradients make
+_MERGED = (ALL_GATHER_OUT, ALL_GATHER, REDUCE_SCATTER)  # what a bucket's merge makes
 
 
 def tag_blocks(gm: fx.GraphModule, output_names: Sequence[str | None] = ()) -> tuple[str | None, ...]:

@@ -46,6 +46,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._ordered_set import OrderedSet
 
 from fxshard.graph import reachable
+from fxshard.lowering.collective_ops import ALL_TO_ALL, LOWERED
 
 __all__ = ["COMPUTE", "CollectiveWindows", "collective_windows"]
 
@@ -60,8 +61,7 @@ COMPUTE = frozenset({
     aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
 })
 # the collectives that get windows, where lone (the module docstring)
-WINDOWED = frozenset({_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default,
-                      _c10d.all_gather_into_tensor.default})
+WINDOWED = frozenset(LOWERED) - {ALL_TO_ALL}  # a subset: the kinds "Lone" names (an all_to_all gets no window)
 
 
 class CollectiveWindows(CustomGraphPass):

@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import copy_graph_module
+from fxshard.lowering.collective_ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fxshard.lowering.localize import complete_fake_values
 
 from fxshard.backend.inductor.bucket_traces import traces_reused, users_kept
@@ -64,7 +65,6 @@ __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_input
            "inductor_patches", "start_compile_workers"]
 
 log = logging.getLogger("fxshard")
-_c10d = torch.ops._c10d_functional
 # A training step's forward and backward, compiled as AOTAutograd compiles a training graph. fxshard gives
 # Inductor each as a graph of its own, which Inductor takes for an inference graph and runs its
 # inference-only ``reorder_for_locality`` on: that pass pulls each of the query, key and value projections
@@ -73,7 +73,7 @@ _c10d = torch.ops._c10d_functional
 # forward: 7 C++ kernels against DTensor + FSDP2's 5, and about a second more to compile).
 TRAINING_PATCHES: Mapping[str, Any] = MappingProxyType({"reorder_for_locality": False})
 # the collectives compile_local buckets
-BUCKETED = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
+BUCKETED = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)  # a subset: an all_to_all is bucketed nowhere
 
 
 @dataclass(frozen=True)

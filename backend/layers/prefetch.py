@@ -23,10 +23,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.lowering.collective_ops import ALL_GATHER, ALL_GATHER_OUT
+
 __all__ = ["start_early_wait_late"]
 
 _c10d = torch.ops._c10d_functional
-_GATHERS = (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default)
+_GATHERS = (ALL_GATHER, ALL_GATHER_OUT)  # a subset: what starts a layer early
 
 
 def start_early_wait_late(gm: fx.GraphModule, region: dict[fx.Node, float], last: int,

@@ -15,20 +15,12 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import collective_bytes
+from fxshard.lowering.collective_ops import COLLECTIVES
 
 c10d = torch.ops._c10d_functional
 
 # op packet -> (kind, index of the group-size argument or None, index of the group-name argument)
-_FUNCTIONAL = {
-    c10d.all_reduce: ("all_reduce", None, 2),
-    c10d.all_reduce_: ("all_reduce", None, 2),
-    c10d.all_gather_into_tensor: ("all_gather", 1, 2),
-    c10d.all_gather_into_tensor_out: ("all_gather", 1, 2),
-    c10d.reduce_scatter_tensor: ("reduce_scatter", 2, 3),
-    c10d.all_to_all_single: ("all_to_all", None, 3),
-    c10d.broadcast: ("broadcast", None, 2),
-    c10d.broadcast_: ("broadcast", None, 2),
-}
+_FUNCTIONAL = {getattr(c10d, name): collective for name, collective in COLLECTIVES.items()}
 # the in-place c10d ops (torch.distributed.* calls, FSDP2): packet -> (kind, input index, group index)
 _C10D = {
     torch.ops.c10d._allgather_base_: ("all_gather", 1, 2),
