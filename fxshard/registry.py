@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from . import rules, rules_moe
+from . import rules, rules_attention, rules_moe
 from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
                            SplitSizes)
@@ -185,8 +185,8 @@ OPS: dict[Any, Op] = {
         rules.index_put_accumulate, MaskedAccumulate(target=0, indices=2, values=3, mask=1)),
     aten._grouped_mm.default: signature_op(rules_moe.grouped_mm),  # forward, and both forms of its backward
     # attention kernels: batch and heads independent
-    **{op.default: signature_op(rules.attention) for op in rules.ATTENTION_OPS},
-    **{op.default: signature_op(rules.attention_backward) for op in rules.ATTENTION_BACKWARD_OPS},
+    **{op.default: signature_op(rules_attention.attention) for op in rules_attention.ATTENTION_OPS},
+    **{op.default: signature_op(rules_attention.attention_backward) for op in rules_attention.ATTENTION_BACKWARD_OPS},
     FLEX_ATTENTION: signature_op(flex_attention, FORWARD_INDICES),  # a higher-order op: fxshard/flex_attention.py
     # factories (rand_like/randn_like are not *_like: drawn in global shape, fxshard/decompose.py says why)
     aten.ones_like.default: Op(LIKE),
