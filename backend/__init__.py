@@ -69,10 +69,9 @@ def _plain_program(gm: fx.GraphModule, example_inputs: list[Any], inductor: bool
     nothing to plan, so Inductor compiles it as ``backend="inductor"`` would, through AOTAutograd (training too)."""
     if not inductor:
         return gm.forward
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
+    from fxshard.backend.inductor.inductor_calls import compile_plain
 
-    return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
+    return compile_plain(gm, example_inputs, mode)
 
 
 def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter: Any) -> Callable:

@@ -123,7 +123,7 @@ class CompiledFunction:
 def _one_graph_needed(label: str) -> Iterator[None]:
     """Dynamo's refusal to capture the function whole (a graph break) said as fxshard.compile's, with the door
     that takes it graph by graph. Every rank captures alike, before any collective: all of them raise here."""
-    from torch._dynamo.exc import Unsupported
+    from fxshard.backend.capture.dynamo_calls import Unsupported
 
     try:
         yield

@@ -1,34 +1,17 @@
-"""The graph contract: what fxshard writes into ``node.meta``, read and written through one module.
+"""The graph contract: every key of ``node.meta`` fxshard reads or writes, declared in one table.
 
-Every stage passes the same ``torch.fx`` graph on, annotated in ``node.meta``. torch's own keys
-(``val``: the fake value; ``example_value``, ``grapharg``, ``stack_trace``: Dynamo's) are read as
-torch writes them. fxshard's keys:
-
-===================  ========  ===========================================================================
-key                  stage     value
-===================  ========  ===========================================================================
-``layout``           2         ``Layout`` of a tensor value; for a multi-output op a tuple, one per output
-                               (``None`` for a non-tensor output); ``getitem`` nodes pick theirs
-``arg_layouts``      2         the layouts a node requires of its tensor arguments, in argument order
-                               (of the output node: of the returned values)
-``plan``             3         a ``redistribute`` node's ``Plan`` (fxshard/plans.py)
-``src_layout``       3         a ``redistribute`` node's input layout (``layout`` is its output's)
-``needed_by``        3         a ``redistribute`` node's consumers, as text (``redistribution_reason``)
-``localize``         3         how stage 4 rewrites the node's non-tensor arguments for one rank
-                               (a recipe of fxshard/localization.py; absent: nothing to rewrite)
-``LOCAL_REGION``     1         where in the user's code a node computed from a ``to_local()`` shard came from
-``EAGER_SHAPE``      1         ``(coordinate, shape)``: the local shape eager code had for this value there
-``REGION_EXIT``      1         the pin ``DTensor.from_local`` ends a local region with (where, in the code)
-``CHECKPOINTED``     1         where the ``torch.utils.checkpoint`` region a forward node ran in was called:
-                               the training split recomputes it in the backward instead of saving it
-===================  ========  ===========================================================================
+Every stage passes the same ``torch.fx`` graph on, annotated in ``node.meta``. ``META_KEYS`` below names each
+key, who writes it and what it holds: torch's own (``val``: the fake value; Dynamo's ``example_value``,
+``grapharg``, ``stack_trace``, ...), read as torch writes them, and fxshard's, written through the constants
+here (or, for a key one backend module owns, the constant beside it). tests/test_architecture.py reads the
+sources and fails on a key not in the table, and on a declared key no stage names any more.
 
 The helpers below are the graph questions several stages ask (a node's tensor arguments, what
 it requires of them, which input a value views, the outputs).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,6 +32,63 @@ CHECKPOINTED = "fxshard_checkpointed"
 LOWERED_MOVE = "fxshard_lowered_move"  # a node stage 5 wrote for a redistribution (regions keep it with its input)
 
 PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py snapshots these)
+
+
+class MetaKey(NamedTuple):
+    key: str
+    writer: str  # who writes it (torch's keys: which part of torch)
+    holds: str
+
+
+META_KEYS: tuple[MetaKey, ...] = (
+    # torch's own
+    MetaKey("val", "torch (make_fx, Dynamo); every stage that makes a node",
+            "the node's fake value (a tuple of them for a multi-output op)"),
+    MetaKey("tensor_meta", "torch (make_fx, ShapeProp)", "a tensor value's shape, strides and dtype"),
+    MetaKey("example_value", "Dynamo", "the fake value of a node of Dynamo's graph (the global one: a DTensor)"),
+    MetaKey("grapharg", "Dynamo", "a placeholder's input: its example and its source (what Dynamo guards)"),
+    MetaKey("stack_trace", "Dynamo, make_fx", "the user's code that made the node"),
+    MetaKey("nn_module_stack", "Dynamo", "the modules the node ran in (outermost first)"),
+    MetaKey("custom", "torch.fx.traceback (AOTAutograd carries it to the joint graph)",
+            "a user's annotations; fxshard's keys in it are ``CUSTOM_KEYS``"),
+    MetaKey("eager_input_vals", "make_fx; backend/inductor/bucket_traces.py records it as make_fx does",
+            "an op's arguments' values, for Inductor's passes that need them eagerly"),
+    MetaKey("user_visible_output_idxs", "Inductor; backend/inductor/compile_inner.py on the output node",
+            "which outputs keep the program's strides"),
+    # fxshard's
+    MetaKey(LAYOUT, "stage 2 (fxshard/propagate.py)", "``Layout`` of a tensor value; for a multi-output op a "
+            "tuple, one per output (``None`` for a non-tensor output); ``getitem`` nodes pick theirs"),
+    MetaKey(ARG_LAYOUTS, "stage 2 (fxshard/propagate.py)", "the layouts a node requires of its tensor "
+            "arguments, in argument order (of the output node: of the returned values)"),
+    MetaKey(PLAN, "stage 3 (fxshard/redistribute.py)", "a ``redistribute`` node's ``Plan`` (fxshard/plans.py)"),
+    MetaKey(SRC_LAYOUT, "stage 3 (fxshard/redistribute.py)",
+            "a ``redistribute`` node's input layout (``layout`` is its output's)"),
+    MetaKey(NEEDED_BY, "stage 3 (fxshard/redistribute.py)",
+            "a ``redistribute`` node's consumers, as text (``redistribution_reason``)"),
+    MetaKey(LOCALIZE, "stage 3 (fxshard/pipeline.py)", "how stage 4 rewrites the node's non-tensor arguments "
+            "for one rank (a recipe of fxshard/localization.py; absent: nothing to rewrite)"),
+    MetaKey(LOCAL_REGION, "stage 1 (backend/capture/trace.py)",
+            "where in the user's code a node computed from a ``to_local()`` shard came from"),
+    MetaKey(EAGER_SHAPE, "stage 1 (backend/capture/trace.py)",
+            "``(coordinate, shape)``: the local shape eager code had for this value there"),
+    MetaKey(REGION_EXIT, "stage 1 (backend/capture/trace.py)",
+            "the pin ``DTensor.from_local`` ends a local region with (where, in the code)"),
+    MetaKey(CHECKPOINTED, "stage 1 (backend/capture/trace.py)", "where the ``torch.utils.checkpoint`` region a "
+            "forward node ran in was called: the training split recomputes it in the backward instead of saving it"),
+    MetaKey(LOWERED_MOVE, "stage 5 (lowering/collectives.py)",
+            "True: a node written for a redistribution (regions keep it with its input)"),
+    MetaKey("fxshard_stamp", "backend/programs/fold.py (``STAMP``)",
+            "of an unfolded program's copy of the template's node: the layer it is for"),
+    MetaKey("fxshard_region", "backend/programs/fold_lowered.py (``REGION``)",
+            "of a bucketed four-layer program's node: the region it runs in"),
+    MetaKey("fxshard_step", "backend/simulate_plan.py", "the index of the plan step a simulated node lowers"),
+)
+
+# fxshard's keys inside torch's ``node.meta["custom"]`` (which AOTAutograd carries into the joint graph)
+CUSTOM_KEYS: tuple[MetaKey, ...] = (
+    MetaKey("fxshard_block", "backend/inductor/buckets.py (``BLOCK_KEY``)", "the block a collective belongs to"),
+    MetaKey("fxshard_merged", "backend/inductor/buckets.py", "True: a block's merged collective"),
+)
 
 
 # ---- typed accessors -------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def constrain(x: torch.Tensor, placements: Sequence[object] | object) -> torch.T
     return _pin(x, tuple(placements))
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def _pin(x: torch.Tensor, placements: tuple) -> torch.Tensor:
     """``constrain``, one call in Dynamo's graph with the placements as its constants.
 

@@ -30,13 +30,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 
 from fxshard.graph import CHECKPOINTED, EAGER_SHAPE, LOCAL_REGION, REGION_EXIT, copy_node
 from fxshard.lowering.localize import fresh_fake
 from fxshard.ops import CONSTRAIN
+
+from fxshard.backend.capture.dynamo_calls import autograd_tensor, interpreter_stack_cleared
 
 _Meta = tuple  # (shape, stride, dtype, device)
 
@@ -138,9 +139,7 @@ def _uncached() -> contextlib.AbstractContextManager:
 
 def _requires_grad(x: torch.Tensor) -> bool:
     """Whether autograd tracks ``x``: read beneath functionalization's wrappers (which say False)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x.requires_grad
+    return autograd_tensor(x).requires_grad
 
 
 def _meta(t: torch.Tensor) -> _Meta:
@@ -179,7 +178,7 @@ class Templates:
     def _trace(self, body: fx.GraphModule, operands: Sequence[torch.Tensor],
                grads: tuple[bool, ...]) -> BlockTemplate | None:
         # the joint being traced is paused: no proxy modes, no functionalization around the body's own trace
-        with disable_proxy_modes_tracing(), temporarily_clear_interpreter_stack():
+        with disable_proxy_modes_tracing(), interpreter_stack_cleared():
             template = trace_template(self.interpret, body, [_meta(x) for x in operands], grads,
                                       self.decompositions)
         if template is not None:

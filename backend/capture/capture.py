@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.capture.dtensor_rules import lend_rules_to_dtensor
+from fxshard.backend.capture.dynamo_calls import forget_frames
 
 
 @dataclass
@@ -102,28 +103,10 @@ def _compile_and_call(fn: Callable, args: Sequence[Any], run: RunGraph, fullgrap
                 raise
             raise RuntimeError(f"{e}\n\n{UNEVEN_LOCAL_OUTPUT_HINT}") from e
         finally:
-            _forget_frames(grab)
+            forget_frames(grab)
     if not graphs:
         raise RuntimeError("Dynamo produced no graph for the function (it may contain no tensor ops)")
     return graphs, result
-
-
-def _forget_frames(backend: Callable) -> None:
-    """Drop the cache entries compiled with ``backend`` from every code object Dynamo compiled.
-
-    After a graph break Dynamo compiles the user's own frames (a module's forward, its resume
-    functions); left cached they would run this capture's callbacks in a later one, and each
-    capture would count against the recompile limit (8), past which Dynamo stops capturing.
-    Resetting a code object drops its other entries too: those only recompile.
-    """
-    from torch._dynamo import convert_frame
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
-
-    for weak in list(convert_frame.input_codes.seen) + list(convert_frame.output_codes.seen):
-        code = weak()
-        if code is not None and any(getattr(getattr(e, "backend", None), "compiler_fn", None) is backend
-                                    for e in _debug_get_cache_entry_list(code)):
-            reset_code(code)
 
 
 def outputs_on_meta(captured: Captured) -> tuple:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._functorch.eager_transforms import _maybe_unwrap_functional_tensor, _maybe_wrap_functional_tensor
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.utils._pytree import tree_map
+
+from fxshard.backend.capture.dynamo_calls import functional_interpreter, unwrap_functional, wrap_functional
 
 
 _TENSOR = object()  # where a saved value is a tensor (kept by ctx.save_for_backward)
@@ -38,12 +38,12 @@ def apply_autograd_function(fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any
     modifies its inputs (``mutates_inputs``) is refused by the caller.
     """
     non_differentiable = set(kwargs.get("non_differentiable_idx", ()))
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = functional_interpreter()
     level = interpreter.level()
-    inner = tree_map(lambda t: _maybe_unwrap_functional_tensor(t, reapply_views=True), args)
+    inner = tree_map(unwrap_functional, args)
     with interpreter.lower():
         out = _function(fwd, bwd, non_differentiable).apply(*inner)
-    return tree_map(lambda t: _maybe_wrap_functional_tensor(t, level=level), out)
+    return tree_map(lambda t: wrap_functional(t, level), out)
 
 
 def _functional(gm: fx.GraphModule) -> Any:

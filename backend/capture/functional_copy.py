@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch._functorch.eager_transforms import _maybe_unwrap_functional_tensor, _maybe_wrap_functional_tensor
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+from fxshard.backend.capture.dynamo_calls import functional_interpreter, is_functional_tensor, unwrap_functional
 
 
 def is_copy_(target: Any) -> bool:
@@ -33,9 +33,9 @@ def needs_own_copy(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     dst = args[0] if args else kwargs.get("self")
     src = args[1] if len(args) > 1 else kwargs.get("src")
     if not (torch.is_grad_enabled() and isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
-            and torch._C._functorch.is_functionaltensor(dst)):
+            and is_functional_tensor(dst)):
         return False
-    return any(_maybe_unwrap_functional_tensor(t, reapply_views=True).requires_grad for t in (dst, src))
+    return any(unwrap_functional(t).requires_grad for t in (dst, src))
 
 
 class _Copy(torch.autograd.Function):
@@ -53,10 +53,10 @@ class _Copy(torch.autograd.Function):
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``dst.copy_(src)`` inside ``torch.func.functionalize`` with autograd below it (``needs_own_copy``)."""
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = functional_interpreter()
     level = interpreter.level()
-    inner_dst = _maybe_unwrap_functional_tensor(dst, reapply_views=True)
-    inner_src = _maybe_unwrap_functional_tensor(src, reapply_views=True)
+    inner_dst = unwrap_functional(dst)
+    inner_src = unwrap_functional(src)
     with interpreter.lower():
         value = _Copy.apply(inner_dst, inner_src)
     torch._functionalize_replace(dst, value)

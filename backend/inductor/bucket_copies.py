@@ -26,6 +26,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.backend.inductor.inductor_calls import (converts_dtype, dtype_index, merge_all_gather_bucket,
+                                                    merge_reduce_scatter_bucket, process_collective_bucket,
+                                                    resolve_group_name)
+
 __all__ = ["gather_key", "merge_all_gathers", "merge_reduce_scatters", "unflatten_shapes", "unpack_gathered"]
 
 _c10d = torch.ops._c10d_functional
@@ -64,12 +68,10 @@ def _gather_bucket(ins: list[torch.Tensor], group_name: Any, group_size: int, dt
                    out_dtypes: list[torch.dtype], rank: int) -> list[torch.Tensor]:
     """What one bucketed all_gather runs (traced into the graph in place of its members): the members
     packed as ``dtype`` (the narrowest of ``out_dtypes``, theirs), each gathered piece viewed back."""
-    from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
-
     numels = [x.numel() * d.itemsize // dtype.itemsize for x, d in zip(ins, out_dtypes)]  # in units of dtype
     total = sum(numels)
     pack = torch.ops.bucketing._pre_bucket_all_gather
-    dtype_ints = [_ALL_DTYPES.index(d) for d in out_dtypes]
+    dtype_ints = [dtype_index(d) for d in out_dtypes]
     if "group_name" in (a.name for a in pack.default._schema.arguments):  # torch 2.11 takes the group's name too
         out = pack(ins, group_size, group_name, dtype, dtype_ints, rank, None)
     else:
@@ -88,43 +90,30 @@ def gather_key(node: fx.Node) -> tuple:
     """The all_gathers one bucket may take: those of one process group, whatever their dtypes (packed
     as bytes); a member that converts its dtype on the way in (Inductor's default merge, one dtype)
     only with others of its dtype."""
-    from torch._inductor.fx_passes import bucketing as b
-
-    group = _group_name(node.args[2])
-    return (group, node.meta["val"].dtype) if b.has_mergeable_all_gather_convert_dtype(node) else (group,)
-
-
-def _group_name(name: Any) -> Any:
-    """A collective's group as a name: torch 2.13 may name it by a node (compile on one rank) and resolves
-    it; 2.11's names are strings already (and it has no ``_resolve_group_name``)."""
-    from torch._inductor.fx_passes import bucketing as b
-
-    return getattr(b, "_resolve_group_name", lambda n: n)(name)
+    group = resolve_group_name(node.args[2])
+    return (group, node.meta["val"].dtype) if converts_dtype(node) else (group,)
 
 
 def merge_all_gathers(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
     """One all_gather for ``bucket`` (members of one process group (``gather_key``), each read by its wait alone),
     placed before ``insert_before`` (None: after the last member). A bucket whose members convert their
     dtype on the way in is merged by Inductor's default merge (its copies convert)."""
-    from torch._inductor.fx_passes import bucketing as b
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    if any(b.has_mergeable_all_gather_convert_dtype(n) for n in bucket):
-        b.merge_all_gather_bucket(graph, bucket, insert_before=insert_before)
+    if any(converts_dtype(n) for n in bucket):
+        merge_all_gather_bucket(graph, bucket, insert_before)
         return
     _, group_size, group_name = bucket[0].args
     dtypes = [n.meta["val"].dtype for n in bucket]
     dtype = min(dtypes, key=lambda d: d.itemsize)  # the narrowest: every member's bytes are whole units of it
-    rank = torch.distributed.get_rank(_resolve_process_group(_group_name(group_name)))
+    rank = torch.distributed.get_rank(_resolve_process_group(resolve_group_name(group_name)))
 
     def trace_args(ins: list[fx.Node]) -> tuple:
         return ([n.meta["val"] for n in ins], group_name, group_size, dtype, dtypes, rank)
 
-    b.process_collective_bucket(graph, bucket, _gather_bucket, trace_args, insert_before=insert_before)
+    process_collective_bucket(graph, bucket, _gather_bucket, trace_args, insert_before)
 
 
 def merge_reduce_scatters(graph: fx.Graph, bucket: list[fx.Node], insert_before: fx.Node | None = None) -> None:
     """One reduce_scatter for ``bucket``, its input packed by one library call."""
-    from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
-
-    merge_reduce_scatter_bucket(graph, bucket, mode="custom_ops", insert_before=insert_before)
+    merge_reduce_scatter_bucket(graph, bucket, "custom_ops", insert_before)

@@ -28,16 +28,13 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fxshard.backend.inductor.inductor_calls import RECORDED_MERGES, bucketing_function, bucketing_rebound
+
 __all__ = ["RECORDED", "traces_reused", "inputs_not_sorted", "recorded", "users_kept"]
 
-# the functions ``recorded`` traces (by name: in torch/_inductor/fx_passes/bucketing.py, or this project's),
-# each checked against make_fx's trace of it by tests/test_compile_time.py; any other is traced by make_fx
-RECORDED = ("fxshard.backend.inductor.bucket_copies._gather_bucket",
-            "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace",
-            "torch._inductor.fx_passes.bucketing.all_gather_merge_fn_to_trace_custom_ops",
-            "torch._inductor.fx_passes.bucketing.reduce_scatter_merge_fn_to_trace",
-            "torch._inductor.fx_passes.bucketing.reduce_scatter_merge_fn_to_trace_custom_ops",
-            "torch._inductor.fx_passes.bucketing.all_reduce_merge_fn_to_trace")
+# the functions ``recorded`` traces (by name: Inductor's merges, or this project's), each checked against
+# make_fx's trace of it by tests/test_compile_time.py; any other is traced by make_fx
+RECORDED = ("fxshard.backend.inductor.bucket_copies._gather_bucket", *RECORDED_MERGES)
 _CONSTANTS = (str, int, float, bool, type(None), torch.dtype, torch.device)  # arguments a trace bakes in
 
 
@@ -45,9 +42,7 @@ _CONSTANTS = (str, int, float, bool, type(None), torch.dtype, torch.device)  # a
 def traces_reused() -> Iterator[None]:
     """Within the block, Inductor's bucket merges trace each (function, argument signature) once, and
     those of ``RECORDED`` functions by ``recorded``."""
-    from torch._inductor.fx_passes import bucketing
-
-    original: Callable[[Any, Any], fx.GraphModule] | None = getattr(bucketing, "_trace", None)
+    original: Callable[[Any, Any], fx.GraphModule] | None = bucketing_function("_trace")
     if original is None:  # a torch that traces otherwise
         yield
         return
@@ -66,11 +61,8 @@ def traces_reused() -> Iterator[None]:
             traces[key] = made(fn, inputs)
         return traces[key]
 
-    bucketing._trace = trace
-    try:
+    with bucketing_rebound("_trace", trace):
         yield
-    finally:
-        bucketing._trace = original
 
 
 @contextlib.contextmanager
@@ -83,9 +75,7 @@ def inputs_not_sorted() -> Iterator[None]:
     merge walked the whole program, 0.45 s of a 64-layer program's 129 merges under the profiler (quadratic
     in the layers).
     Without them the walks stop at the inputs that are ops, and the same nodes are sorted."""
-    from torch._inductor.fx_passes import bucketing
-
-    original = getattr(bucketing, "_sort_bucket_region", None)
+    original = bucketing_function("_sort_bucket_region")
     if original is None:  # a torch that sorts otherwise
         yield
         return
@@ -93,11 +83,8 @@ def inputs_not_sorted() -> Iterator[None]:
     def sort(graph: fx.Graph, new_nodes: list[fx.Node], new_nodes_inputs: list[fx.Node]) -> None:
         original(graph, new_nodes, [n for n in new_nodes_inputs if n.op not in ("placeholder", "get_attr")])
 
-    bucketing._sort_bucket_region = sort
-    try:
+    with bucketing_rebound("_sort_bucket_region", sort):
         yield
-    finally:
-        bucketing._sort_bucket_region = original
 
 
 @contextlib.contextmanager
@@ -111,11 +98,9 @@ def users_kept() -> Iterator[None]:
     metadata changed. fxshard's gathers give each member back contiguous, as it was: nothing can change,
     and the readers (each layer's weights' matmuls) were dispatched again for nothing (~6 ms a merge).
     A merge whose values do change is recomputed as before."""
-    from torch._inductor.fx_passes import bucketing
-
-    insert = getattr(bucketing, "_insert_fn_trace_before_node", None)
-    recompute = getattr(bucketing, "_recompute_changed_user_metadata", None)
-    same = getattr(bucketing, "_same_metadata", None)
+    insert = bucketing_function("_insert_fn_trace_before_node")
+    recompute = bucketing_function("_recompute_changed_user_metadata")
+    same = bucketing_function("_same_metadata")
     if insert is None or recompute is None or same is None:  # a torch that merges otherwise
         yield
         return
@@ -124,20 +109,14 @@ def users_kept() -> Iterator[None]:
                  graph_outputs: list[fx.Node]) -> tuple[dict[fx.Node, fx.Node], list[fx.Node]]:
         replaced = [(node, node.meta.get("val")) for node in graph_outputs]
         readers: list[fx.Node] = []
-        bucketing._recompute_changed_user_metadata = readers.extend
-        try:
+        with bucketing_rebound("_recompute_changed_user_metadata", readers.extend):
             replacements, new_nodes = insert(graph, fn, inputs, before, graph_inputs, graph_outputs)
-        finally:
-            bucketing._recompute_changed_user_metadata = recompute
         if not all(same(val, replacements[node].meta.get("val")) for node, val in replaced):
             recompute(readers)
         return replacements, new_nodes
 
-    bucketing._insert_fn_trace_before_node = inserted
-    try:
+    with bucketing_rebound("_insert_fn_trace_before_node", inserted):
         yield
-    finally:
-        bucketing._insert_fn_trace_before_node = insert
 
 
 class _Unkeyed(Exception):

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from fxshard.backend.inductor.inductor_calls import cache_dir, dynamo_global_state, functorch_portable_config
+
 __all__ = ["cache_path", "write_whole", "tensor_digest", "stable", "ambient_state"]
 
 log = logging.getLogger("fxshard")
@@ -42,15 +44,13 @@ _SWITCHES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("modes", lambda: (tuple(type(m).__qualname__ for m in torch.overrides._get_current_function_mode_stack()),
                        tuple(type(m).__qualname__
                              for m in torch.utils._python_dispatch._get_current_dispatch_mode_stack()))),
-    ("functorch_config", lambda: stable(sorted(torch._functorch.config.save_config_portable().items()))),
+    ("functorch_config", lambda: stable(sorted(functorch_portable_config().items()))),
     ("fxshard", lambda: importlib.metadata.version("fxshard")),
 )
 
 
 def cache_path(folder: str, key: str) -> pathlib.Path:
     """The file of ``key`` in ``folder`` of Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     return pathlib.Path(cache_dir()) / folder / key
 
 
@@ -93,10 +93,8 @@ def ambient_state() -> tuple | None:
     global-state guard's reading (what makes Dynamo compile a graph again) and ``_SWITCHES``. None where some of
     it cannot be read (a torch whose guard or switches read otherwise): then nothing is kept, and a warning
     says so once."""
-    from torch._C._dynamo.guards import GlobalStateGuard
-
     try:
-        guarded = GlobalStateGuard().__getstate__()
+        guarded = dynamo_global_state()
         switches = tuple((name, read()) for name, read in _SWITCHES)
     except Exception as error:  # noqa: BLE001 - any failure to read means: keep nothing
         _say_unreadable(f"{type(error).__name__}: {error}")

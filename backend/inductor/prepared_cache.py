@@ -21,26 +21,22 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import counters
 
 from fxshard.lowering.localize import program_fake_values
 
 from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
+from fxshard.backend.inductor.inductor_calls import counters, custom_joint_passes, fx_graph_cache_on, portable_config
 
 __all__ = ["prepared_key", "load_prepared", "store_prepared"]
 
 # the code that prepares a program: a change to it makes every entry stale
 _PREPARATION = ("compile_inner.py", "prepared_cache.py")
-# Inductor's switches whose values the portable config leaves out and the joint passes run
-_JOINT_PASSES = ("joint_custom_pre_pass", "joint_custom_post_pass")
 
 
 def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
     """The key of ``program`` prepared for these inputs, or None where nothing is kept (Inductor's FX graph
     cache off, a custom joint pass, a constant or an input this key cannot read)."""
-    from torch._inductor import config
-
-    if config.force_disable_caches or not config.fx_graph_cache or any(getattr(config, k, None) for k in _JOINT_PASSES):
+    if not fx_graph_cache_on() or custom_joint_passes():
         return None
     ambient = ambient_state()  # the preparation traces the program again, under it
     if ambient is None:
@@ -59,7 +55,7 @@ def prepared_key(program: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
                 return None
             parts.append((node.target, value.dtype, tuple(value.shape), tensor_digest(value)))
     parts.append(_preparation_digest())
-    parts.append([(name, stable(value)) for name, value in sorted(config.save_config_portable().items())])
+    parts.append([(name, stable(value)) for name, value in sorted(portable_config().items())])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

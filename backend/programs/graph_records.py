@@ -9,7 +9,6 @@ an argument node its position (``_Ref``), an operator its name (``_Op``: operato
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Iterable
 
 import torch
@@ -17,6 +16,8 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate, map_arg
 
 from fxshard.graph import graph_module, new_node
+
+from fxshard.backend.inductor.inductor_calls import register_bucketing_ops
 
 __all__ = ["graph_records", "graph_from_records"]
 
@@ -89,10 +90,10 @@ class _Op(tuple):
     def resolve(self) -> torch._ops.OpOverload:
         namespace, name, overload = self
         if namespace in _REGISTERED_BY and not hasattr(getattr(torch.ops, namespace), name):
-            importlib.import_module(_REGISTERED_BY[namespace])  # a fresh process has not imported it yet
+            _REGISTERED_BY[namespace]()  # a fresh process has not imported it yet
         return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
 # operator namespaces a module registers on import, which a program kept by one process may hold before
-# another process has imported it (Inductor's bucketing ops, in a merged program's regions)
-_REGISTERED_BY = {"bucketing": "torch._inductor.fx_passes.bucketing"}
+# another process has imported it (Inductor's bucketing ops, in a merged program's regions): what registers them
+_REGISTERED_BY = {"bucketing": register_bucketing_ops}

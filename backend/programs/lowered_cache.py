@@ -48,7 +48,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -57,6 +56,7 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
 
 from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
+from fxshard.backend.inductor.inductor_calls import counters, fx_graph_cache_on
 from fxshard.backend.programs.graph_records import graph_from_records, graph_records
 from fxshard.backend.programs.fold_lowered import unfolded_lowered
 from fxshard.backend.programs.inference import LoweredInference
@@ -83,9 +83,7 @@ class _Entry:
 def lowered_key(gm: fx.GraphModule, inputs: Sequence[Any], device_mesh: Any, options: Mapping[str, Any]) -> str | None:
     """The key of ``gm``'s lowered programs for this rank, or None where nothing is kept (Inductor's FX graph
     cache off, or something the key cannot read)."""
-    from torch._inductor import config
-
-    if (config.force_disable_caches or not config.fx_graph_cache or device_mesh is None
+    if (not fx_graph_cache_on() or device_mesh is None
             or os.environ.get("FXSHARD_LOWERED_CACHE", "1") == "0"):
         return None
     program = _program_text(gm)

@@ -22,6 +22,8 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.backend.capture.dynamo_calls import dynamic_by_default, guard_global_shapes
+
 log = logging.getLogger("fxshard")
 
 # past this many programs for one graph, tell the user (Dynamo's own recompile limit is 8)
@@ -35,7 +37,7 @@ def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Cal
     if not _has_dynamic_sizes(gm, example_inputs):
         guard_global_shapes(gm)
         return compile_for(example_inputs)
-    if not torch._dynamo.config.assume_static_by_default:
+    if dynamic_by_default():
         warnings.warn(
             "torch.compile(..., dynamic=True) with backend='fxshard': fxshard plans communication for concrete "
             "sizes, so it compiles one program per distinct set of input sizes it is called with (checked at each "
@@ -97,26 +99,6 @@ class PerSizePrograms:
                          "dims: one program compiled for symbolic sizes serves every later size on their line",
                          self.graph_id, _sizes_text(self._recent[-2][0]), _sizes_text(key))
         return program
-
-
-def guard_global_shapes(gm: fx.GraphModule) -> None:
-    """Make Dynamo recompile when a DTensor input's global shape changes.
-
-    Dynamo guards a DTensor on its local tensor's shape only (``DTENSOR_SPEC_MATCH`` skips the
-    global shape). With uneven shards that is not enough: a batch of 3 rows over 2 ranks gives
-    rank 0 the same 2 rows as a batch of 4, so rank 0 would run the program planned for 4 rows
-    while rank 1 recompiles, a wrong answer or a hang. The graph itself may have sizes baked in
-    (``x.shape[0]`` read in Python), so only Dynamo can recompile it correctly: this adds the guard.
-    """
-    from torch._dynamo.guards import GuardBuilder, install_guard
-    from torch._dynamo.source import AttrSource
-    from torch.distributed.tensor import DTensor
-
-    for node in gm.graph.nodes:
-        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
-        if grapharg is None or not isinstance(grapharg.example, DTensor) or grapharg.source is None:
-            continue
-        install_guard(AttrSource(grapharg.source, "shape").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
 def sizes_key(args: Sequence[Any]) -> tuple:
