@@ -271,7 +271,7 @@ def test_a_folded_plan_trains_as_one_device_on_simulated_ranks(fake_mesh_4, axes
 def test_a_hugging_face_model_folds_and_trains_as_one_device(fake_mesh_4, name):
     """Hugging Face Llama and Mixtral with six layers under Megatron TP on four simulated ranks: folded (their
     layers read per-layer copies of the rotary tables and constants, made alike, and each layer's backward makes
-    the next layer's input norm's gradient: ``fold._same_value``, ``_Layers.next_params``), and the loss and
+    the next layer's input norm's gradient: ``same_values.same_value``, ``fold._Layers.next_params``), and the loss and
     every gradient are one device's."""
     pytest.importorskip("transformers")
     import types

@@ -32,6 +32,7 @@ from fxshard.layer_names import common_layer, layer_of_inputs, renumbered
 from fxshard.timing import stage
 
 from fxshard.backend.programs.joint import TrainingPlan
+from fxshard.backend.programs.same_values import alike_inputs, same_value
 from fxshard.backend.layers.regions import (Region, backward_regions, forward_regions, program_structure, saved_regions,
                                             split_regions)
 
@@ -151,7 +152,7 @@ def _alike_operands(a: Any, b: Any, call_a: fx.Node, call_b: fx.Node) -> bool:
     """Whether operand ``b`` of ``call_b`` is for it what ``a`` is for ``call_a``: the same value (a shared
     node), or the same expression (a constant made per call, ``getattr`` of a parameter) whose inputs are
     shared nodes or, at the same places, inputs of each call's own (read by nothing else). Random values made
-    per call differ: the plan's check (``_same_value``) refuses them."""
+    per call differ: the plan's check (``same_values.same_value``) refuses them."""
     if a is b:
         return True
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
@@ -285,7 +286,7 @@ class _Layers:
             if node.op == "placeholder" and layer_index.get(node.name) == t:
                 for j in range(t + 1, s):
                     other = params.get(renumbered(node.name, j))
-                    if other is None or not _alike_inputs(node, other) or \
+                    if other is None or not alike_inputs(node, other) or \
                             (node.name in with_grad) != (other.name in with_grad):
                         return _refused(f"layer {j}'s {renumbered(node.name, j)} is not alike layer {t}'s")
         saved_values = list(outputs(forward))[step.num_outputs:]
@@ -353,7 +354,7 @@ class _Layers:
             return v_s.op == "placeholder" and v_s.name == renumbered(v_t.name, self.s)
         if v_t in f.chain:
             return f.body[f.chain[v_t]] is v_s
-        return v_t is v_s or _same_value(v_t, v_s)
+        return v_t is v_s or same_value(v_t, v_s)
 
     def forward(self) -> tuple[fx.Graph, dict[fx.Node, fx.Node], dict[int, dict[fx.Node, fx.Node]]]:
         """The whole forward but for its output: the short program's nodes and, after layer t's, its copies
@@ -524,7 +525,7 @@ class _Alike:
             elif descending and a_t in successor_position:  # layer t's backward reads layer s's
                 chain[a_t] = successor_position[a_t]
                 neighbours.append(a_s)
-            elif a_t is not a_s and _same_value(a_t, a_s):
+            elif a_t is not a_s and same_value(a_t, a_s):
                 equal.add(a_t)  # made per layer outside it, alike (a view of the rotary tables, a mask)
             elif a_t is not a_s and not (a_t.op == "placeholder" and a_s.op == "placeholder"):
                 return _refused(f"layer {t} reads {a_t.name} where layer {s} reads {a_s.name}: neither a "
@@ -541,46 +542,6 @@ class _Alike:
         return all(region.get(n) == neighbour for n in self.neighbours)
 
 
-def _same_value(a: Any, b: Any, depth: int = 0) -> bool:
-    """Whether two values are equal by how they are made: the same node, or calls of one deterministic op in
-    one layout on equal arguments (two layers' own views of a table both read)."""
-    if a is b:
-        return True
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-        return not isinstance(a, (fx.Node, torch.Tensor)) and not isinstance(b, (fx.Node, torch.Tensor)) and \
-            type(a) is type(b) and a == b
-    if a.op == b.op == "get_attr":  # a constant lent to each layer (block_joint.py): the same, or equal
-        return a.meta.get(LAYOUT) == b.meta.get(LAYOUT) and _same_constant(_attr(a), _attr(b))
-    if depth > 32 or a.op != "call_function" or b.op != "call_function" or a.target != b.target or \
-            torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()) or \
-            a.meta.get(LAYOUT) != b.meta.get(LAYOUT):
-        return False
-    return _same_value(a.args, b.args, depth + 1) and _same_value(a.kwargs, b.kwargs, depth + 1)
-
-
-def _attr(node: fx.Node) -> Any:
-    value: Any = node.graph.owning_module
-    for name in str(node.target).split("."):
-        value = getattr(value, name, None)
-    return value
-
-
-def _same_constant(x: Any, y: Any) -> bool:
-    if x is y:
-        return x is not None
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape or \
-            x.dtype != y.dtype or x.device != y.device:
-        return False
-    try:
-        return bool(torch.equal(x, y))
-    except Exception:  # a fake or meta constant: no values to compare
-        return False
-
-
 def _refused(reason: str) -> None:
     """Why a program is not folded (its whole model is planned then), for whoever logs this module."""
     log.info("fxshard: the layers are planned whole, not folded: %s", reason)
@@ -593,15 +554,6 @@ def _same_program(a: Region, b: Region) -> bool:
         return False
     return all(x.meta.get(LAYOUT) == y.meta.get(LAYOUT) and x.meta.get(ARG_LAYOUTS) == y.meta.get(ARG_LAYOUTS)
                for x, y in zip(a.graph.graph.nodes, b.graph.graph.nodes))
-
-
-def _alike_inputs(a: fx.Node, b: fx.Node) -> bool:
-    """Two inputs of one global layout, shape, stride and dtype."""
-    x, y = a.meta.get("val"), b.meta.get("val")
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-        return False
-    return a.meta.get(LAYOUT) == b.meta.get(LAYOUT) and x.shape == y.shape and x.stride() == y.stride() and \
-        x.dtype == y.dtype
 
 
 def _copy(graph: fx.Graph, node: fx.Node, value: Any, env: dict | None = None, stamp: int | None = None) -> fx.Node:
