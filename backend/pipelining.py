@@ -402,10 +402,9 @@ def simulate_pipeline(plan: PipelinePlan, inputs: Sequence[torch.Tensor],
     carries; its gradient goes back the same way). Each rank's batch rows are split into the
     microbatches as the schedule splits them. Returns the mean loss and each parameter's full gradient.
     """
-    from fxshard.lowering.collectives import lower
     from fxshard.lowering.groups import MeshGroups
-    from fxshard.lowering.localize import localize
 
+    from fxshard.backend.programs.lower_for_rank import lower_for_rank
     from fxshard.backend.simulate import fake_world, run_lockstep
 
     coords = plan.mesh.coordinates()
@@ -417,8 +416,8 @@ def simulate_pipeline(plan: PipelinePlan, inputs: Sequence[torch.Tensor],
     grads: dict[str, torch.Tensor] = {}
     with fake_world(plan.mesh) as device_mesh:
         groups = MeshGroups(device_mesh)
-        programs = [[tuple(lower(localize(g, c), c, groups) for g in (s.trace.planned.training.forward,
-                                                                       s.trace.planned.training.backward))
+        programs = [[tuple(lower_for_rank(g, c, groups) for g in (s.trace.planned.training.forward,
+                                                                   s.trace.planned.training.backward))
                      for c in coords] for s in plan.stages]
         for m in range(plan.n_microbatches):
             feeds = [[b[m] for b in per_rank] for per_rank in zip(*first, *wanted)]

@@ -27,9 +27,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fxshard.costs import CostModel
 from fxshard.graph import LOCAL_REGION, output_layouts
 from fxshard.layout import Layout
-from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
-from fxshard.lowering.localize import localize, own_shard_indexing
+from fxshard.lowering.localize import own_shard_indexing
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
@@ -38,7 +37,9 @@ from fxshard.backend.capture.capture import Captured, capture_graphs
 from fxshard.backend.driver import PlannedProgram, plan_function
 from fxshard.backend.graph_runs import RunPlanner
 from fxshard.backend.capture.inputs import named_inputs
-from fxshard.backend.layers.regions import Region, RegionalProgram, program_regions, training_regions
+from fxshard.backend.layers.regional_program import Region, RegionalProgram, RegionRole
+from fxshard.backend.programs.lower_for_rank import lower_for_rank
+from fxshard.backend.programs.stage6 import Cut, cut_into_regions
 
 
 @contextlib.contextmanager
@@ -200,16 +201,16 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
 
     result = programs[0].walk(args, attrs, call)
     first = programs[0]
-    layer_graphs = {id(first.compiled[k]) for k, region in enumerate(first.regions) if region.layer}
+    layer_graphs = {id(first.compiled[k]) for k, region in enumerate(first.regions) if region.role is RegionRole.LAYER}
     return [[v[r] for v in result] for r in range(ranks)], len(layer_graphs)
 
 
-def _run_ranks(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]] | None,
+def _run_ranks(graphs: Sequence[fx.GraphModule], cuts: Sequence[Cut] | None, which: int,
                inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
-    """Every rank's program in lockstep, whole or (``regions``) region by region."""
-    if regions is None or not regions[0]:
+    """Every rank's program in lockstep, whole or (``cuts``: each rank's, program ``which`` of it) region by region."""
+    if cuts is None or not cuts[0].regions[which]:
         return run_lockstep(graphs, inputs), 0
-    return run_regions_lockstep(graphs, regions, inputs)
+    return run_regions_lockstep([c.graphs[which] for c in cuts], [c.regions[which] for c in cuts], inputs)
 
 
 def _rank_ints(per_rank: Sequence[Sequence[int]]) -> list:
@@ -286,16 +287,12 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     _warn_of_rank_numbers(gm)
     with fake_world(spec, device) as device_mesh:
         groups = MeshGroups(device_mesh)
-        graphs = [lower(localize(gm, c), c, groups) for c in coords]
-        backward = [lower(localize(training.backward, c), c, groups) for c in coords] if grad else []
-        if not regional:
-            regions = None, None
-        elif grad:
-            split = [training_regions(f, b, training.num_outputs) for f, b in zip(graphs, backward)]
-            regions = [f for f, _ in split], [b for _, b in split]
-        else:
-            regions = [program_regions(g) for g in graphs], None
-        per_rank, compiled = _run_ranks(graphs, regions[0], [[b[c] for b in blocks] for c in coords])
+        graphs = [lower_for_rank(gm, c, groups) for c in coords]
+        backward = [lower_for_rank(training.backward, c, groups) for c in coords] if grad else []
+        # stage 6 as regional compilation cuts (stage6.py), its buckets not merged: each rank's cut programs
+        cuts = [cut_into_regions(programs, num_outputs=training.num_outputs if grad else None)
+                for programs in (zip(graphs, backward) if grad else zip(graphs))] if regional else None
+        per_rank, compiled = _run_ranks(graphs, cuts, 0, [[b[c] for b in blocks] for c in coords])
         if not grad:
             return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph, region_graphs=compiled,
                                 lowered=dict(zip(coords, graphs)))
@@ -304,7 +301,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
         tangents = [{c: layout.shard(t, c) for c in coords} for t, layout in zip(seeds, training.output_layouts)]
         grads, compiled_backward = _run_ranks(
-            backward, regions[1], [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
+            backward, cuts, 1, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
     names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
     return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph,
@@ -325,9 +322,9 @@ def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mappi
                                cost_model=cost_model, training_split=training_split)
     coords = planned.program.mesh.coordinates()
     if grad:
-        return {c: (lower(localize(planned.training.forward, c), c, groups),
-                    lower(localize(planned.training.backward, c), c, groups)) for c in coords}
-    return {c: lower(localize(planned.graph, c), c, groups) for c in coords}
+        return {c: (lower_for_rank(planned.training.forward, c, groups),
+                    lower_for_rank(planned.training.backward, c, groups)) for c in coords}
+    return {c: lower_for_rank(planned.graph, c, groups) for c in coords}
 
 
 def _rank_blocks(x: DTensor, coords: Sequence[tuple[int, ...]], name: str) -> dict:
@@ -372,7 +369,7 @@ class SimulatedGraphs:
                   for obj, name in zip(objects, program.input_names)]
         groups = MeshGroups(self.device_mesh)
         _warn_of_rank_numbers(gm)
-        graphs = [lower(localize(gm, c), c, groups) for c in coords]
+        graphs = [lower_for_rank(gm, c, groups) for c in coords]
         final: list = []
         per_rank = run_lockstep(graphs, [[b[c] for b in blocks] for c in coords], final)
         for k in written_inputs(gm):  # Python (or a later graph) reads what the graph wrote in place

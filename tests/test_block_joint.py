@@ -18,7 +18,7 @@ from fxshard.backend.capture import block_joint
 from fxshard.backend.layers.block_regions import blocks_as_regions, repeated_blocks
 from fxshard.backend.capture.capture import capture
 from fxshard.backend.capture.inputs import input_layouts, named_inputs
-from fxshard.backend.layers.regions import program_structure
+from fxshard.backend.layers.regional_program import program_structure
 from fxshard.backend.simulate import simulate_ranks
 from fxshard.backend.capture.trace import trace_global
 

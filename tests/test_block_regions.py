@@ -17,7 +17,7 @@ import fxshard
 from fxshard.backend.layers.block_regions import blocks_as_regions, captured_with_regions, repeated_blocks
 from fxshard.backend.capture.capture import capture
 from fxshard.backend.capture.inputs import input_layouts, named_inputs
-from fxshard.backend.layers.regions import program_structure
+from fxshard.backend.layers.regional_program import program_structure
 from fxshard.backend.capture.trace import _GlobalInterpreter, trace_global
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

@@ -24,7 +24,7 @@ import fxshard
 from fxshard.backend.layers.block_regions import blocks_as_regions, repeated_blocks
 from fxshard.backend.programs.fold import STAMP
 from fxshard.backend.programs.fold_lowered import REGION
-from fxshard.backend.layers.regions import RegionalProgram, program_structure, region_schedule
+from fxshard.backend.layers.regional_program import RegionalProgram, RegionRole, program_structure, region_schedule
 from fxshard.backend.simulate import simulate_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -115,10 +115,11 @@ def test_a_folded_program_is_the_whole_models_program(fake_mesh_4, monkeypatch, 
 
 
 def _regions(program) -> list:
-    """Per region of the step (forward, then backward): its index, whether Inductor compiles it (a layer), its
+    """Per region of the step (forward, then backward): its role and layer (Inductor compiles a layer), its
     operations (collectives bucketed), and a compiled region's code (``program_structure``, with each process
     group named by its ranks: a compile makes its sub-groups anew)."""
-    return [(r.index, r.layer, _ops(r.graph), _named_groups(program_structure(r.graph.graph)) if r.layer else None)
+    return [(r.role, r.index, _ops(r.graph),
+             _named_groups(program_structure(r.graph.graph)) if r.role is RegionRole.LAYER else None)
             for regions in program._regions() for r in regions]
 
 

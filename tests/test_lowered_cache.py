@@ -2,7 +2,7 @@
 
 The programs loaded must be the ones planned (the same code, signature and numerics), the key must
 change with everything planning reads, and nothing may be loaded where it cannot be trusted (a torn
-file, a program whose stages someone watches).
+file). A watched program is loaded too, its watcher shown the programs loaded: tests/test_options.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch._inductor.utils import fresh_cache
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.layers.regions import program_structure
+from fxshard.backend.layers.regional_program import RegionRole, program_structure
 from fxshard.backend.programs.training import TrainingProgram
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -59,7 +59,7 @@ def _sharded_blocks(mesh, placements=(Shard(0),), layers: int = 2) -> Blocks:
 
 
 def _replicated(mesh) -> tuple[Blocks, Blocks, torch.Tensor, torch.Tensor]:
-    """Three blocks (a program is cut into regions from three alike layers: ``regions.SHARED_LAYERS``) with
+    """Three blocks (a program is cut into regions from three alike layers: ``Options.shared_layers``) with
     replicated weights (the fake group's result is exact), the same model on one device, fresh random data
     and that data replicated."""
     model = _sharded_blocks(mesh, (Replicate(),), layers=3)
@@ -280,22 +280,6 @@ def test_a_torn_entry_is_planned_again_and_stored_over(fake_mesh_4, cache_on):
     assert counters["fxshard"]["lowered_cache_hit"] == 1 and warm.backward_graph.code == cold.backward_graph.code
 
 
-def test_a_program_whose_stages_are_watched_is_planned(fake_mesh_4, cache_on):
-    """``on_graph`` sees every stage's graph, which a loaded program never had: the backend plans it every time."""
-    model = _sharded_blocks(fake_mesh_4)
-    x = distribute_tensor(torch.randn(TOKENS, DIM), fake_mesh_4, [Shard(0)])
-    for _ in range(2):
-        seen: list[str] = []
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="fxshard",
-                                 options={"inductor": False, "on_graph": lambda stage, gm: seen.append(stage)})
-        compiled(x).sum().backward()
-        assert "plan" in seen and "lower" in seen, seen
-    assert not counters["fxshard"], dict(counters["fxshard"])
-    torch.compile(model, backend="fxshard", options={"inductor": False})(x).sum().backward()
-    assert dict(counters["fxshard"]) == {"lowered_cache_miss": 1}, dict(counters["fxshard"])
-
-
 def test_a_loaded_programs_plan_is_planned_again_from_fake_inputs_only():
     """``TrainingProgram.plan`` of a loaded program plans again from ``fxshard.compile``'s fake stand-ins; the
     backend's real inputs are not kept alive for that, and reading the plan says how to have it."""
@@ -365,8 +349,8 @@ def test_a_second_run_loads_the_regions_too_and_computes_what_the_model_does(fak
     assert warm.forward_graph.code == cold.forward_graph.code and warm.backward_graph.code == cold.backward_graph.code
     for k, which in enumerate(("forward", "backward")):
         assert warm._schedules[which].steps == cold._schedules[which].steps
-        assert [(r.index, r.layer, r.structure) for r in warm._region_split[k]] == \
-            [(r.index, r.layer, program_structure(r.graph.graph)) for r in cold._region_split[k]]
+        assert [(r.role, r.index, r.structure) for r in warm._region_split[k]] == \
+            [(r.role, r.index, program_structure(r.graph.graph)) for r in cold._region_split[k]]
     _assert_computes_the_model(reference, data, (out_cold, grads_cold), (out_warm, grads_warm))
 
 
@@ -414,13 +398,13 @@ def test_an_fsdp_steps_regions_are_loaded_with_their_buckets(fake_mesh_4, cache_
     first: dict[int, Any] = {}
     for k, which in enumerate(("forward", "backward")):
         assert warm._schedules[which].steps == cold._schedules[which].steps
-        assert [(r.index, r.layer) for r in warm._region_split[k]] == [(r.index, r.layer) for r in cold._region_split[k]]
+        assert [(r.role, r.index) for r in warm._region_split[k]] == [(r.role, r.index) for r in cold._region_split[k]]
         for w, c in zip(warm._region_split[k], cold._region_split[k]):
             first.setdefault(id(w.graph), (w, c))
             assert w.structure == program_structure(c.graph.graph)  # as cut (bucketing rewrites a copy)
-        others = [w for w in warm._region_split[k] if not w.layer]  # the regions between layers repeat too
+        others = [w for w in warm._region_split[k] if w.role is not RegionRole.LAYER]  # between layers repeat too
         assert len({id(w.graph) for w in others}) == len({w.structure for w in others}) < len(others), \
-            [(w.index, id(w.graph)) for w in others]
+            [(w.role, id(w.graph)) for w in others]
     for w, c in first.values():
         assert [(str(n.target), n.meta.get("custom")) for n in w.graph.graph.nodes] == \
             [(str(n.target), n.meta.get("custom")) for n in c.graph.graph.nodes]

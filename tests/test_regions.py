@@ -20,7 +20,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fxshard
-from fxshard.backend.layers import end_regions
+from fxshard.backend import options
+from fxshard.backend.layers.regional_program import RegionRole
 from fxshard.backend.programs import training
 from fxshard.backend.simulate import simulate_ranks
 
@@ -101,7 +102,7 @@ def _compiled_regions(layers: int, mesh, monkeypatch) -> tuple[int, int]:
     two layers) for one FSDP training step of ``layers`` layers."""
     compiled = _record_compiles(monkeypatch)
     runner = _fsdp_program(mesh, layers)
-    return len(compiled), sum(not r.between_layers for r in runner._forward.regions + runner._backward.regions)
+    return len(compiled), sum(r.role is not RegionRole.BETWEEN for r in runner._forward.regions + runner._backward.regions)
 
 
 def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch):
@@ -112,7 +113,7 @@ def test_a_deeper_model_compiles_no_more_region_graphs(fake_mesh_4, monkeypatch)
 
 
 @pytest.mark.parametrize("worth_seconds, compiled_ends", [
-    (end_regions.WORTH_SECONDS, ["epilogue", "epilogue", "prologue"]),  # backward: its epilogue first
+    (options.DEFAULTS.worth_seconds, ["epilogue", "epilogue", "prologue"]),  # backward: its epilogue first
     (0.0, ["prologue", "epilogue", "epilogue", "prologue"]),
 ], ids=["default", "every-end"])
 def test_a_training_steps_ends_are_compiled_where_that_pays(fake_mesh_4, monkeypatch, worth_seconds, compiled_ends):
@@ -123,7 +124,7 @@ def test_a_training_steps_ends_are_compiled_where_that_pays(fake_mesh_4, monkeyp
     the threshold is 0."""
     from train_llama import distribute_parameters
 
-    monkeypatch.setattr(end_regions, "WORTH_SECONDS", worth_seconds)
+    monkeypatch.setattr(options, "DEFAULTS", dataclasses.replace(options.DEFAULTS, worth_seconds=worth_seconds))
     compiled = _record_compiles(monkeypatch)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=768))
@@ -133,8 +134,8 @@ def test_a_training_steps_ends_are_compiled_where_that_pays(fake_mesh_4, monkeyp
     step(tokens, tokens).backward()
     regions = step.last._forward.regions + step.last._backward.regions
     given = {id(gm) for gm in compiled}
-    ends = [("prologue" if r.index < 0 else "epilogue") for r in regions
-            if not r.layer and not r.between_layers and id(r.graph) in given]
+    ends = [r.role.value for r in regions
+            if r.role in (RegionRole.PROLOGUE, RegionRole.EPILOGUE) and id(r.graph) in given]
     assert ends == compiled_ends
     assert len(compiled) == 2 + len(compiled_ends)  # and a layer each way
 
@@ -258,7 +259,8 @@ def test_the_backward_frees_each_layers_saved_values_after_its_region(fake_mesh_
 
     monkeypatch.setattr(training.TrainingProgram, "run_forward", recording_forward)
     monkeypatch.setattr(training, "compile_local", recording_region)
-    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, its region recorded: toy sizes
+    # every end compiled, its region recorded: toy sizes
+    monkeypatch.setattr(options, "DEFAULTS", dataclasses.replace(options.DEFAULTS, worth_seconds=0.0))
     _fsdp_program(fake_mesh_4)
     assert len(saved) > 10 and len(alive_per_region) >= CFG.n_layers, (len(saved), alive_per_region)
     # the epilogue's region (the output projection's backward) finds every saved value alive and frees its own;
@@ -346,22 +348,23 @@ def _waits_elsewhere(gm: torch.fx.GraphModule) -> int:
 def test_regional_fsdp_gathers_a_layer_early_and_waits_reductions_a_layer_late(fake_mesh_4, monkeypatch):
     """prefetch.py: no layer region starts its own gathers (a region between the two layers before it
     does, so the layer between computes while they move) and none waits its own reductions (a region
-    after the next layer does). Per region, in the order they run: (index, layer?, collectives started,
+    after the next layer does). Per region, in the order they run: (role, layer, collectives started,
     waits of ones started elsewhere)."""
     runner = _fsdp_step(True, fake_mesh_4, monkeypatch)
-    found = [[(r.index, r.layer, _started(program.compiled[k]), _waits_elsewhere(program.compiled[k]))
+    found = [[(r.role.value, r.index, _started(program.compiled[k]), _waits_elsewhere(program.compiled[k]))
               for k, r in enumerate(program.regions)] for program in (runner._forward, runner._backward)]
     gather, reduce = ["all_gather"], ["reduce_scatter"]
     assert found == [
         # forward: layer 0's gathers start before the prologue (which gathers the root's and waits them),
         # layer 1's before layer 0, layer 2's before layer 1; each layer waits its own; the loss's sums (one call)
-        [(-1.5, False, gather, 0), (-1, False, gather, 0), (-0.5, False, gather, 0), (0, True, [], 1),
-         (0.5, False, gather, 0), (1, True, [], 1), (2, True, [], 1), (3, False, ["all_reduce"], 0)],
+        [("between", None, gather, 0), ("prologue", None, gather, 0), ("between", None, gather, 0),
+         ("layer", 0, [], 1), ("between", None, gather, 0), ("layer", 1, [], 1), ("layer", 2, [], 1),
+         ("epilogue", None, ["all_reduce"], 0)],
         # backward, last layer first: each layer's regather starts before the region ahead of it runs, its
         # reduce_scatter is waited after the next layer; the root's gradients reduced (and waited) at the end
-        [(3.5, False, gather, 0), (3, False, [], 0), (2.5, False, gather, 0), (2, True, reduce, 1),
-         (1.5, False, gather, 0), (1, True, reduce, 1), (0.5, False, [], 1), (0, True, reduce, 1),
-         (-0.5, False, [], 1), (-1, False, reduce, 0), (-1.5, False, [], 1)],
+        [("between", None, gather, 0), ("epilogue", None, [], 0), ("between", None, gather, 0),
+         ("layer", 2, reduce, 1), ("between", None, gather, 0), ("layer", 1, reduce, 1), ("between", None, [], 1),
+         ("layer", 0, reduce, 1), ("between", None, [], 1), ("prologue", None, reduce, 0), ("between", None, [], 1)],
     ], found
 
 
@@ -388,7 +391,7 @@ def test_every_layer_runs_its_backward_in_its_own_region(fake_mesh_4, monkeypatc
     monkeypatch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
     runner = _fsdp_program(fake_mesh_4, batch=batch, own_targets=True)
     assert _gathers_targets(runner) == gathers_targets
-    sizes = [{r.index: len(r.graph.graph.nodes) for r in program.regions if r.layer}
+    sizes = [{r.index: len(r.graph.graph.nodes) for r in program.regions if r.role is RegionRole.LAYER}
              for program in (runner._forward, runner._backward)]
     assert sorted(sizes[0]) == sorted(sizes[1]) == list(range(CFG.n_layers)), sizes
     assert all(sizes[1][k] >= sizes[0][k] for k in sizes[0]), sizes
@@ -407,7 +410,8 @@ def test_a_tensor_parallel_models_layers_are_one_program_each_way(fake_mesh_4, m
     from models.llama import tensor_parallel_plan
 
     compiled = _record_compiles(monkeypatch)
-    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, whatever it costs uncompiled
+    # every end compiled, whatever it costs uncompiled
+    monkeypatch.setattr(options, "DEFAULTS", dataclasses.replace(options.DEFAULTS, worth_seconds=0.0))
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, dim=64, n_heads=8, n_kv_heads=4))  # a kv head or more per rank
     parallelize_module(model, fake_mesh_4, tensor_parallel_plan(model, sequence_parallel=sequence_parallel))
@@ -434,14 +438,16 @@ def test_fsdp_x_tp_layers_are_one_program_each_way(fake_mesh_4, monkeypatch):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     compiled = _record_compiles(monkeypatch)
-    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled, whatever it costs uncompiled
+    # every end compiled, whatever it costs uncompiled
+    monkeypatch.setattr(options, "DEFAULTS", dataclasses.replace(options.DEFAULTS, worth_seconds=0.0))
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=768))
     distribute_parameters(model, mesh, fsdp_tp_placements(model))
     step = fxshard.compile(model.loss, cost_model=fxshard.CostModel())
     tokens = distribute_tensor(torch.randint(0, 2048, (8, 128)), mesh, (Shard(0), Replicate()))
     step(tokens, tokens).backward()
-    layers = [r.index for program in (step.last._forward, step.last._backward) for r in program.regions if r.layer]
+    layers = [r.index for program in (step.last._forward, step.last._backward) for r in program.regions
+              if r.role is RegionRole.LAYER]
     # a layer's program each way, and the prologue's and the epilogue's each way
     assert sorted(layers) == [0, 0, 1, 1, 2, 2] and len(compiled) == 6, (layers, [len(g.graph.nodes) for g in compiled])
 
@@ -459,18 +465,16 @@ MLP_PLACEMENTS = {"0.weight": (Shard(0),), "0.bias": (Shard(0),), "2.weight": (S
 @pytest.mark.parametrize("layers", [2, 3])
 def test_a_program_is_cut_where_one_layer_program_serves_three_layers(layers):
     """The cut adds the prologue's and the epilogue's compiles to the layer's: it pays from three alike layers
-    (``regions.SHARED_LAYERS``). Two layers are compiled whole, one program each way; three run region by
+    (``Options.shared_layers``). Two layers are compiled whole, one program each way; three run region by
     region, a layer on another's graph; both compute what one device does."""
-    from fxshard.backend.layers.regions import SHARED_LAYERS
-
-    assert SHARED_LAYERS == 3
+    assert options.DEFAULTS.shared_layers == 3
     torch.manual_seed(layers)
     model = Llama(dataclasses.replace(CFG, n_layers=layers))
     x, y = torch.randint(0, CFG.vocab_size, (4, 16)), torch.randint(0, CFG.vocab_size, (4, 16))
     ref_loss, ref_grads = reference(model, x, y, True)
     run = simulate_ranks(model.loss, x, y, mesh=fxshard.MeshSpec(tp=4), placements=megatron_placements(model),
                          grad=True, cost_model=BANDWIDTH_BOUND, regional=True)
-    if layers < SHARED_LAYERS:
+    if layers < options.DEFAULTS.shared_layers:
         assert run.region_graphs == 0
     else:
         assert 0 < run.region_graphs < 2 * layers
@@ -516,7 +520,7 @@ def test_fxshard_compile_of_a_sequential_trains_as_one_program_each_way(fake_mes
     """``fxshard.compile`` of an ``nn.Sequential`` (its parameters named "0.weight": the traced program's
     arguments are made identifiers, "_0_weight") trains, and, its layers differing, compiles its forward and
     its backward whole: two programs, no regions."""
-    from fxshard.backend.layers.regions import RegionalProgram
+    from fxshard.backend.layers.regional_program import RegionalProgram
 
     compiled = _record_compiles(monkeypatch)
     torch.manual_seed(0)

@@ -11,8 +11,9 @@ So, on the whole program's region map (node -> region), before the cut:
 - a collective whose result only leaves the program (a layer's gradients, reduced) is waited between
   the two layers that run after its own: the next layer computes while it moves.
 
-A region between two layers has a half-integer index (``k - 1.5`` runs between layers k-2 and k-1:
-regions run sorted by index, the backward's descending) and runs as its graph: it only starts or waits.
+A region between two layers (``RegionRole.BETWEEN``) has a half-integer place in the region map (``k - 1.5``
+runs between layers k-2 and k-1: regions run sorted by their map value, the backward's descending) and runs
+as its graph: it only starts or waits.
 Every layer's region stays one program (each begins with its gathers' waits and ends with its
 reductions' starts), so regional compilation compiles no more than before. A collective's tensor
 crosses regions un-waited: a functional collective's work waits in a registry, keyed by its tensor,

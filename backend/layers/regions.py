@@ -4,7 +4,8 @@ Inductor's time grows with the graph it is given; a model's layers are the same 
 weights. So the local forward (backward) is cut into contiguous regions, prologue, one per layer
 (``layers.N``), epilogue; a region is keyed by its code (nodes renamed by position) and its inputs'
 shapes, strides and dtypes; one region per key goes to ``compile_local`` and every region with that
-key calls the result. The program around the regions only sequences calls (``RegionalProgram``).
+key calls the result. The program around the regions only sequences calls (``RegionalProgram``; a
+region, its role and its key: ``regional_program.py``). ``programs/stage6.py`` runs the steps here in order.
 The prologue and the epilogue (embedding, final norm, output projection, loss) are compiled too, once
 each: their ops run uncompiled cost more per step than their compile costs once (a training step of
 bench/train.py's Llama under TP, one process: ~48 ms with them uncompiled, ~43 compiled, ~42 the whole
@@ -27,7 +28,7 @@ region follows its inputs'. Collectives move with their region, in the same orde
 and stay in the region that makes their input (a layer holds its own, the same in every layer), as do
 the other nodes stage 5 wrote for a redistribution (``LOWERED_MOVE``: a partial sum's copy on one
 rank). Layers that compute alike return alike (``_same_outputs``): one compiled program. Cutting
-pays only where a compiled layer serves ``SHARED_LAYERS`` layers or more (layers whose parameters have
+pays only where a compiled layer serves ``Options.shared_layers`` layers or more (layers whose parameters have
 the same names but for the index, and the same global layouts); otherwise (a 2-layer model, a
 tensor-parallel MLP of two different Linears) each program is compiled whole: one call, not one per
 layer. The root block's gathers (``buckets.tag_blocks``) go to the prologue, and its gradients'
@@ -38,7 +39,6 @@ gathers start a layer early, its reductions waited a layer late, in regions betw
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
@@ -48,39 +48,14 @@ from fxshard.graph import LAYOUT, LOWERED_MOVE, copy_nodes, graph_module, new_no
 
 from fxshard.layer_names import ROOT, layer_of_inputs, within_layer
 from fxshard.backend.inductor.buckets import BLOCK_KEY
-from fxshard.backend.layers.prefetch import start_early_wait_late
+from fxshard.backend.layers.regional_program import Region, RegionRole, argument_key, program_structure
+from fxshard.backend.options import in_force
 
-__all__ = ["SHARED_LAYERS", "Region", "forward_regions",
-           "backward_regions", "saved_regions", "split_regions", "program_regions", "training_regions",
-           "training_region_maps", "cut_training", "RegionalProgram", "region_key", "program_copy", "layers_alike"]
+__all__ = ["forward_regions", "backward_regions", "saved_regions", "split_regions", "region_maps", "program_copy",
+           "last_layer", "cut", "layers_alike"]
 
-# a program is cut only where one compiled layer serves this many layers: the cut adds the prologue's and the
-# epilogue's compiles, which cost what a layer's code does (bench/train.py's Llama under TP, first step, one
-# process: 2 layers 16.0 s whole against 17.4 cut, 3 layers 17.4 / 17.7 both ways, 4 layers 19.3 / 18.0)
-SHARED_LAYERS = 3
 _NO_META = ("stack_trace",)  # node meta not copied into a region: it would make equal layers' code differ
 _c10d = torch.ops._c10d_functional
-Merge = Callable[[fx.GraphModule, dict], None]  # buckets a program's collectives, given its region map
-
-
-@dataclass
-class Region:
-    """One contiguous piece of a program, as a program of its own: ``inputs`` -> ``outputs``."""
-
-    index: float  # the layer it holds (-1: prologue, number of layers: epilogue; k - 1.5: between two, prefetch.py)
-    graph: fx.GraphModule  # placeholders in_0..., nodes v0..., returns a tuple
-    inputs: list[fx.Node]  # the outer program's values it reads, in its placeholders' order
-    outputs: list[fx.Node]  # its values read after it, in its output tuple's order
-    layer: bool = True  # False for the prologue, the epilogue and a region between two layers
-    body: list[fx.Node] = field(default_factory=list)  # the outer program's nodes it computes, in order
-    # ``program_structure(graph.graph)`` where known before the graph may change (regions loaded from disk
-    # share one graph per key, which bucketing an uncompiled region rewrites): what ``region_key`` reads
-    structure: tuple | None = None
-
-    @property
-    def between_layers(self) -> bool:
-        """A region ``prefetch.py`` made between two layers: collectives alone, nothing to compile."""
-        return not float(self.index).is_integer()
 
 
 def forward_regions(gm: fx.GraphModule, root_gathers_first: bool = True) -> dict[fx.Node, int]:
@@ -296,12 +271,12 @@ def _assign(gm: fx.GraphModule, sources: Mapping[fx.Node, int], combine: Callabl
 
 
 def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending: bool = False,
-                  only: Collection[Any] | None = None, share: bool = False) -> list[Region]:
+                  only: Collection[Any] | None = None, share: bool = False, last: int | None = None) -> list[Region]:
     """The program's computing nodes as regions, in the order they run (ascending region, or descending);
     ``only``: just the regions of these indices (the others' graphs are not built); ``share``: regions of the
     same code on inputs of the same shapes, strides and dtypes share one graph (``_sharing_key``: what compiles
     them is one program already, ``region_key``), so a model's layers build one graph, not one each (~5 ms a
-    layer)."""
+    layer); ``last``: the last layer, what follows is the epilogue (None: every region from 0 up is a layer)."""
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
     nodes = sorted((n for n in gm.graph.nodes if n.op == "call_function" and (only is None or region[n] in only)),
                    key=lambda n: (-region[n] if descending else region[n], position[n]))
@@ -312,7 +287,7 @@ def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending:
         else:
             groups.append([node])
     if not share:
-        return [_region(region[g[0]], g) for g in groups]
+        return [_region(_role(region[g[0]], last), g) for g in groups]
     built: dict[tuple, Region] = {}
     regions = []
     for g in groups:
@@ -320,11 +295,12 @@ def split_regions(gm: fx.GraphModule, region: Mapping[fx.Node, int], descending:
         key = _sharing_key(g, inputs, outputs)
         first = built.get(key)
         if first is None:
-            first = built[key] = _region(region[g[0]], g, (inputs, outputs))
+            first = built[key] = _region(_role(region[g[0]], last), g, (inputs, outputs))
             first.structure = program_structure(first.graph.graph)
             regions.append(first)
         else:
-            regions.append(Region(region[g[0]], first.graph, inputs, outputs, body=g, structure=first.structure))
+            role, index = _role(region[g[0]], last)
+            regions.append(Region(role, first.graph, inputs, outputs, index, body=g, structure=first.structure))
     return regions
 
 
@@ -346,7 +322,7 @@ def _sharing_key(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.N
     name.update((n, ("v", k)) for k, n in enumerate(nodes))
 
     def arg(a: Any) -> Any:
-        return _argument_key(a, name)
+        return argument_key(a, name)
 
     def meta(x: fx.Node) -> Any:
         val = x.meta.get("val")
@@ -358,9 +334,10 @@ def _sharing_key(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.N
             tuple(name[o] for o in outputs))
 
 
-def _region(index: int, nodes: list[fx.Node], boundary: tuple[list[fx.Node], list[fx.Node]] | None = None) -> Region:
-    """``nodes`` as a program of their own: outer values they read become placeholders (``boundary``: the values
-    they read and those read outside, where known)."""
+def _region(role: tuple[RegionRole, int | None], nodes: list[fx.Node],
+            boundary: tuple[list[fx.Node], list[fx.Node]] | None = None) -> Region:
+    """``nodes`` as a program of their own, in ``role`` (and layer): outer values they read become placeholders
+    (``boundary``: the values they read and those read outside, where known)."""
     inputs, outputs = boundary if boundary is not None else _boundary(nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -372,183 +349,19 @@ def _region(index: int, nodes: list[fx.Node], boundary: tuple[list[fx.Node], lis
         env[node] = new_node(graph, "call_function", node.target, args, kwargs, name=f"v{k}")
         env[node].meta = {key: v for key, v in node.meta.items() if key not in _NO_META}
     graph.output(tuple(env[o] for o in outputs))
-    return Region(index, graph_module(torch.nn.Module(), graph), inputs, outputs, body=nodes)
+    return Region(role[0], graph_module(torch.nn.Module(), graph), inputs, outputs, role[1], body=nodes)
 
 
-def region_key(region: Region, inputs: Sequence[Any]) -> tuple:
-    """What makes two regions one compiled program: their code (``program_structure``) and their inputs'
-    shapes, strides, dtypes."""
-    def meta(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
-        return ("value", repr(x))
-
-    structure = region.structure if region.structure is not None else program_structure(region.graph.graph)
-    return (structure, tuple(meta(x) for x in inputs))
-
-
-def program_structure(graph: fx.Graph) -> tuple:
-    """What a graph's Python code says, without writing it (code is written on demand: fxshard.graph):
-    each node's op, target and arguments, a node named by its position. Equal for two graphs exactly
-    when their code is, for the graphs ``_region`` makes (names by position)."""
-    position: dict[fx.Node, Any] = {}
-
-    def arg(a: Any) -> Any:
-        return _argument_key(a, position)
-
-    found = []
-    for k, node in enumerate(graph.nodes):
-        position[node] = ("node", k)
-        found.append((node.op, node.target if node.op == "call_function" else repr(node.target),
-                      arg(node.args), arg(node.kwargs)))
-    return tuple(found)
-
-
-def _argument_key(a: Any, name: Mapping[fx.Node, Any]) -> Any:
-    """A node's argument as a comparable value: each node by ``name``, containers by their members, the rest by
-    type and ``repr`` (``program_structure``, ``_sharing_key``)."""
-    if isinstance(a, fx.Node):
-        return name[a]
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_argument_key(x, name) for x in a))
-    if isinstance(a, dict):
-        return ("dict", tuple((k, _argument_key(v, name)) for k, v in a.items()))
-    return (type(a).__name__, repr(a))
-
-
-@dataclass
-class Schedule:
-    """How a regional program runs its regions: a slot per outer value (the program's inputs, its constants,
-    each region's outputs), the slots each region reads and writes and those freed after it, and the
-    program's result as slots. What ``RegionalProgram`` needs of the outer program, and all it needs."""
-
-    num_inputs: int
-    num_slots: int
-    attrs: list[tuple[int, Any]]  # (slot, value) of each constant the program reads (get_attr)
-    steps: list[tuple[list[int], list[int], list[int]]]  # per region: slots read, written, freed after it
-    result: Any  # the program's output structure, each value a ``_Slot``
-
-
-def region_schedule(gm: fx.GraphModule, regions: Sequence[Region]) -> Schedule:
-    """Every outer value's slot, which slots each region reads and writes, and when each is freed."""
-    slot: dict[fx.Node, int] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            slot[node] = len(slot)
-    attrs = [(slot[n], getattr(gm, n.target)) for n in gm.graph.find_nodes(op="get_attr")]
-    num_inputs = len(gm.graph.find_nodes(op="placeholder"))
-    for r in regions:
-        for o in r.outputs:
-            slot[o] = len(slot)
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    last_read: dict[int, int] = {}
-    for k, r in enumerate(regions):
-        for x in r.inputs:
-            last_read[slot[x]] = k
-    kept = {slot[n] for n in output.all_input_nodes}
-    for k, r in enumerate(regions):  # a value no one reads (regions._same_outputs) goes at once
-        for o in r.outputs:
-            last_read.setdefault(slot[o], k)
-    steps = [([slot[x] for x in r.inputs], [slot[o] for o in r.outputs],
-              [s for s, k2 in last_read.items() if k2 == k and s not in kept])
-             for k, r in enumerate(regions)]
-    return Schedule(num_inputs, len(slot), attrs, steps, fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n])))
-
-
-class RegionalProgram:
-    """Runs a program region by region; ``compile_region(region, inputs)`` is called once per key.
-
-    ``cache`` (key -> compiled region) may be shared by programs (a training step's forward and
-    backward). The first call compiles each region as it reaches it, with its real inputs. The program is
-    the outer graph ``gm`` cut into ``regions``, or (``schedule``: regions loaded from disk) its schedule.
-    """
-
-    def __init__(self, gm: fx.GraphModule | None, regions: Sequence[Region],
-                 compile_region: Callable[[Region, list[Any]], Callable], cache: dict | None = None,
-                 schedule: Schedule | None = None):
-        self.gm = gm
-        self.regions = list(regions)
-        self.compile_region = compile_region
-        self.cache = cache if cache is not None else {}
-        self.compiled: list[Callable | None] = [None] * len(self.regions)
-        if schedule is None:
-            assert gm is not None, "a regional program needs its outer graph or its schedule"
-            schedule = region_schedule(gm, self.regions)
-        self.schedule = schedule
-        self.num_inputs, self.num_slots = schedule.num_inputs, schedule.num_slots
-        self.attrs, self.steps, self.result = schedule.attrs, schedule.steps, schedule.result
-
-    def __call__(self, *args: Any) -> Any:
-        return self.call_boxed(list(args))
-
-    def call_boxed(self, args: list[Any]) -> Any:
-        """As ``__call__``, taking the list ``args`` over (Inductor's boxed calling convention): the list is
-        emptied, so an input no later region reads is freed once its last reader has run, not when the
-        whole program returns (a backward's saved activations, layer by layer)."""
-        attrs = [value for _, value in self.attrs]
-        return self.walk(args, attrs, lambda k, inputs: (self.compiled[k] or self.compiled_region(k, inputs))(*inputs))
-
-    def walk(self, args: Sequence[Any], attrs: Sequence[Any], call: Callable[[int, list[Any]], Sequence[Any]]) -> Any:
-        """Runs the regions in order, ``call(k, inputs)`` giving region k's outputs, each value dropped after
-        its last reader; returns the program's outputs. (``simulate`` steps every rank's program at once.)"""
-        env: list[Any] = [None] * self.num_slots
-        env[:self.num_inputs] = args
-        if isinstance(args, list):
-            args.clear()  # the env holds the inputs now, each until its last reader
-        for (s, _), value in zip(self.attrs, attrs):
-            env[s] = value
-        for k, (reads, writes, frees) in enumerate(self.steps):
-            for s, value in zip(writes, call(k, [env[s] for s in reads])):
-                env[s] = value
-            for s in frees:
-                env[s] = None
-        return _mapped(self.result, env)
-
-    def compiled_region(self, k: int, inputs: list[Any]) -> Callable:
-        """Region k's compiled program, compiled on its first inputs unless a region with its key was."""
-        key = region_key(self.regions[k], inputs)
-        if key not in self.cache:
-            self.cache[key] = self.compile_region(self.regions[k], inputs)
-        self.compiled[k] = self.cache[key]
-        return self.compiled[k]
-
-
-@dataclass(frozen=True)
-class _Slot:
-    index: int
-
-
-def _mapped(structure: Any, env: list[Any]) -> Any:
-    """The program's output structure with each slot's value."""
-    if isinstance(structure, (tuple, list)):
-        return tuple(_mapped(s, env) for s in structure)
-    return env[structure.index] if isinstance(structure, _Slot) else structure
-
-
-def program_regions(gm: fx.GraphModule, merge: Merge | None = None, overlap: bool = True) -> list[Region]:
-    """A forward (inference) program's regions; empty where regions gain nothing (one region, or fewer than
-    ``SHARED_LAYERS`` layers alike: ``_worth_it``) or an op other than a function call, which a region cannot
-    hold. ``merge(gm, region)`` buckets the collectives on the whole program first (``buckets.merge_blocks``);
-    ``overlap`` starts gathers a layer early and waits what only leaves the program a layer late
-    (``prefetch.py``)."""
-    if not layers_alike(gm):  # no cut pays (``_worth_it``): nor is the copy bucketed for one
-        return []
-    region, last = forward_regions(gm), _last_layer(gm)
-    return _worth_it(gm, _across_cuts(gm, region, last, merge, overlap), last, alike=True)
-
-
-def training_regions(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int,
-                     merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
-    """The regions of a training program's forward and backward (each empty where regions gain nothing, the
-    backward's also where the forward's do); ``merge`` and ``overlap`` as for ``program_regions``."""
-    maps = training_region_maps(forward, backward, num_outputs)
-    return cut_training(forward, backward, maps, merge, overlap) if maps is not None else ([], [])
-
-
-def training_region_maps(forward: fx.GraphModule, backward: fx.GraphModule,
-                         num_outputs: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, Any]] | None:
-    """Node -> region of a training program's forward and of its backward (before bucketing and moving
-    collectives across the cuts); None where the forward has no layers."""
+def region_maps(programs: Sequence[fx.GraphModule], num_outputs: int | None = None) -> tuple[dict, ...] | None:
+    """Node -> region of each program, before its collectives are bucketed or moved across the cuts: of a forward
+    (inference) program, or (``num_outputs`` given) of a training step's forward and backward; None where the
+    forward has no layers. A map's value orders its region: -1 the prologue, k layer k, ``last_layer`` + 1 the
+    epilogue (``prefetch.py`` adds half-integers, between two layers)."""
+    if num_outputs is None:
+        (gm,) = programs
+        region = forward_regions(gm)
+        return (region,) if region else None
+    forward, backward = programs
     placed = forward_regions(forward, root_gathers_first=False)
     if not placed:
         return None
@@ -560,21 +373,6 @@ def training_region_maps(forward: fx.GraphModule, backward: fx.GraphModule,
     return _root_gathers_first(forward, dict(placed)), backward_regions(backward, saved, epilogue)
 
 
-def cut_training(forward: fx.GraphModule, backward: fx.GraphModule, maps: tuple[dict, dict],
-                 merge: Merge | None = None, overlap: bool = True) -> tuple[list[Region], list[Region]]:
-    """A training program cut into regions by its region ``maps`` (``training_region_maps``); ``merge`` and
-    ``overlap`` as for ``program_regions``."""
-    region, backward_region = maps
-    last = _last_layer(forward)
-    if not layers_alike(forward):  # no cut pays (``_worth_it``; the backward's layers are the forward's): nor
-        return [], []              # are the copies bucketed for one (seconds at 2 layers)
-    forward_cut = _worth_it(forward, _across_cuts(forward, region, last, merge, overlap), last, alike=True)
-    if not forward_cut:  # nor does the backward's cut pay: its epilogue is the tangents' plumbing, no loss
-        return [], []
-    return forward_cut, _worth_it(backward, _across_cuts(backward, backward_region, last, merge, overlap,
-                                                         descending=True), last, descending=True, alike=True)
-
-
 def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of a program to cut: bucketing its collectives before the cut (``merge``) rewrites the
     graph, and the lowered program stays what fxshard lowered (the one users and tests read)."""
@@ -583,40 +381,40 @@ def program_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return graph_module(gm, graph)
 
 
-def _across_cuts(gm: fx.GraphModule, region: dict[fx.Node, Any], last: int, merge: Merge | None, overlap: bool,
-                 descending: bool = False) -> dict[fx.Node, Any]:
-    """The region map once the collectives are bucketed (``merge``) and moved across the cuts (``overlap``)."""
-    if merge is not None and region:
-        merge(gm, region)
-    return start_early_wait_late(gm, region, last, descending) if overlap and region else region
-
-
-def _last_layer(gm: fx.GraphModule) -> int:
+def last_layer(gm: fx.GraphModule) -> int:
+    """A forward program's last layer (-1: none); what follows it is the epilogue, the backward's too."""
     return max(layer_of_inputs(gm).values(), default=-1)
 
 
-def _worth_it(gm: fx.GraphModule, region: Mapping[fx.Node, int], last: int, descending: bool = False,
-              alike: bool | None = None) -> list[Region]:
-    """The program's regions, or none where cutting gains nothing: one region, or no layer's compiled
-    program serving ``SHARED_LAYERS`` layers (``alike``: ``layers_alike`` of the program, or of the forward
-    whose backward this is). Otherwise (two layers, a tensor-parallel MLP's two different Linears) the whole
-    program compiled as one costs no more to compile and less to run: one call instead of one per region,
-    and fusion across the cuts. Both facts come from names and global layouts, so every rank decides alike
-    (the cut decides the buckets, which must be the same on every rank)."""
+def cut(gm: fx.GraphModule, region: Mapping[fx.Node, float], last: int, descending: bool = False) -> list[Region]:
+    """The program's regions by its region map, or none where cutting gains nothing: one region, or an op a region
+    cannot hold. Whether cutting pays at all (``layers_alike`` of the forward: no layer's compiled program serving
+    ``shared_layers`` layers, as at two layers or a tensor-parallel MLP's two different Linears, where the whole
+    program compiled as one costs no more to compile and less to run: one call instead of one per region, and
+    fusion across the cuts) the caller asks first. Both facts come from names and global layouts, so every rank
+    decides alike (the cut decides the buckets, which must be the same on every rank)."""
     if not region or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in gm.graph.nodes):
         return []
     if any(not isinstance(getattr(gm, n.target), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")):
         return []  # a subgraph a higher-order op calls (flex attention's score_mod) is no region's input: compiled whole
-    regions = split_regions(gm, region, descending, share=True)
-    for r in regions:
-        r.layer = not r.between_layers and 0 <= r.index <= last
-    if len(regions) < 2 or not (layers_alike(gm) if alike is None else alike):
-        return []
-    return _same_outputs(regions)
+    regions = split_regions(gm, region, descending, share=True, last=last)
+    return _same_outputs(regions) if len(regions) >= 2 else []
+
+
+def _role(position: float, last: int | None) -> tuple[RegionRole, int | None]:
+    """A region map's value as its region's role and layer (``region_maps``); ``last`` None: every region from 0
+    up is a layer."""
+    if not float(position).is_integer():
+        return RegionRole.BETWEEN, None
+    if position < 0:
+        return RegionRole.PROLOGUE, None
+    if last is not None and position > last:
+        return RegionRole.EPILOGUE, None
+    return RegionRole.LAYER, int(position)
 
 
 def layers_alike(gm: fx.GraphModule) -> bool:
-    """Whether ``SHARED_LAYERS`` layers of ``gm`` or more take alike parameters: the same names but for the
+    """Whether ``shared_layers`` layers of ``gm`` or more take alike parameters: the same names but for the
     layer's index, in the same layouts (global shapes and shardings, not local shapes: those may differ by
     rank) and dtypes."""
     params: dict[int, list[tuple]] = {}
@@ -625,7 +423,7 @@ def layers_alike(gm: fx.GraphModule) -> bool:
         params.setdefault(k, []).append((within_layer(p.name), p.meta.get(LAYOUT),
                                          getattr(val, "dtype", None)))
     kinds = Counter(tuple(sorted(v, key=lambda t: t[0])) for v in params.values())
-    return max(kinds.values(), default=0) >= SHARED_LAYERS
+    return max(kinds.values(), default=0) >= in_force().shared_layers
 
 
 def _same_outputs(regions: list[Region]) -> list[Region]:
@@ -638,7 +436,7 @@ def _same_outputs(regions: list[Region]) -> list[Region]:
     outputs; a value no region reads is dropped as soon as its region returns (``RegionalProgram``)."""
     groups: dict[tuple, list[Region]] = {}
     for r in regions:
-        if r.layer:
+        if r.role is RegionRole.LAYER:
             structure = r.structure if r.structure is not None else program_structure(r.graph.graph)
             groups.setdefault(structure[:-1], []).append(r)  # all but the output node
     for group in groups.values():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -31,22 +30,17 @@ from fxshard.graph import (ARG_LAYOUTS, LAYOUT, copy_node, copy_nodes, eliminate
 from fxshard.layer_names import common_layer, layer_of_inputs, renumbered
 from fxshard.timing import stage
 
+from fxshard.backend.options import in_force
 from fxshard.backend.programs.joint import TrainingPlan
 from fxshard.backend.programs.same_values import alike_inputs, same_value
-from fxshard.backend.layers.regions import (Region, backward_regions, forward_regions, program_structure, saved_regions,
-                                            split_regions)
+from fxshard.backend.layers.regional_program import Region, program_structure
+from fxshard.backend.layers.regions import backward_regions, forward_regions, saved_regions, split_regions
 
-__all__ = ["Shortened", "shorten", "unfold", "unfolder", "folding_on", "MIN_LAYERS", "STAMP"]
+__all__ = ["Shortened", "shorten", "unfold", "unfolder", "STAMP"]
 
-MIN_LAYERS = 5  # four are planned: a fifth is the first that folding saves
 STAMP = "fxshard_stamp"  # node.meta of an unfolded program's copy of the template's node: the layer it is for
 log = logging.getLogger("fxshard")  # TORCH_LOGS="fxshard" shows it, as the other stages' lines
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
-
-def folding_on() -> bool:
-    """Folding is on unless ``FXSHARD_FOLD=0`` (to compare a folded plan with the whole model's)."""
-    return os.environ.get("FXSHARD_FOLD", "1") != "0"
 
 
 @dataclass
@@ -61,15 +55,16 @@ class Shortened:
 
 def shorten(gm: fx.GraphModule) -> Shortened | None:
     """``gm`` without the calls of layers 2..L-3 of its chain of region calls (layer L-2 reading what layer 1
-    returns), or None where it has no such chain of ``MIN_LAYERS`` or more. A chain: calls of one region, each
+    returns), or None where it has no such chain of ``Options.min_layers`` or more. A chain: calls of one region, each
     reading the one before's outputs at the same operands (the residual stream), the same shared values at the
     same operands (rotary tables), and placeholders of its own elsewhere (its parameters); the outputs of a call
     read by the next call only."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _invoke_subgraph]
     if not calls:
         return None  # no repeated blocks (fxshard.compile of a module without, or torch.compile's capture)
-    if len(calls) < MIN_LAYERS or len({c.args[1] for c in calls}) != 1:
-        return _refused(f"{len(calls)} calls of {len({c.args[1] for c in calls})} regions, not {MIN_LAYERS} or "
+    fewest = in_force().min_layers  # four are planned: a fifth is the first that folding saves (options.py)
+    if len(calls) < fewest or len({c.args[1] for c in calls}) != 1:
+        return _refused(f"{len(calls)} calls of {len({c.args[1] for c in calls})} regions, not {fewest} or "
                         "more of one")
     chained = _chain_operands(calls)
     if chained is None:

@@ -3,13 +3,14 @@
 ``lower_folded`` runs stages 4-5 on the four-layer plan for this rank and checks that its lowered layers 1
 and L-2 are alike (``fold._Layers.of``). What it returns, a ``FoldedLowering``, gives the step everything but
 whole lowered programs: their signature, the bucket cap, and the regions the step runs. The regions come from
-the four layers too: their collectives are bucketed there (``buckets.merge_blocks``, on each region: the cost
-of a whole program's merge was ~25 ms a layer) and each node is tagged with its region; the bucketed program
-is unfolded (layer 1's nodes copied per dropped layer, each copy's region its layer's); and the whole bucketed
-program is cut by those regions, its gathers started a layer early and reductions waited a layer late
-(``prefetch.py``), exactly as cutting the unfolded lowered programs would. The lowered programs themselves are
-unfolded only should someone read them (``TrainingProgram.forward_graph``; the lowered cache keeps the four
-layers', ``unfolded_lowered`` makes them whole when a later run reads them): the step runs its regions.
+the four layers too (``stage6.cut_into_regions``, its unfold step ``unfolded_regions``): their collectives are
+bucketed there (``buckets.merge_blocks``, on each region: the cost of a whole program's merge was ~25 ms a
+layer) and each node is tagged with its region; the bucketed program is unfolded (layer 1's nodes copied per
+dropped layer, each copy's region its layer's); and the whole bucketed program is cut by those regions, its
+gathers started a layer early and reductions waited a layer late (``prefetch.py``), exactly as cutting the
+unfolded lowered programs would. The lowered programs themselves are unfolded only should someone read them
+(``TrainingProgram.forward_graph``; the lowered cache keeps the four layers', ``unfolded_lowered`` makes them
+whole when a later run reads them): the step runs its regions.
 ``tests/test_fold.py`` checks the regions against the whole model's (each one's code, and what every value the
 regions hand each other computes).
 """
@@ -23,11 +24,9 @@ import torch.fx as fx
 from fxshard.lowering.groups import MeshGroups
 from fxshard.timing import stage
 
-from fxshard.backend.inductor.buckets import tag_blocks
 from fxshard.backend.programs.fold import STAMP, Shortened, _Layers, _Step
 from fxshard.backend.inductor.compile_local import block_bytes
 from fxshard.backend.programs.joint import TrainingPlan
-from fxshard.backend.layers.regions import Merge, Region, cut_training, program_copy, training_region_maps
 from fxshard.backend.programs.training import LoweredTraining, lower_training
 
 __all__ = ["FoldedLowering", "lower_folded", "unfolded_lowered"]
@@ -84,34 +83,27 @@ class FoldedLowering:
         """The bucket cap (``inductor_config.block_bytes``): one layer's, the same in four layers as in all."""
         return block_bytes(self.short_lowered.forward)
 
-    def regions(self, merge: Merge | None, overlap: bool, grad_names: Sequence[str | None]
-                ) -> tuple[dict[str, fx.GraphModule], tuple[list[Region], list[Region]]] | None:
-        """The whole step's bucketed programs (what its regions' schedules read) and its regions, as cutting the
+    def unfolded_regions(self, programs: Sequence[fx.GraphModule], maps: tuple[dict, ...]
+                         ) -> tuple[tuple[fx.GraphModule, fx.GraphModule], tuple[dict, dict]] | None:
+        """Stage 6's unfold (``stage6.cut_into_regions``, step 5): the four layers' bucketed forward and backward
+        (copies of ``short_lowered``'s), each node tagged with its region in ``maps``, made whole, and the whole
+        programs' region maps (each copy of the template's nodes in its copied layer's region), as cutting the
         unfolded lowered programs gives them; None where the bucketed layers do not unfold (not seen: then the
         lowered programs are unfolded and cut)."""
-        lowered = self.short_lowered
-        forward, backward = program_copy(lowered.forward), program_copy(lowered.backward)
-        if merge is not None:  # a region's collectives name their blocks from here (buckets.py)
-            tag_blocks(forward)
-            tag_blocks(backward, grad_names)
-        maps = training_region_maps(forward, backward, lowered.num_outputs)
-        if maps is None:
-            return {"forward": forward, "backward": backward}, ([], [])
-        for gm, region in zip((forward, backward), maps):
-            if merge is not None:
-                merge(gm, region)
+        forward, backward = programs
+        for gm, region in zip(programs, maps):
             for node in gm.graph.nodes:
                 if node.op == "call_function":
                     node.meta[REGION] = region[node]
         with stage("unfold"):
-            layers = _Layers.of(_step(lowered, forward, backward), self.short.template, self.short.successor, maps)
+            layers = _Layers.of(_step(self.short_lowered, forward, backward), self.short.template,
+                                self.short.successor, maps)
             whole = layers.unfolded() if layers is not None else None
         if whole is None:
             return None
         t = self.short.template
         whole_maps = tuple({n: _region_of(n, t) for n in gm.graph.nodes if n.op == "call_function"} for gm in whole)
-        split = cut_training(*whole, whole_maps, None, overlap)  # type: ignore[arg-type]
-        return {"forward": whole[0], "backward": whole[1]}, split
+        return whole, whole_maps  # type: ignore[return-value]
 
 
 def unfolded_lowered(short_lowered: LoweredTraining, template: int, successor: int) -> LoweredTraining:

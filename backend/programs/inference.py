@@ -14,17 +14,15 @@ import torch.fx as fx
 
 from fxshard.graph import code_on_demand, output_layouts
 from fxshard.layout import Layout
-from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
-from fxshard.lowering.localize import localize
-from fxshard.timing import stage
 
-from fxshard.backend.inductor.buckets import merge_blocks, tag_blocks
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.inductor.compile_local import BucketPolicy, block_bytes, compile_local
 from fxshard.backend.capture.inputs import InputReader
 from fxshard.backend.capture.outputs import OutputWriter
-from fxshard.backend.layers.regions import Region, RegionalProgram, program_copy, program_regions
+from fxshard.backend.layers.regional_program import Region, RegionalProgram
+from fxshard.backend.programs.lower_for_rank import lower_for_rank
+from fxshard.backend.programs.stage6 import cut_into_regions
 from fxshard.backend.reports.report import StageReporter
 
 
@@ -42,11 +40,7 @@ class LoweredInference:
 def lower_inference(planned: fx.GraphModule, coordinate: tuple[int, ...], groups: MeshGroups,
                     tensor_positions: Sequence[int], input_layouts: Sequence[Layout]) -> LoweredInference:
     """Stages 4-5 of a planned program for the rank at ``coordinate``."""
-    with stage("localize"):
-        localized = localize(planned, coordinate)
-    with stage("lower"):
-        graph = lower(localized, coordinate, groups)
-    return LoweredInference(graph, list(tensor_positions), list(input_layouts), output_layouts(planned))
+    return LoweredInference(lower_for_rank(planned, coordinate, groups), list(tensor_positions), list(input_layouts), output_layouts(planned))
 
 
 class InferenceProgram:
@@ -122,14 +116,11 @@ class InferenceProgram:
                 return self._run(*local_inputs)
         # the cut into regions is fxshard's stage, not Inductor's (no collections meanwhile: backend/inductor/collector.py)
         with torch.no_grad(), self.reporter.timed("regions"), collector_paused(), code_on_demand():
-            if self.regional and self.buckets:  # a region's names are not the parameters': blocks from here
-                tag_blocks(self.local_graph)
-            cut = program_copy(self.local_graph)  # bucketed before the cut: the lowered program stays as it is
-            regions = program_regions(cut, merge=merge_blocks if self.buckets else None,
-                                      overlap=bool(self.buckets)) if self.regional else []
+            bucketing = self.buckets is not None
+            cut = cut_into_regions((self.local_graph,), bucketing=bucketing, overlap=bucketing) if self.regional else None
         with torch.no_grad(), self.reporter.timed("compiling the local program with Inductor"):
-            if regions:
-                self._run = RegionalProgram(cut, regions, self._compile_region)
+            if cut is not None and cut.regions[0]:
+                self._run = RegionalProgram(cut.graphs[0], cut.regions[0], self._compile_region)
             else:
                 self._run = compile_local(self.local_graph, local_inputs, self.buckets)
             return self._run(*local_inputs)

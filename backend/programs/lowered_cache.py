@@ -25,8 +25,8 @@ A folded step (``fold.py``) is kept as its four layers' lowered programs and the
 made whole when read (``fold_lowered.unfolded_lowered``), as a second run reads them only should someone ask.
 
 A program that holds something this key cannot read (a module call, a fake constant, an input of an
-unknown type) is planned every time, as is a program whose stages someone watches (``on_graph``,
-``debug_dir``, DEBUG logs: they see the stages' graphs, which a loaded program never had). The store is
+unknown type) is planned every time. A program whose stages someone watches (``on_graph``, ``debug_dir``,
+DEBUG logs) is loaded as any other: the watcher sees its lowered programs, the ones that run. The store is
 on when Inductor's FX graph cache is, in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``), as
 ``prepared_cache.py``'s: clearing one clears both, ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns both
 off; ``FXSHARD_LOWERED_CACHE=0`` turns this one off alone (the tests do, but for its own: a test compiling
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import pathlib
 import pickle
 import sys
@@ -57,15 +56,16 @@ from fxshard.lowering.localize import program_fake_values
 
 from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
 from fxshard.backend.inductor.inductor_calls import counters, fx_graph_cache_on
+from fxshard.backend.options import in_force
 from fxshard.backend.programs.graph_records import graph_from_records, graph_records
 from fxshard.backend.programs.fold_lowered import unfolded_lowered
 from fxshard.backend.programs.inference import LoweredInference
-from fxshard.backend.layers.regions import Region, program_structure
+from fxshard.backend.layers.regional_program import Region, RegionRole, program_structure
 from fxshard.backend.programs.training import KeptRegions, LoweredTraining
 
 __all__ = ["lowered_key", "load_lowered", "read_lowered_graphs", "store_lowered", "store_regions"]
 
-_FORMAT = 1  # of the entries: a change to what is kept makes the old ones unreadable, not wrong
+_FORMAT = 2  # of the entries: a change to what is kept makes the old ones unreadable, not wrong
 _KEPT_META = (LAYOUT, LOWERED_MOVE)  # what the later stages read of a lowered node besides its fake value
 
 
@@ -84,7 +84,7 @@ def lowered_key(gm: fx.GraphModule, inputs: Sequence[Any], device_mesh: Any, opt
     """The key of ``gm``'s lowered programs for this rank, or None where nothing is kept (Inductor's FX graph
     cache off, or something the key cannot read)."""
     if (not fx_graph_cache_on() or device_mesh is None
-            or os.environ.get("FXSHARD_LOWERED_CACHE", "1") == "0"):
+            or not in_force().lowered_cache):
         return None
     program = _program_text(gm)
     described = [_input_text(x) for x in inputs]
@@ -314,7 +314,7 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
     for 135 regions at 32 layers until they were shared). A second run loads these instead of cutting again."""
     graphs: list[tuple] = []
     shared: dict[tuple, int] = {}
-    regions: dict[str, list[tuple[float, bool, int]]] = {}
+    regions: dict[str, list[tuple[str, int | None, int]]] = {}
     try:
         for which, listed in kept.regions.items():
             regions[which] = []
@@ -325,7 +325,7 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
                 if number is None:
                     number = shared[same] = len(graphs)
                     graphs.append(_kept(region.graph, _REGION_META))
-                regions[which].append((region.index, region.layer, number))
+                regions[which].append((region.role.value, region.index, number))
         bare = dataclasses.replace(lowered, forward=None, backward=None)
         payload = pickle.dumps({"entry": _Entry(bare, list(eager_layouts), list(summaries)),
                                 "schedules": kept.schedules, "regions": regions, "graphs": graphs, "cap": kept.cap},
@@ -345,8 +345,8 @@ def _load_regions(key: str) -> _Entry | None:
         stored = pickle.loads(_regions_path(key).read_bytes())
         graphs = [(graph, program_structure(graph.graph))
                   for graph in (_restored(kept, mode, values=False) for kept in stored["graphs"])]
-        regions = {which: [Region(index, graphs[number][0], [], [], layer, structure=graphs[number][1])
-                           for index, layer, number in listed]
+        regions = {which: [Region(RegionRole(role), graphs[number][0], [], [], index, structure=graphs[number][1])
+                           for role, index, number in listed]
                    for which, listed in stored["regions"].items()}
         entry: _Entry = stored["entry"]
         entry.regions = KeptRegions(stored["schedules"], regions, stored["cap"])

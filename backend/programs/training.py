@@ -18,19 +18,19 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.graph import code_on_demand
 from fxshard.layout import Layout
-from fxshard.lowering.collectives import lower
 from fxshard.lowering.groups import MeshGroups
-from fxshard.lowering.localize import complete_fake_values, localize
-from fxshard.timing import stage
+from fxshard.lowering.localize import complete_fake_values
 
-from fxshard.backend.inductor.buckets import merge_blocks, tag_blocks
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.layers.end_regions import worth_compiling
 from fxshard.backend.inductor.compile_local import BucketPolicy, block_bytes, bucketed_uncompiled, compile_local
 from fxshard.backend.capture.inputs import DTensorGradients, InputReader
 from fxshard.backend.capture.outputs import OutputWriter
 from fxshard.backend.programs.joint import TrainingPlan
-from fxshard.backend.layers.regions import Region, RegionalProgram, Schedule, program_copy, region_schedule, training_regions
+from fxshard.backend.layers.regional_program import Region, RegionalProgram, RegionRole, Schedule, region_schedule
+from fxshard.backend.layers.regions import program_copy
+from fxshard.backend.programs.lower_for_rank import lower_for_rank
+from fxshard.backend.programs.stage6 import cut_into_regions
 from fxshard.backend.reports.report import StageReporter
 
 
@@ -58,10 +58,7 @@ def _end_worth_compiling(region: Region, inputs: list[torch.Tensor]) -> bool:
 
 def lower_training(plan: TrainingPlan, coordinate: tuple[int, ...], groups: MeshGroups) -> LoweredTraining:
     """Stages 4-5 of a training plan for the rank at ``coordinate``."""
-    with stage("localize"):
-        forward, backward = localize(plan.forward, coordinate), localize(plan.backward, coordinate)
-    with stage("lower"):
-        forward, backward = lower(forward, coordinate, groups), lower(backward, coordinate, groups)
+    forward, backward = (lower_for_rank(g, coordinate, groups) for g in (plan.forward, plan.backward))
     program = plan.program
     return LoweredTraining(forward, backward, list(program.tensor_positions),
                            [program.input_layouts[n] for n in program.input_names], tuple(plan.output_layouts),
@@ -209,9 +206,10 @@ class TrainingProgram:
     def _compile_region(self, region: Region, inputs: list[torch.Tensor]) -> Callable:
         """A layer's region compiled, and the prologue or the epilogue where that pays (``end_regions.py``);
         a region between two layers (collectives alone) and an end with little to compile run as their graphs
-        (regions.py). All bucket their collectives by the blocks ``_regions`` tagged on the whole programs."""
+        (regions.py). All bucket their collectives by the blocks stage 6 tagged on the whole programs (stage6.py)."""
         policy = self.buckets and BucketPolicy(self.buckets["forward"].cap, tagged=True)
-        if region.layer or (not region.between_layers and _end_worth_compiling(region, inputs)):
+        if region.role is RegionRole.LAYER or (region.role is not RegionRole.BETWEEN
+                                               and _end_worth_compiling(region, inputs)):
             return compile_local(region.graph, inputs, policy, training=True)
         # bucketing rewrites the graph it is given: the region's stays as cut (regions a second run loads
         # share one graph per key, lowered_cache.store_regions, and come without fake values)
@@ -220,23 +218,22 @@ class TrainingProgram:
         return bucketed_uncompiled(graph, policy)
 
     def _regions(self) -> tuple[list, list]:
+        """The forward's and the backward's regions, cut at the first call (``stage6.cut_into_regions``): a folded
+        step's from its four layers' lowered programs, unfolded (``fold_lowered.py``), the others' (and a folded
+        one's whose bucketed layers do not unfold) from the whole lowered programs."""
         if self._region_split is None:
-            merge = merge_blocks if self.buckets else None
-            # a folded step's are unfolded from its four layers' (fold_lowered.py); None: cut the whole programs
-            cut = self.folded.regions(merge, bool(self.buckets), self.lowered.grad_names) if self.folded else None
-            self._region_graphs, self._region_split = cut if cut is not None else self._cut_whole(merge)
+            cut = None
+            kind = dict(num_outputs=self.num_outputs, grad_names=self.lowered.grad_names,
+                        bucketing=self.buckets is not None, overlap=self.buckets is not None)
+            if self.folded is not None:
+                short = self.folded.short_lowered
+                cut = cut_into_regions((short.forward, short.backward), unfold=self.folded.unfolded_regions, **kind)
+            if cut is None:
+                cut = cut_into_regions(self.lowered_graphs(), **kind)
+            self._region_graphs = dict(zip(("forward", "backward"), cut.graphs))
+            self._region_split = (cut.regions[0], cut.regions[1])
             self._on_cut()
         return self._region_split
-
-    def _cut_whole(self, merge: Any) -> tuple[dict[str, fx.GraphModule], tuple[list, list]]:
-        """The lowered programs cut into regions: bucketed on copies of the whole programs, then each layer's
-        gathers started a layer early (prefetch.py)."""
-        if self.buckets:  # a region's names are not the parameters': its collectives' blocks come from here
-            tag_blocks(self.forward_graph)
-            tag_blocks(self.backward_graph, self.buckets["backward"].output_names)
-        graphs = {"forward": program_copy(self.forward_graph), "backward": program_copy(self.backward_graph)}
-        return graphs, training_regions(graphs["forward"], graphs["backward"], self.num_outputs, merge=merge,
-                                        overlap=bool(self.buckets))
 
     def _on_cut(self) -> None:
         """The regions, once cut, to whom keeps them (``on_regions``), with their schedules."""
