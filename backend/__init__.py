@@ -13,7 +13,19 @@ values the forward keeps for the backward; ``TrainingSplit(keep_gathered_activat
 sequence-parallel block's input again in the backward, as Megatron-LM: less memory, one all_gather more
 per block), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
-as text: ``<graph>_<n>_<stage>.txt``).
+as text: ``<graph>_<n>_<stage>.txt``). Every option, with the environment's switches (``FXSHARD_FOLD``,
+``FXSHARD_LOWERED_CACHE``, ``FXSHARD_CPU_WRAPPER``) and the tuned thresholds, is a field of
+``backend/options.py``'s ``Options``.
+
+Watching the stages (``on_graph``, ``debug_dir``, ``TORCH_LOGS="+fxshard"``; ``fxshard.compile`` takes the
+first two too) changes nothing that runs: the graphs shown are those of the program that runs. ``lower`` (and
+``lower_backward`` for training) is this rank's lowered program as it runs. A training program of
+``Options.min_layers`` (five) or more alike layers is planned folded
+(``backend/programs/fold.py``): its ``plan``, ``plan_forward`` and ``plan_backward`` are the four layers stage 3
+planned, and its ``lower``/``lower_backward`` the whole program unfolded from them. A program loaded from the
+lowered cache (a second run: ``backend/programs/lowered_cache.py``) ran no trace and no plan: its watcher sees
+``lower`` (and ``lower_backward``) alone, the programs loaded from disk; ``FXSHARD_LOWERED_CACHE=0`` plans it
+again, every stage shown.
 
 When autograd records and an input requires grad, the backend compiles the joint
 forward+backward program (backend/programs/joint.py, training.py): gradients come back as DTensors
@@ -45,23 +57,19 @@ from fxshard.backend.capture.dtensor_rules import lend_rules_to_dtensor  # noqa:
 
 lend_rules_to_dtensor()
 
-_OPTIONS = {"strict", "inductor", "bucketing", "regional", "cost_model", "training_split", "on_graph", "debug_dir"}
-
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
                     mode: str | None = None) -> Callable:
     from fxshard.backend.capture.inputs import find_device_mesh
-    from fxshard.backend.reports.report import StageReporter
+    from fxshard.backend.options import Options
     from fxshard.backend.programs.sizes import per_size
+    from fxshard.backend.reports.report import StageReporter
 
-    options = dict(options or {})
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(f"unknown fxshard options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    given = Options.from_backend(options)
     if find_device_mesh(example_inputs, gm) is None:
-        return _plain_program(gm, example_inputs, options.get("inductor", True), mode)
-    reporter = StageReporter(options.get("on_graph"), options.get("debug_dir"))
-    return per_size(gm, example_inputs, lambda inputs: _compile(gm, inputs, options, reporter), reporter.graph_id)
+        return _plain_program(gm, example_inputs, given.inductor, mode)
+    reporter = StageReporter(given.on_graph, given.debug_dir)
+    return per_size(gm, example_inputs, lambda inputs: _compile(gm, inputs, given, reporter), reporter.graph_id)
 
 
 def _plain_program(gm: fx.GraphModule, example_inputs: list[Any], inductor: bool, mode: str | None) -> Callable:
@@ -74,27 +82,11 @@ def _plain_program(gm: fx.GraphModule, example_inputs: list[Any], inductor: bool
     return compile_plain(gm, example_inputs, mode)
 
 
-def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: dict, reporter: Any) -> Callable:
+def _compile(gm: fx.GraphModule, inputs: Sequence[Any], options: Any, reporter: Any) -> Callable:
     """Stages 1-6 for inputs of concrete sizes: the program that runs each call of those sizes."""
     from fxshard.backend.driver import compile_program
 
-    return compile_program(gm, inputs, training=_trains(inputs), strict=options.get("strict", False),
-                           cost_model=options.get("cost_model"), inductor=options.get("inductor", True),
-                           bucketing=options.get("bucketing", True), regional=options.get("regional", True),
-                           reporter=reporter, **_split_option(options))
-
-
-def _split_option(options: dict) -> dict:
-    """``training_split`` checked: a ``fxshard.TrainingSplit`` (the default when absent)."""
-    from fxshard.policies import TrainingSplit
-
-    if "training_split" not in options:
-        return {}
-    split = options["training_split"]
-    if not isinstance(split, TrainingSplit):
-        raise TypeError(f"fxshard option training_split={split!r}: expected a fxshard.TrainingSplit, e.g. "
-                        "fxshard.TrainingSplit(keep_gathered_activations=False)")
-    return {"training_split": split}
+    return compile_program(gm, inputs, training=_trains(inputs), options=options, reporter=reporter)
 
 
 def _trains(inputs: Sequence[Any]) -> bool:

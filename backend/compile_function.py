@@ -31,6 +31,7 @@ from fxshard.backend.layers.block_regions import captured_with_regions, repeated
 from fxshard.backend.capture.capture import capture, fake_stand_in
 from fxshard.backend.driver import compile_program
 from fxshard.backend.inductor.compile_local import start_compile_workers
+from fxshard.backend.options import Options
 from fxshard.backend.capture.inputs import input_layouts, one_mesh
 from fxshard.backend.reports.report import StageReporter, label_of
 
@@ -39,17 +40,16 @@ class CompiledFunction:
     """``fn`` compiled by fxshard on its first call; later calls reuse the program for the same shapes."""
 
     def __init__(self, fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
-                 strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
-                 bucketing: bool = True, regional: bool = True,
-                 training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT):
+                 options: Mapping[str, Any] | None = None):
         self.fn = fn
         self.module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         if self.module is not None and not isinstance(self.module, torch.nn.Module):
             self.module = None
         self.device_mesh = device_mesh
         self.placements = dict(placements or {})
-        self.strict, self.cost_model, self.inductor, self.bucketing = strict, cost_model, inductor, bucketing
-        self.regional, self.training_split = regional, training_split
+        # the backend options given, with those in force when a program is compiled (``Options.from_backend``)
+        self.given = dict(options or {})
+        Options.from_backend(self.given)  # an unknown or mistyped one refused now, not at the first call
         self._programs: dict[tuple, tuple[Any, list[tuple[str, Any]]]] = {}
         self.last: Any = None  # the program of the latest call (TrainingProgram or InferenceProgram)
 
@@ -82,8 +82,9 @@ class CompiledFunction:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         stand_ins = {name: fake_stand_in(t, mode, training and t.requires_grad) for name, t in state.items()}
         arg_stand_ins = [fake_stand_in(a, mode, False) if isinstance(a, torch.Tensor) else a for a in args]
-        reporter = StageReporter(label=label_of(self.fn))
-        if self.inductor:
+        options = Options.from_backend(self.given)
+        reporter = StageReporter(options.on_graph, options.debug_dir, label=label_of(self.fn))
+        if options.inductor:
             start_compile_workers()  # coming up while Dynamo captures and fxshard plans
         with reporter.timed("capturing the function with Dynamo"), _one_graph_needed(label_of(self.fn)):
             if self.module is not None:
@@ -112,10 +113,8 @@ class CompiledFunction:
         real = [state[name] if kind == "state" else args[name] for kind, name in sources]
         layouts = input_layouts(real, spec, [name for _, name in sources], self.placements)
         names = [name.replace(".", "_") if kind == "state" else f"arg{name}" for kind, name in sources]
-        runner = compile_program(captured.gm, captured.example_inputs, training=training, device_mesh=device_mesh,
-                                 mesh=spec, layouts=layouts, names=names, strict=self.strict,
-                                 cost_model=self.cost_model, inductor=self.inductor, bucketing=self.bucketing,
-                                 regional=self.regional, reporter=reporter, training_split=self.training_split)
+        runner = compile_program(captured.gm, captured.example_inputs, training=training, options=options,
+                                 device_mesh=device_mesh, reporter=reporter, mesh=spec, layouts=layouts, names=names)
         return runner, sources
 
 
@@ -138,11 +137,13 @@ def _one_graph_needed(label: str) -> Iterator[None]:
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
             bucketing: bool = True, regional: bool = True,
-            training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT) -> CompiledFunction:
+            training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT,
+            on_graph: Callable[[str, Any], None] | None = None, debug_dir: str | None = None) -> CompiledFunction:
     """Compile ``fn`` (a module, or a method of one, or a function) for the mesh of its DTensor
     parameters and arguments; plain tensor arguments are replicated unless ``placements`` (by
-    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. ``bucketing``,
-    ``regional`` and ``training_split``: as the backend options (``backend/__init__.py``)."""
-    return CompiledFunction(fn, device_mesh, placements, strict, cost_model, inductor, bucketing, regional,
-                            training_split)
+    argument index) says otherwise. Returns DTensors; trains when a parameter requires grad. The other
+    arguments are the backend options (``backend/__init__.py``; all of them: ``backend/options.py``)."""
+    return CompiledFunction(fn, device_mesh, placements, dict(
+        strict=strict, cost_model=cost_model, inductor=inductor, bucketing=bucketing, regional=regional,
+        training_split=training_split, on_graph=on_graph, debug_dir=debug_dir))
 

@@ -29,7 +29,7 @@ from fxshard.timing import stage
 from fxshard.backend.capture import outputs as outputs_
 from fxshard.backend.capture.capture import Captured, capture
 from fxshard.backend.inductor.collector import collector_paused
-from fxshard.backend.programs.fold import Shortened, folding_on, shorten, unfolder
+from fxshard.backend.programs.fold import Shortened, shorten, unfolder
 from fxshard.backend.programs.fold_lowered import FoldedLowering, lower_folded
 from fxshard.backend.inductor.compile_local import start_compile_workers
 from fxshard.backend.programs.inference import InferenceProgram
@@ -39,6 +39,7 @@ from fxshard.backend.programs.lowered_cache import load_lowered, lowered_key, re
 from fxshard.backend.reports.report import StageReporter, label_of
 from fxshard.backend.capture.trace import TracedProgram, trace_global
 from fxshard.backend.programs.training import LoweredTraining, TrainingProgram
+from fxshard.backend.options import Options, in_force
 
 
 @dataclass
@@ -80,11 +81,12 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
     """Stages 1-3 of ``gm`` for ``inputs`` (concrete sizes). ``layouts``: by input position (default:
     DTensors bring theirs, plain tensors are replicated); ``training``: the joint program, cut into
     forward and backward as ``training_split`` says (``fxshard.policies.TrainingSplit``); ``fold``: a
-    training program's repeated layers planned once (``fold.py``: the plan has no joint graph then)."""
+    training program's repeated layers planned once where ``FXSHARD_FOLD`` allows (``fold.py``: the plan has no
+    joint graph then; its stages show the four layers planned)."""
     reporter = reporter or StageReporter()
     with reporter.timing(), code_on_demand(), collector_paused():
         if training and fold:
-            folded = _plan_folded(gm, inputs, mesh=mesh, layouts=layouts, names=names, strict=strict,
+            folded = _plan_folded(gm, inputs, reporter, mesh=mesh, layouts=layouts, names=names, strict=strict,
                                   cost_model=cost_model, training_split=training_split)
             if folded is not None:
                 return folded
@@ -92,10 +94,12 @@ def plan_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, m
                              cost_model=cost_model, reporter=reporter, training_split=training_split)
 
 
-def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], **options: Any) -> PlannedProgram | None:
+def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], reporter: StageReporter,
+                 **options: Any) -> PlannedProgram | None:
     """Stages 1-3 of a training program of repeated layers on four of them, made whole (``fold.py``); None
-    where it has no such layers or its middle layers were not planned alike."""
-    short = shorten(gm) if folding_on() else None
+    where it has no such layers or its middle layers were not planned alike. The stages' graphs reported are
+    the four layers' plan: what stage 3 planned."""
+    short = shorten(gm) if in_force().fold else None
     if short is None:
         return None
     split = options.pop("training_split")
@@ -104,6 +108,9 @@ def _plan_folded(gm: fx.GraphModule, inputs: Sequence[Any], **options: Any) -> P
         unfolding = unfolder(plan, short)
     if unfolding is None:
         return None
+    reporter("plan", plan.joint)
+    reporter("plan_forward", plan.forward)
+    reporter("plan_backward", plan.backward)
 
     def whole() -> TrainingPlan:  # read for the summary line, ``plan``, simulate; the step runs without it
         with stage("unfold"):
@@ -160,21 +167,24 @@ def read_by_python(gm: fx.GraphModule, program: TracedProgram) -> list[Layout | 
             for node in outputs(program.gm)]
 
 
-def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, device_mesh: Any = None,
-                    inductor: bool = True, bucketing: bool = True, regional: bool = True,
-                    reporter: StageReporter | None = None, **plan_options: Any) -> InferenceProgram | TrainingProgram:
-    """Stages 1-6: the callable that runs this rank's program (``plan_options``: of ``plan_program``).
-    ``device_mesh`` defaults to the one of the DTensor inputs. Stages 1-5 are skipped where an earlier run
-    kept this rank's lowered programs (``lowered_cache.py``)."""
+def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool, options: Options | None = None,
+                    device_mesh: Any = None, reporter: StageReporter | None = None,
+                    **given: Any) -> InferenceProgram | TrainingProgram:
+    """Stages 1-6: the callable that runs this rank's program, as ``options`` say (default: those in force);
+    ``given``: the program's ``mesh``, input ``layouts`` and ``names``, as ``plan_program``'s. ``device_mesh``
+    defaults to the one of the DTensor inputs. Stages 1-5 are skipped where an earlier run kept this rank's
+    lowered programs (``lowered_cache.py``); whoever watches the stages sees the lowered programs that run."""
+    options = options or in_force()
     reporter = reporter or StageReporter()
-    if inductor:
-        start_compile_workers()  # up by the time stage 6 compiles (inductor_config.py)
+    if options.inductor:
+        start_compile_workers()  # up by the time stage 6 compiles (compile_local.py)
     device_mesh = device_mesh or find_device_mesh(inputs, gm)
-    # folding is in the key: a loaded program is what this run would plan, as every other rank's (fold.py)
-    options = dict(plan_options, training=training, inductor=inductor, bucketing=bucketing, regional=regional,
-                   fold=folding_on())
-    key = None if reporter.wants_graphs() else lowered_key(gm, inputs, device_mesh, options)
-    run_options = dict(inductor=inductor, bucketing=bucketing, regional=regional, reporter=reporter)
+    plan_options = dict(given, strict=options.strict, cost_model=options.cost_model,
+                        training_split=options.training_split)
+    # the options are in the key (folding too: a loaded program is what this run would plan, as every other rank's)
+    key = lowered_key(gm, inputs, device_mesh, dict(given, training=training, options=options.cache_text()))
+    run_options = dict(inductor=options.inductor, bucketing=options.bucketing, regional=options.regional,
+                       reporter=reporter)
     if key is not None:
         with reporter.timed("loading the lowered programs"), collector_paused():
             kept = load_lowered(key)
@@ -186,12 +196,13 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                                          eager_layouts=kept.eager_layouts, lowered=kept.lowered, kept=kept.regions,
                                          **run_options)
                 runner.read_lowered = lambda: read_lowered_graphs(key)  # only the regions were read
-                return runner
-            return InferenceProgram(None, device_mesh, kept.lowered.tensor_positions, kept.lowered.input_layouts,
-                                    eager_layouts=kept.eager_layouts, lowered=kept.lowered, **run_options)
-    # a program whose stages someone watches is planned whole: its joint graph is printed
-    planned = plan_program(gm, inputs, training=training, reporter=reporter, fold=not reporter.wants_graphs(),
-                           **plan_options)
+            else:
+                runner = InferenceProgram(None, device_mesh, kept.lowered.tensor_positions,
+                                          kept.lowered.input_layouts, eager_layouts=kept.eager_layouts,
+                                          lowered=kept.lowered, **run_options)
+            _show_lowered(runner, reporter)
+            return runner
+    planned = plan_program(gm, inputs, training=training, reporter=reporter, fold=options.fold, **plan_options)
     device_mesh = device_mesh or planned.program.device_mesh
     program, eager = planned.program, planned.eager_outputs
     runner: Any
@@ -202,9 +213,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
             plan = planned.training if folded is None else (lambda: planned.training)
             runner = TrainingProgram(plan, device_mesh, eager_layouts=eager, folded=folded, **run_options)
         reporter.stage_summary()
-        if reporter.wants_graphs():
-            reporter("lower", runner.forward_graph)
-            reporter("lower_backward", runner.backward_graph)
+        _show_lowered(runner, reporter)
         summaries = ([reporter.summarize(g, keep=key is not None)
                       for g in (planned.training.forward, planned.training.backward)]
                      if reporter.summarizes(keep=key is not None) else [])
@@ -214,8 +223,7 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
                                       [program.input_layouts[n] for n in program.input_names], eager_layouts=eager,
                                       **run_options)
         reporter.stage_summary()
-        if reporter.wants_graphs():
-            reporter("lower", runner.local_graph)
+        _show_lowered(runner, reporter)
         summaries = [reporter.summarize(planned.graph, keep=key is not None)]
     if key is not None:
         kept_summaries = [text for text in summaries if text]
@@ -228,6 +236,18 @@ def compile_program(gm: fx.GraphModule, inputs: Sequence[Any], *, training: bool
         if isinstance(runner, TrainingProgram):  # its regions too, once the first call has cut them
             runner.on_regions = lambda regions: store_regions(key, runner.lowered, eager, kept_summaries, regions)
     return runner
+
+
+def _show_lowered(runner: InferenceProgram | TrainingProgram, reporter: StageReporter) -> None:
+    """Stage 5's graphs as they run, to whoever watches: lowered here, unfolded from a folded plan's four layers
+    (read only for the watcher: the step runs the regions unfolded from them), or loaded from disk."""
+    if not reporter.wants_graphs():
+        return
+    if isinstance(runner, TrainingProgram):
+        reporter("lower", runner.forward_graph)
+        reporter("lower_backward", runner.backward_graph)
+    else:
+        reporter("lower", runner.local_graph)
 
 
 def _lowered_folded(planned: PlannedProgram, device_mesh: Any) -> FoldedLowering | None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fxshard
+from fxshard.backend import options
 from fxshard.backend.inductor import cpu_wrapper
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -54,11 +56,11 @@ def _step(mesh, monkeypatch, wrapper: str, dim: int = 32) -> tuple[torch.Tensor,
 @pytest.fixture(scope="module")
 def steps(fake_mesh_4) -> dict[str, tuple[torch.Tensor, dict, list[str]]]:
     """``Blocks``' step with each wrapper, every program taken by the C++ wrapper here, however few its kernels
-    (``MIN_KERNELS``), and with its graphs run as they are (``uncompiled``)."""
+    (``min_kernels``), and with its graphs run as they are (``uncompiled``)."""
     from fxshard.backend.programs import training
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+        patch.setattr(options, "DEFAULTS", replace(options.DEFAULTS, min_kernels=1))
         runs = {wrapper: _step(fake_mesh_4, patch, wrapper) for wrapper in ("1", "0")}
         patch.setattr(training, "compile_local", lambda gm, inputs, policy, **_: gm)
         return {**runs, "uncompiled": _step(fake_mesh_4, patch, "1")}
@@ -115,7 +117,7 @@ def test_a_program_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper(fake_m
         raise NotImplementedError("an argument this wrapper cannot pass")
 
     monkeypatch.setattr(cpu_wrapper._mended_class(), "generate_py_arg", fails)
-    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    monkeypatch.setattr(options, "DEFAULTS", replace(options.DEFAULTS, min_kernels=1))
     with caplog.at_level(logging.WARNING, logger="fxshard"):
         step = _step(fake_mesh_4, monkeypatch, "1", dim=16)[2]
     assert [is_cpp(code) for code in step] == [False, False]
@@ -130,10 +132,10 @@ def _runs(x: torch.Tensor, w: torch.Tensor, runs: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("runs", [cpu_wrapper.MIN_KERNELS - 1, cpu_wrapper.MIN_KERNELS])
+@pytest.mark.parametrize("runs", [options.DEFAULTS.min_kernels - 1, options.DEFAULTS.min_kernels])
 def test_a_program_of_as_many_kernels_as_the_cpp_wrapper_pays_off_at_takes_it(monkeypatch, runs):
     """``expected_kernels`` counts the runs of generated ops between library calls: Inductor's kernel launches here,
-    and the C++ wrapper is taken from ``MIN_KERNELS`` on; the result is the Python wrapper's."""
+    and the C++ wrapper is taken from ``min_kernels`` on; the result is the Python wrapper's."""
     from torch._inductor.utils import run_and_get_code
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -147,7 +149,7 @@ def test_a_program_of_as_many_kernels_as_the_cpp_wrapper_pays_off_at_takes_it(mo
     with torch._inductor.config.patch(force_disable_caches=True):
         run, (code,) = run_and_get_code(lambda: compile_local(gm, args, None))
     launches = [call for call in calls(code) if call.startswith("cpp_fused")]  # runs alike share a kernel
-    assert len(launches) == runs and is_cpp(code) == (runs >= cpu_wrapper.MIN_KERNELS), launches
+    assert len(launches) == runs and is_cpp(code) == (runs >= options.DEFAULTS.min_kernels), launches
     out = run(*args)
     torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, _runs(*args, runs))
 
@@ -156,7 +158,7 @@ def test_where_the_cpp_wrapper_applies(monkeypatch):
     cpu, meta = torch.empty(2, 2), torch.empty(2, 2, device="meta")
     gm = torch.fx.symbolic_trace(lambda x: x)
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
-    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 0)
+    monkeypatch.setattr(options, "DEFAULTS", replace(options.DEFAULTS, min_kernels=0))
     assert cpu_wrapper.use_cpu_wrapper(gm, [cpu, 3]) and not cpu_wrapper.use_cpu_wrapper(gm, [cpu, meta])
     assert not cpu_wrapper.use_cpu_wrapper(gm, [])
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -220,7 +222,6 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
     read that one handle as a list of two (a read past its end: the step crashed); the mend keeps the handle
     for the buffer the call returns (``out``), and torch 2.15's wrapper reads none. Every region runs in the
     C++ wrapper (however few its kernels) and the step computes what its regions' graphs do run as they are."""
-    from fxshard.backend.layers import end_regions
     from fxshard.backend.programs import training
 
     listed: list[list[str | None]] = []
@@ -233,8 +234,8 @@ def test_a_gather_into_a_buffer_of_its_own_hands_back_one_handle(fake_mesh_4, mo
         return call_through_python(self, buf_name, python_kernel_name, op_overload, raw_args, output_args,
                                    raw_outputs)
     monkeypatch.setattr(wrapper, "generate_fallback_kernel_with_runtime_lookup_python", spy)
-    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
-    monkeypatch.setattr(end_regions, "WORTH_SECONDS", 0.0)  # every end compiled: toy sizes
+    # every end compiled: toy sizes
+    monkeypatch.setattr(options, "DEFAULTS", replace(options.DEFAULTS, min_kernels=1, worth_seconds=0.0))
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
     loss, grads, codes = _regional_fsdp_step(fake_mesh_4, monkeypatch)
     assert len(codes) == 6 and all(is_cpp(code) for code in codes)  # prologue, layer, epilogue; each way
@@ -260,7 +261,7 @@ def test_the_calling_code_is_compiled_at_its_own_level_and_the_kernels_at_O3(mon
         built.append(self.get_command_line())
         return build(self, *args, **kwargs)
     monkeypatch.setattr(cpp_builder.CppBuilder, "build", spy)
-    monkeypatch.setattr(cpu_wrapper, "MIN_KERNELS", 1)
+    monkeypatch.setattr(options, "DEFAULTS", replace(options.DEFAULTS, min_kernels=1))
     monkeypatch.delenv("FXSHARD_CPU_WRAPPER", raising=False)
     args = [torch.randn(8, 8), torch.randn(8, 8)]
     gm = make_fx(lambda x, w: _runs(x, w, 2))(*args)

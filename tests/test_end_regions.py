@@ -1,12 +1,13 @@
 """backend/layers/end_regions.py: a training step's prologue or epilogue is compiled where its ops, run as they are,
-cost a step more than ``WORTH_SECONDS``; the estimate reads layouts, so every rank decides alike. Which ends
-of a real step are compiled: tests/test_regions.py."""
+cost a step more than ``worth_seconds`` (backend/options.py); the estimate reads layouts, so every rank decides
+alike. Which ends of a real step are compiled: tests/test_regions.py."""
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fxshard.backend import options
 from fxshard.backend.layers import end_regions
 from fxshard.graph import LAYOUT
 from fxshard.mesh import MeshSpec
@@ -29,7 +30,8 @@ def _program(rows: int, local_rows: int, placement) -> torch.fx.GraphModule:
 def test_an_end_costs_a_call_per_generated_op_and_the_values_it_passes():
     gm = _program(1024, 1024, Replicate())
     passed = 2 * 1024 * 256 * 4  # mul's and exp's values, read by the next op; add's is returned
-    assert end_regions.eager_seconds(gm) == 3 * end_regions.OP_SECONDS + 2 * passed / end_regions.BYTES_PER_SECOND
+    tuned = options.DEFAULTS
+    assert end_regions.eager_seconds(gm) == 3 * tuned.op_seconds + 2 * passed / tuned.bytes_per_second
     assert end_regions.worth_compiling(gm)  # ~2 ms a step
     assert not end_regions.worth_compiling(_program(16, 16, Replicate()))  # calls alone: 30 us
 
@@ -46,4 +48,4 @@ def test_a_value_without_a_layout_counts_its_call_alone():
     gm = _program(1024, 1024, Replicate())
     for node in gm.graph.nodes:
         node.meta.pop(LAYOUT, None)
-    assert end_regions.eager_seconds(gm) == 3 * end_regions.OP_SECONDS
+    assert end_regions.eager_seconds(gm) == 3 * options.DEFAULTS.op_seconds

@@ -29,7 +29,7 @@ fixed the first two, and its wrapper's own code is then what runs):
   Python per step, as the Python wrapper calls every op).
 
 ``use_cpu_wrapper`` says where it applies: every input on the CPU (on a GPU the kernels are Triton's and the
-Python wrapper compiles nothing), static sizes, about ``MIN_KERNELS`` kernels or more (``expected_kernels``;
+Python wrapper compiles nothing), static sizes, about ``Options.min_kernels`` kernels or more (``expected_kernels``;
 a program of one or two compiles as fast with the Python wrapper), a torch whose wrapper has what the mends
 replace, and ``FXSHARD_CPU_WRAPPER`` not ``0``. A program the C++ wrapper still cannot compile is compiled with the
 Python wrapper (``compile_local``), with a warning naming the error.
@@ -39,13 +39,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
-__all__ = ["CALLS_OPT_LEVEL", "GROUP_NAMES", "MENDS", "MIN_KERNELS", "RETURNED_HANDLE", "THROUGH_PYTHON",
+from fxshard.backend.options import in_force
+
+__all__ = ["CALLS_OPT_LEVEL", "GROUP_NAMES", "MENDS", "RETURNED_HANDLE", "THROUGH_PYTHON",
            "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "generated_op", "needed_mends",
            "use_cpu_wrapper"]
 
@@ -60,16 +61,6 @@ _VIEWS = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten.permute, at
                     aten.slice, aten.select, aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.as_strided,
                     aten.split, aten.split_with_sizes, aten.unbind, aten.view_as_real, aten.view_as_complex})
 
-_SWITCH = "FXSHARD_CPU_WRAPPER"
-# Programs with fewer kernels than this keep the Python wrapper: a C++-wrapped program costs the compiler
-# ~2.2 s and ~0.1 s a kernel, a Python-wrapped one ~1.1 s a kernel (this project's machine, 2026-11-28: one
-# Dynamo-compiled function of 1 / 2 / 4 / 8 kernels, first call 1.45 / 2.54 / 4.80 / 9.21 s Python-wrapped,
-# 2.28 / 2.35 / 2.51 / 2.87 s C++-wrapped, built separately; 3.09 / 3.23 / 3.37 / 3.72 s built as one source).
-# At two kernels it is about even; ``expected_kernels`` counts one kernel for ops Inductor splits into two
-# where their sizes differ (an FSDP step's epilogue backward: 2 expected, 3 made; 2.1 s Python-wrapped
-# against 1.5 C++-wrapped, 2026-11-29), and one for two runs Inductor fuses into one loop nest (FSDP's
-# forward prologue: 2 expected, 1 made)
-MIN_KERNELS = 2
 # The calling code's optimization level (torch's default -O1): it only calls kernels, libraries and Python, and
 # -O0 compiles it 0.1-0.4 s faster a program (0.60-0.70 s against 0.66-1.12, bench/compile.py's FSDP
 # regions, 2026-11-29) for steps as fast (paired one-process steps O0 / O1, 4-layer Llama: FSDP 0.998, TP
@@ -85,12 +76,12 @@ MENDS = (GROUP_NAMES, RETURNED_HANDLE, THROUGH_PYTHON)
 
 def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     """Whether ``compile_local`` compiles this program with the C++ wrapper (the module docstring)."""
-    if os.environ.get(_SWITCH, "1") == "0" or _mended_class() is None:
+    if not in_force().cpu_wrapper or _mended_class() is None:
         return False
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     static = all(isinstance(n, int) for x in tensors for n in (*x.shape, *x.stride()))  # symbolic: not taken
     cpu = bool(tensors) and all(x.device.type == "cpu" for x in tensors)
-    return cpu and static and expected_kernels(gm) >= MIN_KERNELS
+    return cpu and static and expected_kernels(gm) >= in_force().min_kernels
 
 
 def cpu_wrapper_patches() -> dict[str, Any]:

@@ -13,10 +13,11 @@ ms, for ~1.1 s of compile; the backward prologue (the embedding's gradient scatt
 gradients packed for their reduce_scatter: 4.2 MB; 4.3 ms) 1.66 / 2.95 ms; the epilogues 5-12 ms.
 
 ``eager_seconds`` estimates what a region's generated ops cost a step uncompiled beyond what they cost
-compiled: ``OP_SECONDS`` a call, and the bytes of every value a generated op makes that only the region
+compiled: ``op_seconds`` a call, and the bytes of every value a generated op makes that only the region
 reads (a fused kernel may keep it in registers, or write it once where its reader wants it), written and
-read back at ``BYTES_PER_SECOND``. An end is compiled where that reaches ``WORTH_SECONDS``. Inference
-programs compile their ends always (inference.py): a decode step's ends are many small ops run per token.
+read back at ``bytes_per_second``. An end is compiled where that reaches ``worth_seconds`` (the three are
+``backend/options.py``'s). Inference programs compile their ends always (inference.py): a decode step's ends
+are many small ops run per token.
 
 Every rank decides alike: an end compiled on one rank and run as its graph on another would bucket and order
 its collectives alike but round its values differently. So a value's size is its layout's largest local
@@ -34,12 +35,9 @@ from fxshard.graph import LAYOUT
 from fxshard.layout import Layout
 
 from fxshard.backend.inductor.cpu_wrapper import generated_op
+from fxshard.backend.options import in_force
 
-__all__ = ["BYTES_PER_SECOND", "OP_SECONDS", "WORTH_SECONDS", "eager_seconds", "worth_compiling"]
-
-OP_SECONDS = 10e-6  # an op called from an FX graph: ~10 us (this project's machine)
-BYTES_PER_SECOND = 2e9  # a value written by one op and read by the next, beyond what a fused kernel moves
-WORTH_SECONDS = 0.5e-3  # a step: ~1-2 s of compile pays back in a few thousand steps
+__all__ = ["eager_seconds", "worth_compiling"]
 
 
 def eager_seconds(gm: fx.GraphModule) -> float:
@@ -51,12 +49,13 @@ def eager_seconds(gm: fx.GraphModule) -> float:
         calls += 1
         if node.users and all(u.op == "call_function" for u in node.users):  # read in the region only
             passed += _bytes(node)
-    return calls * OP_SECONDS + 2 * passed / BYTES_PER_SECOND
+    options = in_force()
+    return calls * options.op_seconds + 2 * passed / options.bytes_per_second
 
 
 def worth_compiling(gm: fx.GraphModule) -> bool:
     """Whether a training step's prologue or epilogue is compiled (the module docstring)."""
-    return eager_seconds(gm) >= WORTH_SECONDS
+    return eager_seconds(gm) >= in_force().worth_seconds
 
 
 def _bytes(node: fx.Node) -> int:
@@ -67,4 +66,5 @@ def _bytes(node: fx.Node) -> int:
     try:
         return math.prod(int(n) for n in layout.max_local_shape()) * value.element_size()
     except TypeError:  # a symbolic size: large enough to compile
-        return int(WORTH_SECONDS * BYTES_PER_SECOND)
+        options = in_force()
+        return int(options.worth_seconds * options.bytes_per_second)

@@ -22,12 +22,10 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.backend.options import in_force
 from fxshard.backend.capture.dynamo_calls import dynamic_by_default, guard_global_shapes
 
 log = logging.getLogger("fxshard")
-
-# past this many programs for one graph, tell the user (Dynamo's own recompile limit is 8)
-MANY_SIZES = 8
 
 
 def per_size(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_for: Callable[[Sequence[Any]], Callable],
@@ -80,9 +78,10 @@ class PerSizePrograms:
         if self.programs:
             log.info("fxshard graph %s: new input sizes %s, compiling program %d for them",
                      self.graph_id, _sizes_text(key), len(self.programs) + 1)
-        if len(self.programs) == MANY_SIZES:
+        many = in_force().many_sizes  # past this many programs for one graph, tell the user (options.py)
+        if len(self.programs) == many:
             warnings.warn(
-                f"fxshard has compiled {MANY_SIZES} programs for one graph, one per distinct set of input sizes, and "
+                f"fxshard has compiled {many} programs for one graph, one per distinct set of input sizes, and "
                 "compiles again for each new one. Pad inputs to a few fixed sizes (e.g. drop_last=True or padding in "
                 "the DataLoader) to compile less.", stacklevel=3)
         program = self.programs[key] = self.compile_for(inputs)

@@ -77,7 +77,7 @@ class StageReporter:
 
     def wants_graphs(self) -> bool:
         """Whether someone reads the stages' graphs (``on_graph``, ``debug_dir``, DEBUG logs, a structured
-        trace): a program loaded from disk has none to show, so such a program is planned."""
+        trace): then stage 5's graphs are shown too, read where the step runs without (``driver._show_lowered``)."""
         return (self.on_graph is not None or self.debug_dir is not None or log.isEnabledFor(logging.DEBUG)
                 or _tracing())
 
@@ -127,8 +127,9 @@ def _tracing() -> bool:
     """Whether a structured trace is written (``TORCH_TRACE``: what tlparse reads): the trace log's file handler
     has a directory. torch gives the trace log that handler in every process, without a directory where
     ``TORCH_TRACE`` is unset, and it removes itself at its first record; until then it traces nothing and
-    must not count (a program would format every stage's graph for it, and would not be loaded from disk:
-    ``lowered_cache.py``). Handlers others attach to every logger (pytest's log capture) do not count either."""
+    must not count (a program would format every stage's graph for it, and read the lowered graphs that a
+    step loaded from disk runs without). Handlers others attach to every logger (pytest's log capture) do not
+    count either."""
     from torch._logging import _internal
 
     lazy = getattr(_internal, "LazyTraceHandler", None)
