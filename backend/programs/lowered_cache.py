@@ -310,7 +310,7 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
                   kept: KeptRegions) -> None:
     """Keep a training step's regions under ``key`` beside its lowered programs (``store_lowered``): each
     program's schedule, and one graph per distinct region (the regions a key shares compile to one program:
-    ``regions.region_key``), layers and the regions between two layers alike (those repeat too: 73 graphs
+    ``regional_program.region_key``), layers and the regions between two layers alike (those repeat too: 73 graphs
     for 135 regions at 32 layers until they were shared). A second run loads these instead of cutting again."""
     graphs: list[tuple] = []
     shared: dict[tuple, int] = {}
