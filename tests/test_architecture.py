@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pathlib
+import re
 
 PACKAGES = ("fxshard", "fxshard.backend", "fxshard.lowering")
 # what knows ops: the registry and everything it is made of
@@ -255,3 +256,21 @@ def test_every_node_meta_key_is_declared_in_the_graph_contract():
     assert {k: sorted(custom[k]) for k in set(custom) - declared_custom} == {}, "declare in CUSTOM_KEYS"
     assert declared_custom - set(custom) == set(), "declared in fxshard/graph.py's CUSTOM_KEYS, named nowhere"
     assert len(declared) == len(META_KEYS) and len(declared_custom) == len(CUSTOM_KEYS), "a key declared twice"
+
+
+def test_every_package_is_installed_and_every_meta_key_is_in_the_design_page():
+    """pyproject.toml lists every package folder (a sub-package it misses is left out of the wheel CI installs),
+    and docs/design.md's graph contract has a row for every key fxshard/graph.py declares."""
+    import fxshard.graph as graph
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    if not (repo / "pyproject.toml").is_file():
+        return
+    listed = set(re.findall(r'"(fxshard[a-z_.]*)"', (repo / "pyproject.toml").read_text().split("packages =")[1]
+                            .split("]")[0]))
+    folders = {"fxshard", "fxshard.lowering"} | {
+        ".".join(("fxshard", *p.parent.relative_to(repo).parts)) for p in (repo / "backend").rglob("__init__.py")}
+    assert folders <= listed, f"add to pyproject.toml's packages: {sorted(folders - listed)}"
+    design = (repo / "docs" / "design.md").read_text()
+    keys = [k.key for k in graph.META_KEYS] + [f'custom["{k.key}"]' for k in graph.CUSTOM_KEYS]
+    assert not [k for k in keys if f"| `{k}` |" not in design], "docs/design.md's graph contract lacks keys"

@@ -33,3 +33,23 @@ def test_readme_gives_the_command_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "```sh\nbash .ci/run\n```" in readme, "README.md should give the test command as CI runs it: bash .ci/run"
     assert (ROOT / ".ci" / "TEST_COMMAND").read_text().strip(), ".ci/TEST_COMMAND holds the pytest line .ci/run runs"
+
+
+def _design_sections() -> dict[str, str]:
+    """docs/design.md's map: folder -> the text of its section (``**`folder/`**`` up to the next folder)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    parts = re.split(r"^\*\*`([a-z_/]+)/`\*\*.*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_design_names_every_module_in_its_folder() -> None:
+    """The map of docs/design.md has a line for every module, under its own folder (issue 66): a module added,
+    moved or renamed without its line fails here. (The lines are the modules' docstrings' first sentences.)"""
+    sections = _design_sections()
+    folders = [ROOT / "fxshard", ROOT / "lowering", ROOT / "backend",
+               *sorted(p for p in (ROOT / "backend").iterdir() if (p / "__init__.py").is_file())]
+    missing = [f"{folder.relative_to(ROOT).as_posix()}/{f.name}" for folder in folders for f in sorted(folder.glob("*.py"))
+               if f"- `{f.name}`:" not in sections.get(folder.relative_to(ROOT).as_posix(), "")]
+    assert not missing, f"docs/design.md's map lacks: {missing}"
+    stale = sorted(set(sections) - {folder.relative_to(ROOT).as_posix() for folder in folders})
+    assert not stale, f"docs/design.md maps folders that do not exist: {stale}"

@@ -4,7 +4,7 @@ A user who runs a training script a second time finds DTensor + ``torch.compile`
 Inductor's on-disk cache. fxshard hands Inductor its lowered programs with real tensors as example
 inputs, for which ``compile_fx`` made a fake mode without a shape environment, and both caches
 bypassed every program ("No shape env"): every run compiled every region again.
-``inductor_config.cacheable_inputs`` gives Inductor fake inputs of a mode with one. (The programs
+``compile_local.cacheable_inputs`` gives Inductor fake inputs of a mode with one. (The programs
 skip AOTAutograd, ``backend/inductor/compile_inner.py``, and so its cache; each program's preparation for
 Inductor is kept instead, ``backend/inductor/prepared_cache.py``.)
 """

@@ -2,7 +2,7 @@
 
 fxshard hands Inductor a training step's forward and backward (or their regions) as graphs of their
 own, which Inductor would take for inference graphs: ``compile_local(..., training=True)`` keeps
-the inference-only pass out (``inductor_config.TRAINING_PATCHES``), so an attention layer's rotations
+the inference-only pass out (``compile_local.TRAINING_PATCHES``), so an attention layer's rotations
 of q and k and its expansion of the grouped k and v fuse into one kernel as they do under
 DTensor + FSDP2's compile, instead of three."""
 from __future__ import annotations

@@ -358,7 +358,7 @@ def test_loaded_regions_come_without_fake_values_and_their_compiles_compute_them
     """A second run's regions are loaded without their values' fake tensors (a layer's compile makes its own);
     compiled through ``compile_fx`` instead (a region Inductor's direct path does not take), and bucketed
     uncompiled, they are computed where read, and the step computes the single-device result."""
-    from fxshard.backend.inductor import compile_local as inductor_config
+    from fxshard.backend.inductor import compile_local
     from fxshard.backend.programs import training
     from fxshard.lowering.localize import complete_fake_values
 
@@ -372,8 +372,8 @@ def test_loaded_regions_come_without_fake_values_and_their_compiles_compute_them
         if all(gm is not seen for seen, _, _ in completed):
             completed.append((gm, bool(missing), all("val" in n.meta for n in missing)))
 
-    monkeypatch.setattr(inductor_config, "takes_directly", lambda gm, inputs: False)
-    monkeypatch.setattr(inductor_config, "complete_fake_values", spy)
+    monkeypatch.setattr(compile_local, "takes_directly", lambda gm, inputs: False)
+    monkeypatch.setattr(compile_local, "complete_fake_values", spy)
     monkeypatch.setattr(training, "complete_fake_values", spy)
     warm, out, grads = _regional_step(model, x)
     assert warm._region_split[0] and warm._region_split[1]
@@ -483,3 +483,21 @@ def test_a_second_process_under_another_state_computes_what_a_cold_compile_does(
         assert counted == ({"lowered_cache_hit": 1} if state in ("plain", "inductor") else
                            {"lowered_cache_miss": 1}), (state, counted)
     assert results["inductor_autocast_bf16"][1][0].dtype == torch.bfloat16
+
+
+def test_the_key_digests_every_module_of_the_package_its_sub_packages_included():
+    """A module moved into a sub-package, or changed there, is a changed source (issue 66's trap): every fxshard
+    module imported in this process is among the files the key digests."""
+    import importlib
+    import pkgutil
+
+    import fxshard.backend
+    from fxshard.backend.programs.lowered_cache import source_files
+
+    for module in pkgutil.walk_packages(fxshard.backend.__path__, "fxshard.backend."):
+        importlib.import_module(module.name)
+    digested = {path.resolve() for _, path in source_files()}
+    modules = {pathlib.Path(m.__file__).resolve() for name, m in list(sys.modules.items())
+               if name.split(".")[0] == "fxshard" and getattr(m, "__file__", None)}
+    assert any("layers" in p.parts for p in modules), "the sub-packages are imported"
+    assert modules <= digested, sorted(str(p) for p in modules - digested)

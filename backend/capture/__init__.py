@@ -13,6 +13,7 @@ In the order they run:
    ``trace_hints`` names the fix where a program cannot be read in global shapes.
 4. ``outputs``: what the compiled program returns, DTensors and plain tensors as the user's program has them.
 
-This folder and ``inductor/`` are the only ones that talk to torch's private compiler internals
+``dynamo_calls`` holds every private Dynamo and functorch name the others call: this folder and ``inductor/``
+(whose ``inductor_calls`` does the same for Inductor) are the only ones that talk to torch's private compiler internals
 (tests/test_architecture.py fences them).
 """

@@ -143,7 +143,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], patches: Mapping[str
     from torch._inductor.compile_fx import compile_fx
 
     with config_comms.patch(comms), collector_paused(), traces_reused(), users_kept():  # cheap bucket merges
-        if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (inductor_direct.py)
+        if takes_directly(gm, example_inputs):  # no second trace through AOTAutograd (compile_inner.py)
             with config.patch(patches):
                 return compile_direct(gm, example_inputs)  # computes the fake values it reads
         complete_fake_values(gm, example_inputs)  # a region a second run loaded comes without them

@@ -12,7 +12,7 @@ bench/train.py's Llama under TP, one process: ~48 ms with them uncompiled, ~43 c
 program; 1.5-3 s more on the first step, whatever the number of layers); a training step's end with little
 to fuse runs as its graph (``end_regions.py``). What runs between two layers
 (a layer's gathers started early, its reductions waited late: ``prefetch.py``) is only collectives and
-runs as its graph, its collectives bucketed all the same (``inductor_config.bucketed_uncompiled``).
+runs as its graph, its collectives bucketed all the same (``compile_local.bucketed_uncompiled``).
 
 Regions come from the program's structure, the same on every rank. Forward: a layer's parameters
 (the placeholders ``<prefix>_<N>_...`` of the most common indexed prefix) start region N; any other

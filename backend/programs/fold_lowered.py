@@ -80,7 +80,7 @@ class FoldedLowering:
         return self.short_lowered, (self.short.template, self.short.successor)
 
     def cap(self) -> int:
-        """The bucket cap (``inductor_config.block_bytes``): one layer's, the same in four layers as in all."""
+        """The bucket cap (``compile_local.block_bytes``): one layer's, the same in four layers as in all."""
         return block_bytes(self.short_lowered.forward)
 
     def unfolded_regions(self, programs: Sequence[fx.GraphModule], maps: tuple[dict, ...]

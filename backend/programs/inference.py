@@ -67,7 +67,7 @@ class InferenceProgram:
         self.read_inputs = InputReader(self.positions, self.input_layouts, coordinate)
         self.write_outputs = OutputWriter(self.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
-        # a bucket per block's parameter gathers, others capped at a block's bytes (inductor_config.py)
+        # a bucket per block's parameter gathers, others capped at a block's bytes (compile_local.py)
         self.buckets = BucketPolicy(block_bytes(self.local_graph)) if bucketing else None
         self.regional = regional  # compile each distinct layer once (backend/layers/regions.py)
         self.reporter = reporter or StageReporter()

@@ -63,7 +63,7 @@ from fxshard.backend.programs.inference import LoweredInference
 from fxshard.backend.layers.regional_program import Region, RegionRole, program_structure
 from fxshard.backend.programs.training import KeptRegions, LoweredTraining
 
-__all__ = ["lowered_key", "load_lowered", "read_lowered_graphs", "store_lowered", "store_regions"]
+__all__ = ["lowered_key", "load_lowered", "read_lowered_graphs", "store_lowered", "store_regions", "source_files"]
 
 _FORMAT = 2  # of the entries: a change to what is kept makes the old ones unreadable, not wrong
 _KEPT_META = (LAYOUT, LOWERED_MOVE)  # what the later stages read of a lowered node besides its fake value
@@ -192,14 +192,22 @@ def _option_text(value: Any) -> Any:
     return kept if isinstance(kept, tuple) else repr(kept)
 
 
-@functools.cache
-def _source_digest() -> str:
-    """fxshard's source, every module of the package, read once per process (an explicit cache)."""
-    digest = hashlib.sha256()
+def source_files() -> list[tuple[str, pathlib.Path]]:
+    """Every module of the package, its sub-packages' included (a moved module is a changed source), by its path
+    within its package's folder."""
+    files = []
     for package in ("fxshard", "fxshard.lowering", "fxshard.backend"):  # imported already: this module imports them
         root = pathlib.Path(sys.modules[package].__file__).parent
-        for path in sorted(root.rglob("*.py")):  # the sub-packages too: a moved module is a changed source
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+        files += [(str(path.relative_to(root)), path) for path in sorted(root.rglob("*.py"))]
+    return files
+
+
+@functools.cache
+def _source_digest() -> str:
+    """fxshard's source, read once per process (an explicit cache)."""
+    digest = hashlib.sha256()
+    for name, path in source_files():
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -338,7 +346,7 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
 def _load_regions(key: str) -> _Entry | None:
     """The entry ``store_regions`` kept. Its region graphs come without fake values, which were most of the
     load (0.19 -> 0.03 s at 1 layer): a layer's compile computes those of the program it prepares, or loads
-    prepared, from its example inputs (``inductor_direct.compile_direct``), the other regions' compiles theirs
+    prepared, from its example inputs (``compile_inner.compile_direct``), the other regions' compiles theirs
     from their first inputs (``localize.complete_fake_values``)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:

@@ -112,7 +112,7 @@ class TrainingProgram:
         self.write_outputs = OutputWriter(lowered.output_layouts, device_mesh, self.eager)
         self.inductor = inductor
         # a bucket per block's parameter gathers and gradient reduce_scatters, others capped at a block's
-        # bytes (inductor_config.py); the backward's outputs are the gradients of the grad_inputs
+        # bytes (compile_local.py); the backward's outputs are the gradients of the grad_inputs
         cap = kept.cap if kept is not None else folded.cap() if folded is not None else block_bytes(self.forward_graph)
         self.buckets = ({"forward": BucketPolicy(cap), "backward": BucketPolicy(cap, lowered.grad_names)}
                         if bucketing else None)
