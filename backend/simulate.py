@@ -22,16 +22,18 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from fxshard.costs import CostModel
 from fxshard.graph import LOCAL_REGION, output_layouts
 from fxshard.layout import Layout
+from fxshard.lowering.collective_ops import COLLECTIVES, NAMESPACE
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import own_shard_indexing
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.routing import PYTHON_FORMS
 
 from fxshard.backend.capture.capture import Captured, capture_graphs
 from fxshard.backend.driver import PlannedProgram, plan_function
@@ -40,6 +42,7 @@ from fxshard.backend.capture.inputs import named_inputs
 from fxshard.backend.layers.regional_program import Region, RegionalProgram, RegionRole
 from fxshard.backend.programs.lower_for_rank import lower_for_rank
 from fxshard.backend.programs.stage6 import Cut, cut_into_regions
+from fxshard.backend.reports.traffic import received_by_rank
 
 
 @contextlib.contextmanager
@@ -106,10 +109,46 @@ def _warn_of_rank_numbers(gm: fx.GraphModule) -> None:
             "real ranks (examples/ranks.py spawn), which each capture their own.", stacklevel=3)
 
 
+class RankTraffic(TorchDispatchMode):
+    """Bytes each simulated rank received, summed over the collectives it ran (``traffic.received_by_rank``),
+    whether a graph node or an op's own code (a dropless MoE's dispatch) called them: a dispatch mode over
+    ``LocalTensorMode`` sees each call with every rank's tensors and split sizes, so sizes computed from
+    the data count as they were. ``groups`` names the process groups the programs were lowered with;
+    rank r sits at ``coords[r]``."""
+
+    def __init__(self, mesh: MeshSpec, coords: Sequence[tuple[int, ...]], groups: MeshGroups):
+        super().__init__()
+        self.groups = groups
+        self.coords = [mesh.coordinate_dict(c) for c in coords]
+        self.received = [0] * len(coords)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if packet._qualified_op_name == f"{NAMESPACE}::{packet.__name__}" and packet.__name__ in COLLECTIVES:
+            name = args[COLLECTIVES[packet.__name__].group_at]
+            for r, coord in enumerate(self.coords):
+                index = self.groups.index_in_group(name, coord)
+                if index is None:
+                    raise RuntimeError(f"simulate: {func} runs on group {name!r}, which the ranks' programs were not "
+                                       "lowered with; its traffic cannot be read")
+                mine = pytree.tree_map(lambda v: _at_rank(v, r), args)
+                self.received[r] += received_by_rank(func, mine, _at_rank(out, r), index)
+        return out
+
+
+def _at_rank(v: Any, r: int) -> Any:
+    """Rank r's value of a LocalTensor or of a SymInt that holds each rank's int (``LocalIntNode``)."""
+    if isinstance(v, torch.SymInt) and isinstance(v.node, LocalIntNode):
+        return v.node._local_ints[r]
+    return _rank_value(v, r)
+
+
 def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[torch.Tensor]],
-                 final_inputs: list | None = None) -> list[list[torch.Tensor]]:
+                 final_inputs: list | None = None, traffic: RankTraffic | None = None) -> list[list[torch.Tensor]]:
     """Run one graph per rank (rank r = graphs[r]) in lockstep; returns each rank's outputs.
-    ``final_inputs`` (a list) receives each rank's inputs as the programs left them (written in place)."""
+    ``final_inputs`` (a list) receives each rank's inputs as the programs left them (written in place);
+    ``traffic`` adds up what each rank received."""
     ranks = len(graphs)
     node_lists = [list(g.graph.nodes) for g in graphs]
     if len({len(n) for n in node_lists}) != 1:
@@ -117,7 +156,7 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
     indexes = [{n: i for i, n in enumerate(nodes)} for nodes in node_lists]
     env: list[Any] = [None] * len(node_lists[0])
     outputs: list[list[torch.Tensor]] = []
-    with LocalTensorMode(ranks) as mode:
+    with LocalTensorMode(ranks) as mode, traffic if traffic is not None else contextlib.nullcontext():
         placeholder = 0
         for i in range(len(node_lists[0])):
             nodes = [node_lists[r][i] for r in range(ranks)]
@@ -145,6 +184,9 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
             keys = {(n.target, _key(n.args, indexes[r]), _key(n.kwargs, indexes[r])) for r, n in enumerate(nodes)}
             if isinstance(first.target, torch._ops.HigherOrderOperator):  # LocalTensors run no higher-order op
                 env[i] = _per_rank_call(mode, nodes, lambda r, a: _rank_value(env[indexes[r][a]], r))
+            elif first.target in PYTHON_FORMS and len(keys) == 1:  # its code runs on every rank's tensors at once
+                args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
+                env[i] = PYTHON_FORMS[first.target](*args, **kwargs, each=_each_rank(mode))
             elif len(keys) == 1:
                 args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
                 env[i] = first.target(*args, **kwargs)
@@ -161,6 +203,18 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
 
                 env[i] = mode.rank_map(per_rank)
     return outputs
+
+
+def _each_rank(mode: LocalTensorMode) -> Callable[..., list]:
+    """``each(fn, *args)``: ``fn`` on each rank's tensors of ``args`` alone (LocalTensors unpacked), its
+    list of results as LocalTensors (``fxshard.routing.run_routed``'s body)."""
+    def each(fn: Callable, *args: Any) -> list:
+        with mode.disable():
+            results = [fn(*pytree.tree_map(lambda v: _rank_value(v, r), args)) for r in sorted(mode.ranks)]
+        ranks = sorted(mode.ranks)
+        return [mode.rank_map(lambda r: results[ranks.index(r)][j]) for j in range(len(results[0]))]
+
+    return each
 
 
 class _RankObjects(list):
@@ -183,7 +237,8 @@ def _local(mode: LocalTensorMode, values: Sequence[Any]) -> Any:
 
 
 def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Sequence[Region]],
-                         inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
+                         inputs: Sequence[Sequence[torch.Tensor]],
+                         traffic: RankTraffic | None = None) -> tuple[list[list[torch.Tensor]], int]:
     """``run_lockstep`` region by region, as regional compilation runs each rank's program (regions.py):
     a region whose key an earlier one had runs that earlier region's graph. Returns each rank's
     outputs and how many layer region graphs rank 0 ran (what Inductor would compile)."""
@@ -196,7 +251,8 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
 
     def call(k: int, values: list[Any]) -> list[tuple]:
         per_rank = [[v[r] for v in values] for r in range(ranks)]
-        outs = run_lockstep([p.compiled_region(k, per_rank[r]) for r, p in enumerate(programs)], per_rank)
+        outs = run_lockstep([p.compiled_region(k, per_rank[r]) for r, p in enumerate(programs)], per_rank,
+                            traffic=traffic)
         return [tuple(o[j] for o in outs) for j in range(len(outs[0]))]
 
     result = programs[0].walk(args, attrs, call)
@@ -206,11 +262,11 @@ def run_regions_lockstep(graphs: Sequence[fx.GraphModule], regions: Sequence[Seq
 
 
 def _run_ranks(graphs: Sequence[fx.GraphModule], cuts: Sequence[Cut] | None, which: int,
-               inputs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], int]:
+               inputs: Sequence[Sequence[torch.Tensor]], traffic: RankTraffic) -> tuple[list[list[torch.Tensor]], int]:
     """Every rank's program in lockstep, whole or (``cuts``: each rank's, program ``which`` of it) region by region."""
     if cuts is None or not cuts[0].regions[which]:
-        return run_lockstep(graphs, inputs), 0
-    return run_regions_lockstep([c.graphs[which] for c in cuts], [c.regions[which] for c in cuts], inputs)
+        return run_lockstep(graphs, inputs, traffic=traffic), 0
+    return run_regions_lockstep([c.graphs[which] for c in cuts], [c.regions[which] for c in cuts], inputs, traffic)
 
 
 def _rank_ints(per_rank: Sequence[Sequence[int]]) -> list:
@@ -240,6 +296,9 @@ class SimulatedRun:
     # each rank's lowered local program (stage 5) by coordinate, as ``lowered_graphs`` gives it (training: the
     # pair forward, backward): the collectives the ranks ran, to read without planning the program again
     lowered: dict = field(default_factory=dict)
+    # bytes_received[r]: what rank r received over the whole run (forward and backward), summed over the
+    # collectives it ran, with split sizes as the data made them (``RankTraffic``)
+    bytes_received: list[int] = field(default_factory=list)
 
     def full(self) -> list[torch.Tensor]:
         """Each output as its global tensor (partial outputs reduced)."""
@@ -292,20 +351,21 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
         # stage 6 as regional compilation cuts (stage6.py), its buckets not merged: each rank's cut programs
         cuts = [cut_into_regions(programs, num_outputs=training.num_outputs if grad else None)
                 for programs in (zip(graphs, backward) if grad else zip(graphs))] if regional else None
-        per_rank, compiled = _run_ranks(graphs, cuts, 0, [[b[c] for b in blocks] for c in coords])
+        traffic = RankTraffic(spec, coords, groups)
+        per_rank, compiled = _run_ranks(graphs, cuts, 0, [[b[c] for b in blocks] for c in coords], traffic)
         if not grad:
             return SimulatedRun(coords, per_rank, output_layouts(gm), graph=planned.graph, region_graphs=compiled,
-                                lowered=dict(zip(coords, graphs)))
+                                lowered=dict(zip(coords, graphs)), bytes_received=traffic.received)
         n = training.num_outputs
         run = SimulatedRun(coords, [outs[:n] for outs in per_rank], training.output_layouts)
         seeds = list(grad_outputs) if grad_outputs is not None else [torch.ones_like(o) for o in run.full()]
         tangents = [{c: layout.shard(t, c) for c in coords} for t, layout in zip(seeds, training.output_layouts)]
         grads, compiled_backward = _run_ranks(
-            backward, cuts, 1, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)])
+            backward, cuts, 1, [per_rank[r][n:] + [t[c] for t in tangents] for r, c in enumerate(coords)], traffic)
     names = named_inputs(fn, args, captured.objects)
     keys = tuple(names[program.tensor_positions[k]][1] for k in training.grad_inputs)
     return SimulatedRun(coords, run.outputs, run.output_layouts, grads, training.grad_layouts, keys, planned.graph,
-                        compiled + compiled_backward, dict(zip(coords, zip(graphs, backward))))
+                        compiled + compiled_backward, dict(zip(coords, zip(graphs, backward))), traffic.received)
 
 
 def lowered_graphs(fn: Callable, *args: Any, device_mesh: Any, placements: Mapping[Any, Any] | None = None,

@@ -29,6 +29,7 @@ LOCAL_REGION = "fxshard_local_region"
 EAGER_SHAPE = "fxshard_eager_local_shape"
 REGION_EXIT = "fxshard_region_exit"
 CHECKPOINTED = "fxshard_checkpointed"
+GROUP_AXES = "fxshard_group_axes"  # the mesh axes whose process group an op's ``group`` argument names (stage 5)
 LOWERED_MOVE = "fxshard_lowered_move"  # a node stage 5 wrote for a redistribution (regions keep it with its input)
 
 PROPAGATED = (LAYOUT, ARG_LAYOUTS)  # what one propagation writes (refine.py snapshots these)
@@ -75,6 +76,8 @@ META_KEYS: tuple[MetaKey, ...] = (
             "the pin ``DTensor.from_local`` ends a local region with (where, in the code)"),
     MetaKey(CHECKPOINTED, "stage 1 (backend/capture/trace.py)", "where the ``torch.utils.checkpoint`` region a "
             "forward node ran in was called: the training split recomputes it in the backward instead of saving it"),
+    MetaKey(GROUP_AXES, "stage 4 (lowering/localize.py, a ``RoutedGroup`` recipe)", "the mesh axes whose process "
+            "group stage 5 (lowering/collectives.py) writes into an op's ``group`` argument (routed experts)"),
     MetaKey(LOWERED_MOVE, "stage 5 (lowering/collectives.py)",
             "True: a node written for a redistribution (regions keep it with its input)"),
     MetaKey("fxshard_stamp", "backend/programs/fold.py (``STAMP``)",

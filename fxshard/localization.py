@@ -97,5 +97,13 @@ class GlobalIndices:
     subgraphs: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]
 
 
+@dataclass(frozen=True)
+class RoutedGroup:
+    """A routed-experts op (fxshard/routing.py) whose pairs lie in blocks on a mesh axis: its ``group_size``
+    becomes that axis' size, and stage 5 names the axis' process group as its ``group`` (``GROUP_AXES``)."""
+
+    keys: int = 2  # the argument holding the pairs' expert ids
+
+
 Recipe = (LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate
-          | GlobalIndices)
+          | GlobalIndices | RoutedGroup)

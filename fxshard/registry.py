@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from . import rules, rules_attention, rules_moe
+from . import routing, rules, rules_attention, rules_moe
 from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
                            SplitSizes)
@@ -208,6 +208,8 @@ OPS: dict[Any, Op] = {
     # fxshard's own
     CONSTRAIN: Op(PIN),
     REDISTRIBUTE: Op(None, LocalShape(3)),
+    routing.ROUTED_OPS[0]: Op(routing.ROUTED, routing.RECIPE),  # a dropless MoE's routed rows, dispatched
+    routing.ROUTED_OPS[1]: Op(routing.ROUTED, routing.RECIPE),
 }
 
 # ops of other libraries, by schema name: they exist only once that library is imported

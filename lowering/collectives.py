@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxshard.exchange import exchange_tables
 from fxshard.layout import IDENTITY
-from fxshard.graph import LOWERED_MOVE, PLAN, copy_graph_module
+from fxshard.graph import GROUP_AXES, LOWERED_MOVE, PLAN, copy_graph_module
 from fxshard.mesh import Coordinate, MeshAxis
 from fxshard.ops import REDISTRIBUTE
 from fxshard.plans import Step
@@ -328,6 +328,9 @@ def lower(gm: fx.GraphModule, coordinate: Coordinate, group_name: GroupName) -> 
         replaced.append((x, node.meta.get("val")))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
+    for node in graph.nodes:  # ops that communicate themselves (routed experts) get their group's name
+        if node.meta.get(GROUP_AXES):
+            node.kwargs = {**node.kwargs, "group": group_name(node.meta[GROUP_AXES])}
     graph.lint()
     out.recompile()
     new = [n for n in graph.nodes if n not in before]

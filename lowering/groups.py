@@ -29,6 +29,17 @@ class MeshGroups:
             self._names[key] = self._group_name(key)
         return self._names[key]
 
+    def index_in_group(self, name: str, coordinate: dict[str, int]) -> int | None:
+        """The place of the rank at ``coordinate`` (axis name -> index) in the group ``name`` this object made
+        (row-major over its axes), or None for a group it did not make."""
+        axes = next((key for key, made in self._names.items() if made == name), None)
+        if axes is None:
+            return None
+        index = 0
+        for axis in axes:
+            index = index * int(axis.size) + axis.coordinate(coordinate[axis.name])
+        return index
+
     def _group_name(self, axes: tuple[MeshAxis, ...]) -> str:
         names = list(axis_names(self.device_mesh))
         for axis in axes:

@@ -19,10 +19,10 @@ import torch.fx as fx
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
-from fxshard.graph import LAYOUT, LOCAL_REGION, LOCALIZE, argument_leaves, copy_graph_module, metadata
+from fxshard.graph import GROUP_AXES, LAYOUT, LOCAL_REGION, LOCALIZE, argument_leaves, copy_graph_module, metadata
 from fxshard.layout import Layout
-from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, SelectIndex,
-                                  SliceRange, SplitSizes)
+from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, RoutedGroup,
+                                  SelectIndex, SliceRange, SplitSizes)
 from fxshard.mesh import Coordinate
 
 aten = torch.ops.aten  # the ops stage 4 writes into a local program (slices, pads, masks)
@@ -301,6 +301,16 @@ def _free_attribute(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
+def _localize_routed(node: fx.Node, recipe: RoutedGroup, coordinate: Coordinate) -> None:
+    """The pairs' axis (dim 0 of the keys, in blocks on one axis: ``fxshard.routing.Routed``) sizes the op's
+    group; stage 5 names its process group. Pairs held whole by every rank: no group, nothing to rewrite."""
+    pieces = node.args[recipe.keys].meta[LAYOUT].dims[0]
+    axes = tuple(p.axis for p in pieces if p.axis is not None)
+    if axes:
+        node.kwargs = {**node.kwargs, "group_size": int(axes[0].size)}
+        node.meta[GROUP_AXES] = axes
+
+
 _RECIPES = {
     LocalShape: _localize_shape,
     LocalArange: _localize_arange,
@@ -310,6 +320,7 @@ _RECIPES = {
     MaskedLookup: _localize_lookup,
     MaskedAccumulate: _localize_accumulate,
     GlobalIndices: _localize_indices,
+    RoutedGroup: _localize_routed,
 }
 
 

@@ -26,7 +26,7 @@ from fxshard.mesh import MeshSpec
 from fxshard.ops import constrain_op
 from fxshard.placements import as_mesh_spec, layout_from_placements, placements_to_str
 
-from fxshard.backend.capture import inputs
+from fxshard.backend.capture import inputs, routed_experts
 from fxshard.backend.capture.block_joint import Templates, stamp
 from fxshard.backend.capture.custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
 from fxshard.backend.capture.dtensor_reads import eager_dtensor, read_kind
@@ -351,6 +351,8 @@ def trace_global(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSp
     if layouts is None:
         layouts = inputs.input_layouts(example_inputs, mesh)
 
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gm = routed_experts.rewrite(gm, {ph: layouts[i] for i, ph in enumerate(placeholders) if i in layouts})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise TraceError(f"Dynamo graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs")

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.backend.options import in_force
+from fxshard.lowering.collective_ops import NAMESPACE
 
 __all__ = ["CALLS_OPT_LEVEL", "GROUP_NAMES", "MENDS", "RETURNED_HANDLE", "THROUGH_PYTHON",
            "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "generated_op", "needed_mends",
@@ -81,7 +82,15 @@ def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     static = all(isinstance(n, int) for x in tensors for n in (*x.shape, *x.stride()))  # symbolic: not taken
     cpu = bool(tensors) and all(x.device.type == "cpu" for x in tensors)
-    return cpu and static and expected_kernels(gm) >= in_force().min_kernels
+    return cpu and static and not _python_op_returning_a_list(gm) and expected_kernels(gm) >= in_force().min_kernels
+
+
+def _python_op_returning_a_list(gm: fx.GraphModule) -> bool:
+    """A call of a Python custom op that returns a list of tensors (fxshard's routed experts): torch's C++
+    wrapper reads its Python result as one tensor handle (a crash), so such a program keeps the Python one."""
+    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+               and _is_library_call(node.target) and node.target.namespace not in ("aten", NAMESPACE)
+               and any(isinstance(r.type, torch.ListType) for r in node.target._schema.returns) for node in gm.graph.nodes)
 
 
 def cpu_wrapper_patches() -> dict[str, Any]:

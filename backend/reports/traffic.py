@@ -86,6 +86,19 @@ def collective_call(op: Any, args: Sequence[Any]) -> CollectiveCall | None:
     return None
 
 
+def received_by_rank(op: Any, args: Sequence[Any], output: Any, index_in_group: int) -> int:
+    """Bytes one rank received in a collective it ran (``args`` its arguments, ``output`` its result, real
+    tensors), ``index_in_group`` its place in the group: an all_to_all with split sizes counts the rows that
+    came from the other ranks (data-dependent, as a dropless MoE's dispatch); every other collective the
+    planner's formula on its input, as ``CollectiveCall.bytes_received``."""
+    packet = getattr(op, "_overloadpacket", op)
+    if packet is c10d.all_to_all_single and output.dim() > 0 and list(args[1]):
+        row_bytes = torch.Size(output.shape[1:]).numel() * output.element_size()
+        return (int(sum(int(s) for s in args[1])) - int(args[1][index_in_group])) * row_bytes
+    call = collective_call(op, args)
+    return 0 if call is None else call.bytes_received
+
+
 def collective_calls(gm: fx.GraphModule) -> list[CollectiveCall]:
     """The collectives of a lowered local graph, in program order (its shapes in ``meta["val"]``)."""
     calls = []

@@ -1,0 +1,279 @@
+"""Dropless expert parallelism: a mixture-of-experts layer's routed rows as one op, dispatched by all-to-all.
+
+A dropless MoE sorts its (token, choice) pairs by expert, runs each expert's rows through a grouped
+matmul whose offsets come from the per-expert counts, and adds the results back into their tokens
+(torchtitan's token reorderer, transformers' grouped_mm experts). Read globally, the sort is over
+every rank's pairs; but the layer's result does not depend on the order of the rows between the sort
+and the combine, only on which expert each row meets. So stage 1 (``backend/capture/routed_experts.py``)
+replaces that region by ``fxshard::routed_experts(body, rows, keys, extras)``: the rows in pair order
+(each pair's token row), the pairs' expert ids, and what the region reads besides (the expert weight
+stacks first); its result is the region's outputs in pair order, so it is a row-wise op over the pairs.
+
+Its sharding (``Routed``): with the expert stacks ``Shard(0)`` on an axis, the pairs are sharded on
+that axis too, the stacks stay where they are, the outputs are sharded like the pairs. Each rank
+then runs ``run_routed``: its own pairs sorted by expert, the counts exchanged (one all_to_all of
+``experts`` integers), the rows sent to the ranks that own their experts (``all_to_all_single`` with
+split sizes from the counts: data-dependent), regrouped by expert, the body run on the rank's experts,
+and the results sent back the same way. The backward op recomputes the dispatch and runs the body's
+vjp there, so the weights' gradients stay with their experts. Without sharded stacks the op is the
+region as written, on each rank's own pairs (or replicated).
+
+The body is an FX graph (Dynamo's ops), named in the op's arguments by a digest of its code
+(``register_body``); the explicit cache of bodies is this module's ``_BODIES``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .layout import Layout, Piece
+from .localization import RoutedGroup
+from .mesh import MeshAxis, is_static
+from .op_kinds import Context, Decision, Kind
+
+_BODIES: dict[str, fx.GraphModule] = {}  # explicit cache: a body's digest -> its graph (``register_body``)
+
+
+class RoutingError(RuntimeError):
+    """A routed-experts op that cannot run as asked (a body not registered in this process)."""
+
+
+def register_body(gm: fx.GraphModule) -> str:
+    """The name of ``gm`` (its code's digest) for ``routed_experts``' ``body`` argument."""
+    key = "body_" + hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+    _BODIES.setdefault(key, gm)
+    return key
+
+
+def body_of(key: str) -> fx.GraphModule:
+    if key not in _BODIES:
+        raise RoutingError(f"routed experts: body {key} is not registered in this process; it is registered when "
+                           "fxshard traces the program (backend/capture/routed_experts.py)")
+    return _BODIES[key]
+
+
+# ---- the local algorithm: dispatch, run the body, combine ----------------------------------------------
+_c10d = torch.ops._c10d_functional
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list, input_splits: list, group: str) -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+
+
+@dataclass
+class Routing:
+    """How one rank's pairs travel: sorted by expert (``order``), sent to their experts' ranks (``send`` rows
+    to each, ``recv`` from each, over ``group``) and regrouped there by expert (``perm``)."""
+
+    order: torch.Tensor
+    group: str | None = None
+    send: list | None = None
+    recv: list | None = None
+    perm: torch.Tensor | None = None
+
+    def dispatch(self, t: torch.Tensor) -> torch.Tensor:
+        """A pair-space tensor of this rank -> the rows of the rank's experts, grouped by expert."""
+        t = t[self.order]
+        if self.group is None:
+            return t
+        return _all_to_all(t, self.recv, self.send, self.group)[self.perm]
+
+    def combine(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``dispatch``: rows grouped by expert -> this rank's pairs in pair order."""
+        if self.group is not None:
+            t = _all_to_all(t.new_empty(t.shape).index_copy(0, self.perm, t), self.send, self.recv, self.group)
+        return t.new_empty(t.shape).index_copy(0, self.order, t)
+
+
+def route(keys: torch.Tensor, num_experts: int, group: str | None, group_size: int) -> tuple[Routing, torch.Tensor]:
+    """(the routing of this rank's pairs, the counts of the rows its experts receive: ``[experts / group_size]``)."""
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=num_experts)
+    if group is None:
+        return Routing(order), counts
+    n, local = group_size, num_experts // group_size
+    received = _all_to_all(counts, [local] * n, [local] * n, group)  # [n * local]: from each rank, per expert here
+    send = counts.view(n, local).sum(1).tolist()
+    recv = received.view(n, local).sum(1).tolist()
+    segment = torch.repeat_interleave(torch.arange(n * local, device=keys.device), received)  # (source, expert)
+    perm = torch.argsort((segment % local) * n + segment // local, stable=True)  # expert-major, sources in order
+    return Routing(order, group, send, recv, perm), received.view(n, local).sum(0)
+
+
+def _body_outputs(body: str, counts_dtype: torch.dtype, rows: Sequence[torch.Tensor], counts: torch.Tensor,
+                  extras: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The body on the rows of a rank's experts (``counts`` rows each)."""
+    out = body_of(body)(*rows, counts.to(counts_dtype), *extras)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _body_gradients(body: str, counts_dtype: torch.dtype, rows: Sequence[torch.Tensor], counts: torch.Tensor,
+                    extras: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The body's vjp: the gradients of its rows and extras (zeros where none flows, and for integers)."""
+    with torch.enable_grad():
+        inputs = [t.detach() for t in list(rows) + list(extras)]
+        wrt = [t.requires_grad_() for t in inputs if t.is_floating_point()]
+        outs = _body_outputs(body, counts_dtype, inputs[:len(rows)], counts, inputs[len(rows):])
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) \
+            if pairs and wrt else [None] * len(wrt)
+    by_input = dict(zip(map(id, wrt), found))
+    return [torch.zeros_like(t) if by_input.get(id(t)) is None else by_input[id(t)] for t in inputs]
+
+
+Each = Callable[..., list]  # each(fn, *args): fn(*args) on every rank's tensors (simulate: per rank)
+
+
+def _directly(fn: Callable, *args: Any) -> list:
+    return fn(*args)
+
+
+def run_routed(body: str, rows: Sequence[torch.Tensor], keys: torch.Tensor, extras: Sequence[torch.Tensor],
+               num_experts: int, num_stacks: int, counts_dtype: torch.dtype, group: str | None = None,
+               group_size: int = 1, each: Each = _directly) -> list[torch.Tensor]:
+    """``routed_experts`` on one rank's tensors; simulate runs it on LocalTensors, the body by ``each`` rank
+    (sizes that differ per rank are the dispatch's, which LocalTensors carry; the body's Python indexing
+    of them is not)."""
+    routing, counts = route(keys, num_experts, group, group_size)
+    outs = each(functools.partial(_body_outputs, body, counts_dtype), [routing.dispatch(r) for r in rows], counts,
+                list(extras))
+    return [routing.combine(o) for o in outs]
+
+
+def run_routed_backward(body: str, rows: Sequence[torch.Tensor], keys: torch.Tensor, extras: Sequence[torch.Tensor],
+                        grads: Sequence[torch.Tensor], num_experts: int, num_stacks: int, counts_dtype: torch.dtype,
+                        group: str | None = None, group_size: int = 1, each: Each = _directly) -> list[torch.Tensor]:
+    """The gradients of ``run_routed``'s rows and extras given its outputs': the dispatch again, the body's
+    vjp on the rank's experts, the rows' gradients sent back (the extras' stay: a stack's are its experts')."""
+    routing, counts = route(keys, num_experts, group, group_size)
+    found = each(functools.partial(_body_gradients, body, counts_dtype), [routing.dispatch(r) for r in rows], counts,
+                 list(extras), [routing.dispatch(g) for g in grads])
+    return [routing.combine(g) for g in found[:len(rows)]] + list(found[len(rows):])
+
+
+# ---- the ops ------------------------------------------------------------------------------------------
+@torch.library.custom_op("fxshard::routed_experts", mutates_args=())
+def routed_experts(body: str, rows: list[torch.Tensor], keys: torch.Tensor, extras: list[torch.Tensor],
+                   num_experts: int, num_stacks: int, counts_dtype: torch.dtype, *, group: str | None = None,
+                   group_size: int = 1) -> list[torch.Tensor]:
+    """A routed MoE region: ``body(rows sorted by key, per-expert counts, extras)`` back in pair order."""
+    return run_routed(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, group, group_size)
+
+
+@routed_experts.register_fake
+def _(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, *, group=None, group_size=1):
+    counts = keys.new_empty((num_experts // group_size,), dtype=counts_dtype)
+    return [o.new_empty(o.shape) for o in _body_outputs(body, counts_dtype, rows, counts, extras)]
+
+
+@torch.library.custom_op("fxshard::routed_experts_backward", mutates_args=())
+def routed_experts_backward(body: str, rows: list[torch.Tensor], keys: torch.Tensor, extras: list[torch.Tensor],
+                            grads: list[torch.Tensor], num_experts: int, num_stacks: int, counts_dtype: torch.dtype,
+                            *, group: str | None = None, group_size: int = 1) -> list[torch.Tensor]:
+    """The gradients of ``routed_experts``' rows, then of its extras."""
+    return run_routed_backward(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype, group,
+                               group_size)
+
+
+@routed_experts_backward.register_fake
+def _(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype, *, group=None, group_size=1):
+    return [t.new_empty(t.shape) for t in list(rows) + list(extras)]
+
+
+def _setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
+    body, rows, keys, extras, num_experts, num_stacks, counts_dtype = inputs
+    ctx.static = (body, num_experts, num_stacks, counts_dtype, keyword_only_inputs)
+    ctx.counts = (len(rows), len(extras))
+    ctx.outputs = [(o.shape, o.dtype, o.device) for o in output]
+    ctx.save_for_backward(*rows, keys, *extras)
+
+
+def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple:
+    body, num_experts, num_stacks, counts_dtype, kw = ctx.static
+    saved = ctx.saved_tensors
+    n_rows, n_extras = ctx.counts
+    rows, keys, extras = list(saved[:n_rows]), saved[n_rows], list(saved[n_rows + 1:])
+    filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+              for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
+    found = routed_experts_backward(body, rows, keys, extras, filled, num_experts, num_stacks, counts_dtype, **kw)
+    wanted = [t.is_floating_point() for t in rows + extras]
+    found = [g if w else None for g, w in zip(found, wanted)]
+    return None, found[:n_rows], None, found[n_rows:], None, None, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup)
+
+ROUTED_OPS = (torch.ops.fxshard.routed_experts.default, torch.ops.fxshard.routed_experts_backward.default)
+# what each routed op runs on a rank: simulate calls these on LocalTensors (every rank's tensors at once), where
+# the op itself would run each rank's tensors alone and its all_to_alls could not meet
+PYTHON_FORMS = {ROUTED_OPS[0]: run_routed, ROUTED_OPS[1]: run_routed_backward}
+
+
+# ---- the sharding rule ---------------------------------------------------------------------------------
+def _arguments(node: fx.Node) -> tuple[list, Any, list, list, int, int]:
+    """(rows, keys, extras, grads, num_experts, num_stacks) of a routed op's node."""
+    if node.target is ROUTED_OPS[0]:
+        _, rows, keys, extras, num_experts, num_stacks = node.args[:6]
+        return list(rows), keys, list(extras), [], num_experts, num_stacks
+    _, rows, keys, extras, grads, num_experts, num_stacks = node.args[:7]
+    return list(rows), keys, list(extras), list(grads), num_experts, num_stacks
+
+
+def expert_axis(stacks: Sequence[Layout]) -> MeshAxis | None:
+    """The mesh axis the expert weight stacks are sharded on by expert (dim 0 cut into blocks on one axis)."""
+    for layout in stacks:
+        pieces = layout.dims[0] if layout.ndim else ()
+        if pieces and pieces[0].axis is not None and not pieces[0].chunked \
+                and all(p.axis is None and not p.chunked for p in pieces[1:]):
+            return pieces[0].axis
+    return None
+
+
+def _blocks(layout: Layout, axis: MeshAxis | None) -> Layout:
+    """``layout``'s tensor, whole but for dim 0 in contiguous blocks on ``axis`` (replicated for None)."""
+    shape = layout.shape
+    if axis is None:
+        return Layout.replicated(layout.mesh, shape)
+    n = axis.size
+    return Layout(layout.mesh, shape, [(Piece(n, axis), Piece(shape[0] // n))] + [(Piece(s),) for s in shape[1:]])
+
+
+class Routed(Kind):
+    """``routed_experts`` and its backward: pairs and stacks in blocks on the stacks' expert axis (or all
+    replicated where the stacks are not sharded by expert, or the axis divides neither)."""
+
+    name = "routed"
+
+    def __call__(self, node: fx.Node, ctx: Context) -> Decision | None:
+        rows, _, extras, grads, num_experts, num_stacks = _arguments(node)
+        layouts = list(ctx.layouts)
+        n_rows, n_extras = len(rows), len(extras)
+        row_layouts, key_layout = layouts[:n_rows], layouts[n_rows]
+        extra_layouts = layouts[n_rows + 1:n_rows + 1 + n_extras]
+        grad_layouts = layouts[n_rows + 1 + n_extras:]
+        axis = expert_axis(extra_layouts[:num_stacks])
+        pairs = key_layout.shape[0]
+        if axis is not None and not (is_static(axis.size) and pairs % int(axis.size) == 0
+                                     and num_experts % int(axis.size) == 0):
+            axis = None
+        required = ([_blocks(l, axis) for l in row_layouts] + [_blocks(key_layout, axis)]
+                    + [_blocks(l, axis) if k < num_stacks else Layout.replicated(ctx.mesh, l.shape)
+                       for k, l in enumerate(extra_layouts)]
+                    + [_blocks(l, axis) for l in grad_layouts])
+        if node.target is ROUTED_OPS[0]:
+            outputs = tuple(_blocks(Layout.replicated(ctx.mesh, v.shape), axis) for v in node.meta["val"])
+        else:
+            outputs = tuple(required[:n_rows]) + tuple(
+                required[n_rows + 1 + k] if k < num_stacks or axis is None
+                else Layout(ctx.mesh, l.shape, partial={axis: "sum"})  # each rank's share of a shared extra's grad
+                for k, l in enumerate(extra_layouts))
+        return tuple(required), outputs
+
+
+ROUTED = Routed()
+RECIPE = RoutedGroup()

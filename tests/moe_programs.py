@@ -1,0 +1,105 @@
+"""A dropless mixture-of-experts layer written as torchtitan writes it, and the gloo rank program that trains
+it (a module of its own: spawned ranks import it by name).
+
+Top-k routing over softmax scores, the (token, choice) pairs sorted stably by expert, the rows gathered
+by ``order // k``, SwiGLU experts as ``torch._grouped_mm`` over stacked weights with offsets from
+``torch.histc`` counts, the results added back by ``index_add``. ``skew`` biases the router toward the
+first experts, as trained routers often are, so the ranks receive unequal numbers of rows.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class DroplessMoE(torch.nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 48, experts: int = 8, top_k: int = 2, skew: float = 0.0,
+                 dtype: torch.dtype = torch.float32, shared: bool = False):
+        super().__init__()
+        self.top_k, self.experts = top_k, experts
+        self.router = torch.nn.Parameter(torch.randn(dim, experts, dtype=dtype) * dim ** -0.5)
+        self.register_buffer("bias", -skew * torch.arange(experts, dtype=dtype))
+        self.w1 = torch.nn.Parameter(torch.randn(experts, dim, hidden, dtype=dtype) * dim ** -0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, dim, hidden, dtype=dtype) * dim ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, dim, dtype=dtype) * hidden ** -0.5)
+        self.shared = torch.nn.Linear(dim, dim, bias=False, dtype=dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = torch.softmax(x @ self.router + self.bias, dim=-1)
+        top, chosen = torch.topk(scores, self.top_k, dim=1)
+        flat = chosen.view(-1)
+        counts = torch.histc(flat.float(), bins=self.experts, min=0, max=self.experts)
+        order = torch.argsort(flat, stable=True)
+        weights = top.view(-1)[order]
+        tokens = order // self.top_k
+        rows = x[tokens] * weights[:, None]
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        rows = rows.bfloat16()  # the grouped matmul's one dtype on CPU, as torchtitan casts for it
+        h = F.silu(torch._grouped_mm(rows, self.w1.bfloat16(), offs=offsets)) \
+            * torch._grouped_mm(rows, self.w3.bfloat16(), offs=offsets)
+        out = torch._grouped_mm(h, self.w2.bfloat16(), offs=offsets).to(x.dtype)
+        base = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        return base.index_add(0, tokens, out).reshape(shape)
+
+
+def received_by_routing(chosen: torch.Tensor, ranks: int, experts: int, row_bytes: int) -> list[int]:
+    """What each rank must receive to run its experts' rows and get its own rows' results back: the
+    rows of the other ranks' pairs routed to its experts, and its pairs' results from the other ranks
+    (``chosen``: [tokens, k] expert ids, tokens in blocks per rank; ``row_bytes`` each way)."""
+    pairs = chosen.reshape(ranks, -1)
+    owner = pairs // (experts // ranks)
+    out = []
+    for r in range(ranks):
+        incoming = int(((owner == r).sum(1).sum() - (owner[r] == r).sum()).item())
+        returned = int((owner[r] != r).sum().item())
+        out.append((incoming + returned) * row_bytes)
+    return out
+
+
+def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, tokens: int = 64, skew: float = 2.0,
+              lr: float = 0.1) -> dict[str, Any]:
+    """``steps`` SGD steps of a ``DroplessMoE`` with its experts ``Shard(0)`` on an ``ep`` axis of all ranks and
+    the tokens ``Shard(0)`` on it, through torch.compile(backend="fxshard"); the same steps on one device.
+    Returns the worst loss and parameter errors and whether the compiled forward ran the routed op."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    reference = DroplessMoE(skew=skew)
+    model = copy.deepcopy(reference)
+    for name in ("router", "w1", "w2", "w3"):
+        placement = Replicate() if name == "router" else Shard(0)
+        setattr(model, name, torch.nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh, [placement])))
+    model.bias = distribute_tensor(model.bias, mesh, [Replicate()])
+    stages: list[str] = []
+    compiled = torch.compile(model, backend="fxshard", options={
+        "on_graph": lambda stage, gm: stages.append(stage) if any(
+            "routed_experts" in str(n.target) for n in gm.graph.nodes) else None})
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    loss_error = 0.0
+    for step in range(steps):
+        x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(step))
+        target = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(100 + step))
+        out = compiled(distribute_tensor(x, mesh, [Shard(0)]))
+        loss = ((out.float() - distribute_tensor(target, mesh, [Shard(0)]).float()) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = ((reference(x).float() - target.float()) ** 2).mean()
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
+    errors = {name: ((p.full_tensor() if isinstance(p, DTensor) else p).float() - q.float()).abs().max().item()
+              / q.float().abs().max().item()
+              for (name, p), q in zip(model.named_parameters(), reference.parameters())}
+    return {"loss_error": loss_error, "param_error": max(errors.values()), "errors": errors,
+            "routed": sorted(set(stages))}

@@ -1,0 +1,116 @@
+"""Dropless expert parallelism: a MoE layer's routed rows dispatched to their experts' ranks by all-to-all.
+
+The layer (tests/moe_programs.py) is written as torchtitan writes it; with its expert stacks ``Shard(0)``
+on ``ep`` and the tokens ``Shard(0)`` on it, stage 1 makes its routed region one op
+(backend/capture/routed_experts.py) that each rank runs on its own pairs (fxshard/routing.py). Each case
+is checked against one device on fresh data, on simulated ranks; what the ranks received is measured
+(``SimulatedRun.bytes_received``) against what that routing makes them receive.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import fxshard
+from fxshard.backend.explain import collectives_of, explain
+from fxshard.backend.simulate import simulate_ranks
+from fxshard.routing import ROUTED_OPS
+
+from moe_programs import DroplessMoE, received_by_routing
+
+TOKENS, DIM = 64, 32
+EXPERTS_SHARDED = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
+
+
+def _model_and_data(seed: int, skew: float = 2.0, **kw):
+    torch.manual_seed(seed)
+    model = DroplessMoE(skew=skew, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, torch.randn(TOKENS, DIM, generator=g), torch.randn(TOKENS, DIM, generator=g)
+
+
+def _simulate(model, x, target, ep: int, grad: bool):
+    def loss(x, target):
+        return ((model(x) - target) ** 2).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = simulate_ranks(loss if grad else model, *((x, target) if grad else (x,)), mesh=fxshard.MeshSpec(ep=ep),
+                             placements={0: [Shard(0)], **({1: [Shard(0)]} if grad else {}), **EXPERTS_SHARDED},
+                             grad=grad)
+    warned = sorted({str(w.message) for w in caught if str(w.message).startswith("fxshard")})
+    return run, warned
+
+
+def _chosen(model, x) -> torch.Tensor:
+    scores = torch.softmax(x @ model.router + model.bias, dim=-1)
+    return torch.topk(scores, model.top_k, dim=1)[1]
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_forward_and_gradients_are_one_devices(ep):
+    model, x, target = _model_and_data(ep)
+    want = ((model(x) - target) ** 2).mean()
+    want.backward()
+    run, warned = _simulate(model, x, target, ep, grad=True)
+    torch.testing.assert_close(run.full()[0], want.detach())
+    grads = run.full_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert warned == []
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
+@pytest.mark.parametrize("ep", [2, 8])
+def test_no_expert_weight_moves_and_the_ranks_receive_what_the_routing_sends(ep):
+    """Inference at ep: the planned collectives are none (the experts stay where they are); what each
+    rank received is its share of the dispatch and the combine (rows of 32 fp32 values, the score with
+    the dispatched row), within 1.1x of that routing's rows + the counts (one int64 per expert)."""
+    model, x, _ = _model_and_data(10 + ep)
+    with torch.no_grad():
+        want = model(x)
+        run, warned = _simulate(model, x, None, ep, grad=False)
+        torch.testing.assert_close(run.full()[0], want)
+    assert warned == []
+    assert collectives_of(run.graph) == []
+    rows = received_by_routing(_chosen(model, x), ep, model.experts, row_bytes=DIM * 4)
+    scores = received_by_routing(_chosen(model, x), ep, model.experts, row_bytes=4)
+    for r, got in enumerate(run.bytes_received):
+        floor = rows[r]  # the rows each way, at least
+        assert floor <= got <= 1.1 * (rows[r] + scores[r]) + 8 * model.experts, (r, got, rows[r])
+    assert len(set(run.bytes_received)) > 1  # skewed routing: the ranks receive unequal amounts
+
+
+def test_experts_replicated_stay_as_they_were():
+    """Experts not sharded by expert: no routed op, the program as before (exact, routing replicated)."""
+    model, x, _ = _model_and_data(3)
+    with torch.no_grad():
+        run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(ep=2), placements={0: [Shard(0)]})
+        torch.testing.assert_close(run.full()[0], model(x))
+    assert not any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
+def test_a_shared_expert_and_a_residual_add_into_the_routed_sum():
+    """``shared(x).index_add(0, tokens, out)``: the routed op's sum lands on the shared expert's output."""
+    model, x, target = _model_and_data(5, shared=True)
+    want = ((model(x) - target) ** 2).mean()
+    want.backward()
+    run, warned = _simulate(model, x, target, 4, grad=True)
+    torch.testing.assert_close(run.full()[0], want.detach())
+    grads = run.full_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert warned == []
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
+def test_bytes_received_is_the_planned_traffic_where_sizes_are_static():
+    """A program without data-dependent sizes: each rank received what the plan says (the planner's formula)."""
+    x, w = torch.randn(8, 16), torch.randn(16, 12)
+    run = simulate_ranks(lambda x, w: torch.relu(x @ w).sum(0), x, w, mesh=fxshard.MeshSpec(tp=4),
+                         placements={0: [Shard(0)], 1: [Shard(1)]})
+    planned = sum(int(c.bytes_per_rank) for c in collectives_of(run.graph))
+    assert planned > 0 and run.bytes_received == [planned] * 4
