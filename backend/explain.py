@@ -21,6 +21,7 @@ from fxshard.memory import MemoryReport, memory_report
 from fxshard.mesh import MeshAxis, Size, as_size
 from fxshard.printing import format_graph
 from fxshard.redistribute import redistribution_reason
+from fxshard.routing import ROUTED_OPS, dispatches
 
 from fxshard.backend.capture.capture import Captured, capture_graphs, outputs_on_meta
 from fxshard.backend.driver import PlannedProgram
@@ -34,11 +35,14 @@ class Collective:
     kind: str
     axes: tuple[MeshAxis, ...]
     bytes_per_rank: Size
-    node: fx.Node  # the redistribution it belongs to
+    node: fx.Node  # the redistribution it belongs to (or the routed op that runs it)
+    carries: str = ""  # a routed op's all_to_all: what it carries (its bytes depend on the routing)
 
     @property
     def reason(self) -> str:
-        """Which consumer needed which layout of which producer."""
+        """Which consumer needed which layout of which producer (a routed op's: what it carries)."""
+        if self.carries:
+            return f"routed experts: {self.carries}"
         return redistribution_reason(self.node)
 
     def __str__(self) -> str:
@@ -85,6 +89,8 @@ class Explanation(Communication):
     assumptions: list[str] = field(default_factory=list)  # symbolic meshes: divisibility taken from the hints
     hints: str = ""  # the symbol values decisions used (fxshard/hints.py)
     graph_break: str | None = None  # why Dynamo ended this graph at a graph break (None: the function returns)
+    # the all_to_alls of routed-experts ops (a dropless MoE's dispatch), bytes in the routing's row counts
+    dispatches: list[Collective] = field(default_factory=list)
 
     @property
     def graphs(self) -> list[Explanation]:
@@ -97,6 +103,7 @@ class Explanation(Communication):
     def report(self) -> str:
         """Every collective with why it is there, totals per mesh axis, memory per rank."""
         lines = [f"{c}: {c.reason}" for c in self.collectives] or ["no communication"]
+        lines += [f"{c}: {c.reason}" for c in self.dispatches]
         lines += [f"total on {axes}: {b} B/rank" for axes, b in self.bytes_by_axes().items()]
         lines.append(str(self.memory))
         if self.assumptions:
@@ -109,6 +116,13 @@ class Explanation(Communication):
         from fxshard.backend.reports.html_report import write_html
 
         return write_html(self, path, title)
+
+    def summary(self) -> str:
+        text = super().summary()
+        if not self.dispatches:
+            return text
+        total = sum((c.bytes_per_rank for c in self.dispatches), 0)
+        return text + f"; routed experts: {len(self.dispatches)} x all_to_all, {total} bytes received per rank"
 
     def __str__(self) -> str:
         return format_graph(self.graph) + "\n" + self.summary()
@@ -152,6 +166,12 @@ def _ending(e: Explanation) -> str:
     if e.graph_break is None:
         return ""
     return f" (Dynamo ends it at a graph break: {e.graph_break.strip().splitlines()[0]})"
+
+
+def dispatches_of(gm: fx.GraphModule) -> list[Collective]:
+    """The all_to_alls routed-experts ops run (fxshard/routing.py), bytes as functions of the routing."""
+    return [Collective("all_to_all", (d.axis,), d.bytes_per_rank, node, d.what)
+            for node in gm.graph.nodes if node.target in ROUTED_OPS for d in dispatches(node)]
 
 
 def collectives_of(gm: fx.GraphModule) -> list[Collective]:
@@ -241,4 +261,4 @@ def _explain_run(planner: RunPlanner, captured: Captured, inputs: Sequence[Any],
     planned = planner.plan(captured, inputs, StageReporter(keep_trace, label=label))
     gm = planned.graph
     return Explanation(gm, traced[0], dict(planned.program.input_layouts), output_layouts(gm), collectives_of(gm),
-                       graph_break=captured.graph_break), planned
+                       graph_break=captured.graph_break, dispatches=dispatches_of(gm)), planned

@@ -277,3 +277,45 @@ class Routed(Kind):
 
 ROUTED = Routed()
 RECIPE = RoutedGroup()
+
+
+# ---- what a routed op sends ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dispatch:
+    """One all_to_all a routed op runs on every rank: its axis, its bytes received per rank as a function of the
+    routing (``rows_in[keys]``: the rows the rank's experts get from its peers; ``rows_out[keys]``: the rank's
+    own rows its peers ran, sent back), and what it carries."""
+
+    axis: MeshAxis
+    bytes_per_rank: Any  # a sympy expression in the two row counts (an int for the counts' exchange)
+    what: str
+
+
+def _row_bytes(values: Sequence[Any]) -> int:
+    return sum(int(torch.Size(v.shape[1:]).numel()) * v.element_size() for v in values)
+
+
+def dispatches(node: fx.Node) -> list[Dispatch]:
+    """The all_to_alls of a planned routed op (none where its pairs are not sharded): the counts, the rows to
+    their experts' ranks (each row's bytes: ``rows x features x dtype``), the results back."""
+    import sympy
+
+    from .graph import ARG_LAYOUTS
+
+    required = node.meta.get(ARG_LAYOUTS)
+    rows, keys, extras, grads, num_experts, _ = _arguments(node)
+    if required is None:
+        return []
+    pieces = required[len(rows)].dims[0]
+    axis = next((p.axis for p in pieces if p.axis is not None), None)
+    if axis is None:
+        return []
+    n = int(axis.size)
+    received = sympy.Symbol(f"rows_in[%{keys.name}]", integer=True, nonnegative=True)
+    returned = sympy.Symbol(f"rows_out[%{keys.name}]", integer=True, nonnegative=True)
+    sent = [a.meta["val"] for a in rows] + [g.meta["val"] for g in grads]
+    back = list(node.meta["val"])[:len(rows)] if grads else list(node.meta["val"])
+    direction = "gradients" if grads else "rows"
+    return [Dispatch(axis, (n - 1) * (num_experts // n) * 8, "the per-expert counts, from every peer"),
+            Dispatch(axis, received * _row_bytes(sent), f"the {direction} of the peers' pairs routed to this rank's experts"),
+            Dispatch(axis, returned * _row_bytes(back), f"the results of this rank's pairs its peers' experts ran")]

@@ -47,18 +47,17 @@ class DroplessMoE(torch.nn.Module):
         return base.index_add(0, tokens, out).reshape(shape)
 
 
+def routed_rows(chosen: torch.Tensor, ranks: int, experts: int) -> list[tuple[int, int]]:
+    """Per rank, (the rows of the other ranks' pairs routed to its experts, its own pairs their experts run):
+    ``chosen`` is [tokens, k] expert ids, the tokens in blocks per rank, the experts in blocks per rank."""
+    owner = chosen.reshape(ranks, -1) // (experts // ranks)
+    return [(int((owner == r).sum() - (owner[r] == r).sum()), int((owner[r] != r).sum())) for r in range(ranks)]
+
+
 def received_by_routing(chosen: torch.Tensor, ranks: int, experts: int, row_bytes: int) -> list[int]:
-    """What each rank must receive to run its experts' rows and get its own rows' results back: the
-    rows of the other ranks' pairs routed to its experts, and its pairs' results from the other ranks
-    (``chosen``: [tokens, k] expert ids, tokens in blocks per rank; ``row_bytes`` each way)."""
-    pairs = chosen.reshape(ranks, -1)
-    owner = pairs // (experts // ranks)
-    out = []
-    for r in range(ranks):
-        incoming = int(((owner == r).sum(1).sum() - (owner[r] == r).sum()).item())
-        returned = int((owner[r] != r).sum().item())
-        out.append((incoming + returned) * row_bytes)
-    return out
+    """What each rank must receive to run its experts' rows and get its own rows' results back, at
+    ``row_bytes`` a row each way."""
+    return [(incoming + returned) * row_bytes for incoming, returned in routed_rows(chosen, ranks, experts)]
 
 
 def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, tokens: int = 64, skew: float = 2.0,

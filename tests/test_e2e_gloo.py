@@ -237,3 +237,19 @@ def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
         # a bucket per block forward (and the loss); backward, each block's regathered weight and a bucket
         # of its gradients
         assert kinds == [["all_gather"] * 2 + ["all_reduce"], ["all_gather"] * 2 + ["reduce_scatter"] * 2], (rank, kinds)
+
+
+def test_dropless_moe_trains_with_experts_dispatched_on_four_gloo_ranks():
+    """A dropless MoE layer (tests/moe_programs.py) with its experts Shard(0) on ep=4 and skewed routing: two SGD
+    steps through torch.compile equal one device's (bf16 experts: within their rounding, which torch.compile
+    alone moves by as much), and the compiled programs ran the routed op (rows dispatched by all_to_all,
+    never the experts gathered: tests/test_moe_dispatch.py counts what moves). ~16 s."""
+    with examples_and_tests_on_path():
+        import moe_programs
+        from ranks import spawn
+
+        results = spawn(moe_programs.sgd_steps, 4, timeout=600.0, steps=2)
+    for rank, result in results.items():
+        assert result["loss_error"] < 1e-2, (rank, result)
+        assert result["param_error"] < 5e-2, (rank, result)
+        assert {"plan_forward", "plan_backward"} <= set(result["routed"]), (rank, result)

@@ -19,7 +19,7 @@ from fxshard.backend.explain import collectives_of, explain
 from fxshard.backend.simulate import simulate_ranks
 from fxshard.routing import ROUTED_OPS
 
-from moe_programs import DroplessMoE, received_by_routing
+from moe_programs import DroplessMoE, received_by_routing, routed_rows
 
 TOKENS, DIM = 64, 32
 EXPERTS_SHARDED = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
@@ -84,6 +84,23 @@ def test_no_expert_weight_moves_and_the_ranks_receive_what_the_routing_sends(ep)
     assert len(set(run.bytes_received)) > 1  # skewed routing: the ranks receive unequal amounts
 
 
+def test_explain_gives_the_dispatch_as_all_to_alls_whose_bytes_the_ranks_then_receive():
+    """explain names the routed op's three all_to_alls (the counts, the rows out, the results back), each
+    with its bytes as a function of the routing's row counts; evaluated at this routing's counts, they are
+    what each simulated rank measured."""
+    ep = 4
+    model, x, _ = _model_and_data(21)
+    e = explain(model, x, mesh=fxshard.MeshSpec(ep=ep), placements={0: [Shard(0)], **EXPERTS_SHARDED})
+    assert e.collectives == [] and [c.kind for c in e.dispatches] == ["all_to_all"] * 3
+    assert "routed experts: 3 x all_to_all" in e.summary() and "rows_in" in e.report()
+    total = sum(c.bytes_per_rank for c in e.dispatches)
+    symbols = sorted(total.free_symbols, key=str)  # rows_in[...], rows_out[...]
+    with torch.no_grad():
+        run, _ = _simulate(model, x, None, ep, grad=False)
+    for r, (incoming, returned) in enumerate(routed_rows(_chosen(model, x), ep, model.experts)):
+        assert int(total.subs({symbols[0]: incoming, symbols[1]: returned})) == run.bytes_received[r]
+
+
 def test_experts_replicated_stay_as_they_were():
     """Experts not sharded by expert: no routed op, the program as before (exact, routing replicated)."""
     model, x, _ = _model_and_data(3)
@@ -114,3 +131,19 @@ def test_bytes_received_is_the_planned_traffic_where_sizes_are_static():
                          placements={0: [Shard(0)], 1: [Shard(1)]})
     planned = sum(int(c.bytes_per_rank) for c in collectives_of(run.graph))
     assert planned > 0 and run.bytes_received == [planned] * 4
+
+
+def test_a_routed_program_is_not_kept_on_disk(monkeypatch, tmp_path):
+    """Its lowered program names the body by a key of this process's registry: a second process would load
+    a program it cannot run, so the lowered cache keeps none (it is planned every time)."""
+    from fxshard.backend.programs import lowered_cache
+    from fxshard.backend.programs.inference import LoweredInference
+
+    model, x, _ = _model_and_data(7)
+    run, _ = _simulate(model, x, None, 2, grad=False)
+    graph = next(iter(run.lowered.values()))
+    assert any(n.target in ROUTED_OPS for n in graph.graph.nodes)
+    written = []
+    monkeypatch.setattr(lowered_cache, "write_whole", lambda path, payload: written.append(path))
+    lowered_cache.store_lowered("key", LoweredInference(graph, [0], [], ()), [], [])
+    assert written == []

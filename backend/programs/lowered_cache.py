@@ -25,7 +25,8 @@ A folded step (``fold.py``) is kept as its four layers' lowered programs and the
 made whole when read (``fold_lowered.unfolded_lowered``), as a second run reads them only should someone ask.
 
 A program that holds something this key cannot read (a module call, a fake constant, an input of an
-unknown type) is planned every time. A program whose stages someone watches (``on_graph``, ``debug_dir``,
+unknown type), or whose lowered programs name this process's state (a routed-experts op's body), is
+planned every time. A program whose stages someone watches (``on_graph``, ``debug_dir``,
 DEBUG logs) is loaded as any other: the watcher sees its lowered programs, the ones that run. The store is
 on when Inductor's FX graph cache is, in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``), as
 ``prepared_cache.py``'s: clearing one clears both, ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns both
@@ -53,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.graph import LAYOUT, LOWERED_MOVE, code_on_demand
 from fxshard.lowering.localize import program_fake_values
+from fxshard.routing import ROUTED_OPS
 
 from fxshard.backend.inductor.cache_files import ambient_state, cache_path, stable, tensor_digest, write_whole
 from fxshard.backend.inductor.inductor_calls import counters, fx_graph_cache_on
@@ -296,6 +298,8 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
     layers: made whole when read, ``fold_lowered.unfolded_lowered``). Written whole or not at all (ranks write
     their own keys, and a rank may write one while another process reads it)."""
     attributes = ("forward", "backward") if isinstance(lowered, LoweredTraining) else ("graph",)
+    if any(_names_process_state(getattr(lowered, a)) for a in attributes):
+        return
     try:
         graphs = {a: _kept(getattr(lowered, a), _KEPT_META) for a in attributes}
         bare = dataclasses.replace(lowered, **{a: None for a in attributes})
@@ -304,6 +308,12 @@ def store_lowered(key: str, lowered: LoweredTraining | LoweredInference, eager_l
     except Exception:  # something in it does not pickle: planned again next time
         return
     write_whole(_path(key), payload)
+
+
+def _names_process_state(gm: fx.GraphModule | None) -> bool:
+    """A program calling a routed-experts op names its body by a key of this process's registry
+    (fxshard/routing.py), which another process fills only when it traces the program: planned every time."""
+    return gm is not None and any(n.target in ROUTED_OPS for n in gm.graph.nodes)
 
 
 def _regions_path(key: str) -> pathlib.Path:
@@ -323,6 +333,8 @@ def store_regions(key: str, lowered: LoweredTraining, eager_layouts: Sequence[An
     graphs: list[tuple] = []
     shared: dict[tuple, int] = {}
     regions: dict[str, list[tuple[str, int | None, int]]] = {}
+    if any(_names_process_state(region.graph) for listed in kept.regions.values() for region in listed):
+        return
     try:
         for which, listed in kept.regions.items():
             regions[which] = []
