@@ -170,7 +170,7 @@ def _ending(e: Explanation) -> str:
 
 def dispatches_of(gm: fx.GraphModule) -> list[Collective]:
     """The all_to_alls routed-experts ops run (fxshard/routing.py), bytes as functions of the routing."""
-    return [Collective("all_to_all", (d.axis,), d.bytes_per_rank, node, d.what)
+    return [Collective("all_to_all", d.axes, d.bytes_per_rank, node, d.what)
             for node in gm.graph.nodes if node.target in ROUTED_OPS for d in dispatches(node)]
 
 

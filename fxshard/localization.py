@@ -99,10 +99,11 @@ class GlobalIndices:
 
 @dataclass(frozen=True)
 class RoutedGroup:
-    """A routed-experts op (fxshard/routing.py) whose pairs lie in blocks on a mesh axis: its ``group_size``
-    becomes that axis' size, and stage 5 names the axis' process group as its ``group`` (``GROUP_AXES``)."""
+    """A routed-experts op (fxshard/routing.py) whose expert stacks lie in blocks on mesh axes: its
+    ``group_size`` becomes their size, and stage 5 names their (flattened) process group as its ``group``
+    (``GROUP_AXES``). ``axes(node)`` reads them from the node's planned layouts."""
 
-    keys: int = 2  # the argument holding the pairs' expert ids
+    axes: Any = None  # node -> the dispatch group's axes (fxshard.routing.group_axes)
 
 
 Recipe = (LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate

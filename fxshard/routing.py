@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -224,28 +225,50 @@ def _arguments(node: fx.Node) -> tuple[list, Any, list, list, int, int]:
     return list(rows), keys, list(extras), list(grads), num_experts, num_stacks
 
 
-def expert_axis(stacks: Sequence[Layout]) -> MeshAxis | None:
-    """The mesh axis the expert weight stacks are sharded on by expert (dim 0 cut into blocks on one axis)."""
+def expert_axes(stacks: Sequence[Layout]) -> tuple[MeshAxis, ...]:
+    """The mesh axes the expert weight stacks are sharded on by expert, major first (dim 0 cut into blocks on
+    one axis, or on several: EP over a flattened (dp, tp) group); () where none is."""
     for layout in stacks:
         pieces = layout.dims[0] if layout.ndim else ()
-        if pieces and pieces[0].axis is not None and not pieces[0].chunked \
-                and all(p.axis is None and not p.chunked for p in pieces[1:]):
-            return pieces[0].axis
-    return None
+        sharded = [p for p in pieces if p.axis is not None]
+        if sharded and not any(p.chunked for p in pieces) and pieces[:len(sharded)] == tuple(sharded):
+            return tuple(p.axis for p in sharded)
+    return ()
 
 
-def _blocks(layout: Layout, axis: MeshAxis | None) -> Layout:
-    """``layout``'s tensor, whole but for dim 0 in contiguous blocks on ``axis`` (replicated for None)."""
-    shape = layout.shape
-    if axis is None:
-        return Layout.replicated(layout.mesh, shape)
-    n = axis.size
-    return Layout(layout.mesh, shape, [(Piece(n, axis), Piece(shape[0] // n))] + [(Piece(s),) for s in shape[1:]])
+def _size(axes: Sequence[MeshAxis]) -> int:
+    return int(math.prod(int(a.size) for a in axes))
+
+
+def _with_rows(layout: Layout, rows: Sequence[Piece], partial: Sequence[MeshAxis] = ()) -> Layout:
+    """``layout``'s tensor with dim 0 in ``rows`` (pieces) and every other dim whole; Partial(sum) on ``partial``."""
+    return Layout(layout.mesh, layout.shape, [tuple(rows)] + [(Piece(s),) for s in layout.shape[1:]],
+                  partial={a: "sum" for a in partial})
+
+
+def _blocks_on(axes: Sequence[MeshAxis], size: int) -> list[Piece]:
+    """Dim 0 of ``size`` rows in contiguous blocks over ``axes`` (major first): the flattened group's order."""
+    return [Piece(a.size, a) for a in axes] + [Piece(size // _size(axes))]
+
+
+def _row_pieces(keys: Layout, axes: tuple[MeshAxis, ...]) -> list[Piece]:
+    """How the pairs lie: as the keys do, where their dim 0 is cut on every expert axis (a dispatch group then
+    holds distinct pairs: the rows may lie on further axes too, data parallel beside EP); else in blocks on
+    the expert axes. The op is row-wise, so any such split of the pairs computes the same rows."""
+    held = {p.axis for p in keys.dims[0] if p.axis is not None}
+    if not keys.partial and set(axes) <= held:
+        return list(keys.dims[0])
+    return _blocks_on(axes, keys.shape[0])
 
 
 class Routed(Kind):
-    """``routed_experts`` and its backward: pairs and stacks in blocks on the stacks' expert axis (or all
-    replicated where the stacks are not sharded by expert, or the axis divides neither)."""
+    """``routed_experts`` and its backward: the stacks in blocks on their expert axes, the pairs cut on those
+    axes (and any others the keys lie on), the outputs as the pairs; all replicated where the stacks are not
+    sharded by expert, or the expert axes divide neither the experts nor the pairs.
+
+    Gradients (the backward op): a stack's is its experts', summed over the axes the pairs lie on besides
+    the expert axes (each dispatch group ran its own pairs); another extra's (broadcast over the rows) is
+    each rank's share, summed over every axis the pairs lie on."""
 
     name = "routed"
 
@@ -256,37 +279,43 @@ class Routed(Kind):
         row_layouts, key_layout = layouts[:n_rows], layouts[n_rows]
         extra_layouts = layouts[n_rows + 1:n_rows + 1 + n_extras]
         grad_layouts = layouts[n_rows + 1 + n_extras:]
-        axis = expert_axis(extra_layouts[:num_stacks])
+        axes = expert_axes(extra_layouts[:num_stacks])
         pairs = key_layout.shape[0]
-        if axis is not None and not (is_static(axis.size) and pairs % int(axis.size) == 0
-                                     and num_experts % int(axis.size) == 0):
-            axis = None
-        required = ([_blocks(l, axis) for l in row_layouts] + [_blocks(key_layout, axis)]
-                    + [_blocks(l, axis) if k < num_stacks else Layout.replicated(ctx.mesh, l.shape)
+        if axes and not (all(is_static(a.size) for a in axes) and num_experts % _size(axes) == 0
+                         and pairs % _size(axes) == 0):
+            axes = ()
+        if not axes:
+            required = tuple(Layout.replicated(ctx.mesh, l.shape) for l in layouts)
+            outputs = tuple(Layout.replicated(ctx.mesh, v.shape) for v in node.meta["val"])
+            return required, outputs
+        pieces = _row_pieces(key_layout, axes)
+        row_axes = [p.axis for p in pieces if p.axis is not None]
+        stack_pieces = _blocks_on(axes, num_experts)
+        required = ([_with_rows(l, pieces) for l in row_layouts] + [_with_rows(key_layout, pieces)]
+                    + [_with_rows(l, stack_pieces) if k < num_stacks else Layout.replicated(ctx.mesh, l.shape)
                        for k, l in enumerate(extra_layouts)]
-                    + [_blocks(l, axis) for l in grad_layouts])
+                    + [_with_rows(l, pieces) for l in grad_layouts])
         if node.target is ROUTED_OPS[0]:
-            outputs = tuple(_blocks(Layout.replicated(ctx.mesh, v.shape), axis) for v in node.meta["val"])
+            outputs = tuple(_with_rows(Layout.replicated(ctx.mesh, v.shape), pieces) for v in node.meta["val"])
         else:
             outputs = tuple(required[:n_rows]) + tuple(
-                required[n_rows + 1 + k] if k < num_stacks or axis is None
-                else Layout(ctx.mesh, l.shape, partial={axis: "sum"})  # each rank's share of a shared extra's grad
+                _with_rows(l, stack_pieces, [a for a in row_axes if a not in axes]) if k < num_stacks
+                else Layout(ctx.mesh, l.shape, partial={a: "sum" for a in row_axes})
                 for k, l in enumerate(extra_layouts))
         return tuple(required), outputs
 
 
 ROUTED = Routed()
-RECIPE = RoutedGroup()
 
 
 # ---- what a routed op sends ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dispatch:
-    """One all_to_all a routed op runs on every rank: its axis, its bytes received per rank as a function of the
+    """One all_to_all a routed op runs on every rank: its group's axes, its bytes received per rank as a function of the
     routing (``rows_in[keys]``: the rows the rank's experts get from its peers; ``rows_out[keys]``: the rank's
     own rows its peers ran, sent back), and what it carries."""
 
-    axis: MeshAxis
+    axes: tuple[MeshAxis, ...]  # the dispatch group's axes (one, or several flattened)
     bytes_per_rank: Any  # a sympy expression in the two row counts (an int for the counts' exchange)
     what: str
 
@@ -303,19 +332,32 @@ def dispatches(node: fx.Node) -> list[Dispatch]:
     from .graph import ARG_LAYOUTS
 
     required = node.meta.get(ARG_LAYOUTS)
-    rows, keys, extras, grads, num_experts, _ = _arguments(node)
+    rows, keys, extras, grads, num_experts, num_stacks = _arguments(node)
     if required is None:
         return []
-    pieces = required[len(rows)].dims[0]
-    axis = next((p.axis for p in pieces if p.axis is not None), None)
-    if axis is None:
+    axes = group_axes(node)
+    if not axes:
         return []
-    n = int(axis.size)
+    n = _size(axes)
     received = sympy.Symbol(f"rows_in[%{keys.name}]", integer=True, nonnegative=True)
     returned = sympy.Symbol(f"rows_out[%{keys.name}]", integer=True, nonnegative=True)
     sent = [a.meta["val"] for a in rows] + [g.meta["val"] for g in grads]
     back = list(node.meta["val"])[:len(rows)] if grads else list(node.meta["val"])
     direction = "gradients" if grads else "rows"
-    return [Dispatch(axis, (n - 1) * (num_experts // n) * 8, "the per-expert counts, from every peer"),
-            Dispatch(axis, received * _row_bytes(sent), f"the {direction} of the peers' pairs routed to this rank's experts"),
-            Dispatch(axis, returned * _row_bytes(back), f"the results of this rank's pairs its peers' experts ran")]
+    return [Dispatch(axes, (n - 1) * (num_experts // n) * 8, "the per-expert counts, from every peer"),
+            Dispatch(axes, received * _row_bytes(sent), f"the {direction} of the peers' pairs routed to this rank's experts"),
+            Dispatch(axes, returned * _row_bytes(back), "the results of this rank's pairs its peers' experts ran")]
+
+
+def group_axes(node: fx.Node) -> tuple[MeshAxis, ...]:
+    """The mesh axes a planned routed op dispatches over: those its first stack is required in blocks on."""
+    from .graph import ARG_LAYOUTS
+
+    required = node.meta.get(ARG_LAYOUTS)
+    rows, _, extras, _, _, num_stacks = _arguments(node)
+    if required is None or not num_stacks:
+        return ()
+    return expert_axes([required[len(rows) + 1]])
+
+
+RECIPE = RoutedGroup(group_axes)

@@ -12,6 +12,7 @@ wrong thing.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import torch
@@ -302,12 +303,11 @@ def _free_attribute(gm: fx.GraphModule, base: str) -> str:
 
 
 def _localize_routed(node: fx.Node, recipe: RoutedGroup, coordinate: Coordinate) -> None:
-    """The pairs' axis (dim 0 of the keys, in blocks on one axis: ``fxshard.routing.Routed``) sizes the op's
-    group; stage 5 names its process group. Pairs held whole by every rank: no group, nothing to rewrite."""
-    pieces = node.args[recipe.keys].meta[LAYOUT].dims[0]
-    axes = tuple(p.axis for p in pieces if p.axis is not None)
+    """The axes the op's expert stacks lie on (``fxshard.routing.Routed``) size its group; stage 5 names their
+    process group. Stacks held whole: no group, nothing to rewrite."""
+    axes = recipe.axes(node)
     if axes:
-        node.kwargs = {**node.kwargs, "group_size": int(axes[0].size)}
+        node.kwargs = {**node.kwargs, "group_size": int(math.prod(int(a.size) for a in axes))}
         node.meta[GROUP_AXES] = axes
 
 

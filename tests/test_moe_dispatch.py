@@ -147,3 +147,42 @@ def test_a_routed_program_is_not_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(lowered_cache, "write_whole", lambda path, payload: written.append(path))
     lowered_cache.store_lowered("key", LoweredInference(graph, [0], [], ()), [], [])
     assert written == []
+
+
+MESH_CASES = {  # besides the router's gradient and the mean loss: an all_reduce each, over every axis
+    # data parallel beside EP: the tokens on both axes, the experts on ep (replicated on dp): their gradients
+    # sum over dp (one all_reduce each, as DDP), nothing else moves
+    "dp x ep": ({"dp": 2, "ep": 2}, [Shard(0), Shard(0)], [Replicate(), Shard(0)], {"all_reduce": 3 + 2}),
+    # the experts FSDP'd on dp besides: gathered over dp for the step, their gradients reduce-scattered
+    "fsdp(dp) x ep": ({"dp": 2, "ep": 2}, [Shard(0), Shard(0)], [Shard(1), Shard(0)],
+                      {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 2}),
+    # EP borrowing the dp x tp ranks (torchtitan's layout): the experts cut over the flattened 4-rank group
+    "ep over dp x tp": ({"dp": 2, "tp": 2}, [Shard(0), Shard(0)], [Shard(0), Shard(0)], {"all_reduce": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(MESH_CASES))
+def test_ep_composes_with_other_axes(case):
+    """The pairs stay where the tokens lie; only what the experts' other axes ask for moves."""
+    sizes, tokens, experts, moved = MESH_CASES[case]
+    model, x, target = _model_and_data(30)
+    want = ((model(x) - target) ** 2).mean()
+    want.backward()
+
+    def loss(x, target):
+        return ((model(x) - target) ** 2).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = simulate_ranks(loss, x, target, mesh=fxshard.MeshSpec(**sizes), grad=True,
+                             placements={0: tokens, 1: tokens, **{w: experts for w in ("w1", "w2", "w3")}})
+    assert not [w for w in caught if str(w.message).startswith("fxshard")]
+    torch.testing.assert_close(run.full()[0], want.detach())
+    grads = run.full_grads()
+    for name, p in model.named_parameters():  # an expert's gradient summed over dp in bf16: its rounding
+        assert (grads[name] - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
+    kinds = {}
+    for c in collectives_of(run.graph):
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    assert kinds == moved
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
