@@ -241,15 +241,19 @@ def test_bucketed_fsdp_with_uneven_shards_on_two_gloo_ranks():
 
 def test_dropless_moe_trains_with_experts_dispatched_on_four_gloo_ranks():
     """A dropless MoE layer (tests/moe_programs.py) with its experts Shard(0) on ep=4 and skewed routing: two SGD
-    steps through torch.compile equal one device's (bf16 experts: within their rounding, which torch.compile
-    alone moves by as much), and the compiled programs ran the routed op (rows dispatched by all_to_all,
-    never the experts gathered: tests/test_moe_dispatch.py counts what moves). ~16 s."""
+    steps through torch.compile equal one device's: the loss, and each parameter's update (what its gradients
+    moved it by: one lost is an error of 1) within bf16's rounding; the compiled programs ran the routed op
+    (rows dispatched by all_to_all, never the experts gathered: tests/test_moe_dispatch.py counts what
+    moves), its experts compiled by Inductor inside it. ~30 s."""
     with examples_and_tests_on_path():
         import moe_programs
         from ranks import spawn
 
         results = spawn(moe_programs.sgd_steps, 4, timeout=600.0, steps=2)
     for rank, result in results.items():
-        assert result["loss_error"] < 1e-2, (rank, result)
-        assert result["param_error"] < 5e-2, (rank, result)
+        assert result["loss_error"] < 1e-3, (rank, result)
+        assert result["update_error"] < 5e-2, (rank, result)
         assert {"plan_forward", "plan_backward"} <= set(result["routed"]), (rank, result)
+        # Dynamo's graphs: the model's, and the routed op's forward and backward, each compiled once for
+        # both steps' routings (its split sizes unbacked)
+        assert result["graphs"]["unique_graphs"] == 3, (rank, result)

@@ -45,6 +45,14 @@ def _simulate(model, x, target, ep: int, grad: bool):
     return run, warned
 
 
+def _assert_gradients_close(grads, model) -> None:
+    """Each gradient against one device's, to bf16's rounding relative to its largest entry: the experts' vjp
+    (torch.func's, which torch.compile traces) rounds its bf16 steps apart from eager autograd's by an ulp
+    here and there; a gradient lost or misrouted is off by its whole size."""
+    for name, p in model.named_parameters():
+        assert (grads[name] - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
+
+
 def _chosen(model, x) -> torch.Tensor:
     scores = torch.softmax(x @ model.router + model.bias, dim=-1)
     return torch.topk(scores, model.top_k, dim=1)[1]
@@ -57,9 +65,7 @@ def test_forward_and_gradients_are_one_devices(ep):
     want.backward()
     run, warned = _simulate(model, x, target, ep, grad=True)
     torch.testing.assert_close(run.full()[0], want.detach())
-    grads = run.full_grads()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    _assert_gradients_close(run.full_grads(), model)
     assert warned == []
     assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
 
@@ -117,9 +123,7 @@ def test_a_shared_expert_and_a_residual_add_into_the_routed_sum():
     want.backward()
     run, warned = _simulate(model, x, target, 4, grad=True)
     torch.testing.assert_close(run.full()[0], want.detach())
-    grads = run.full_grads()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    _assert_gradients_close(run.full_grads(), model)
     assert warned == []
     assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
 
@@ -178,9 +182,7 @@ def test_ep_composes_with_other_axes(case):
                              placements={0: tokens, 1: tokens, **{w: experts for w in ("w1", "w2", "w3")}})
     assert not [w for w in caught if str(w.message).startswith("fxshard")]
     torch.testing.assert_close(run.full()[0], want.detach())
-    grads = run.full_grads()
-    for name, p in model.named_parameters():  # an expert's gradient summed over dp in bf16: its rounding
-        assert (grads[name] - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
+    _assert_gradients_close(run.full_grads(), model)  # an expert's summed over dp in bf16 besides
     kinds = {}
     for c in collectives_of(run.graph):
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
