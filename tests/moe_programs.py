@@ -4,7 +4,8 @@ it (a module of its own: spawned ranks import it by name).
 Top-k routing over softmax scores, the (token, choice) pairs sorted stably by expert, the rows gathered
 by ``order // k``, SwiGLU experts as ``torch._grouped_mm`` over stacked weights with offsets from
 ``torch.histc`` counts, the results added back by ``index_add``. ``skew`` biases the router toward the
-first experts, as trained routers often are, so the ranks receive unequal numbers of rows.
+first experts, as trained routers often are, so the ranks receive unequal numbers of rows; ``balance``
+returns Switch Transformer's load-balancing loss beside (it reads the counts the region reads).
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import torch.nn.functional as F
 
 class DroplessMoE(torch.nn.Module):
     def __init__(self, dim: int = 32, hidden: int = 48, experts: int = 8, top_k: int = 2, skew: float = 0.0,
-                 dtype: torch.dtype = torch.float32, shared: bool = False):
+                 dtype: torch.dtype = torch.float32, shared: bool = False, balance: bool = False):
         super().__init__()
-        self.top_k, self.experts = top_k, experts
+        self.top_k, self.experts, self.balance = top_k, experts, balance
         self.router = torch.nn.Parameter(torch.randn(dim, experts, dtype=dtype) * dim ** -0.5)
         self.register_buffer("bias", -skew * torch.arange(experts, dtype=dtype))
         self.w1 = torch.nn.Parameter(torch.randn(experts, dim, hidden, dtype=dtype) * dim ** -0.5)
@@ -44,7 +45,11 @@ class DroplessMoE(torch.nn.Module):
             * torch._grouped_mm(rows, self.w3.bfloat16(), offs=offsets)
         out = torch._grouped_mm(h, self.w2.bfloat16(), offs=offsets).to(x.dtype)
         base = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        return base.index_add(0, tokens, out).reshape(shape)
+        y = base.index_add(0, tokens, out).reshape(shape)
+        if not self.balance:
+            return y
+        # Switch Transformer's load-balancing loss: experts x sum(fraction of pairs routed x mean score)
+        return y, self.experts * (counts / flat.numel() * scores.mean(0)).sum()
 
 
 def routed_rows(chosen: torch.Tensor, ranks: int, experts: int) -> list[tuple[int, int]]:

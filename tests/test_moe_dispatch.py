@@ -107,6 +107,23 @@ def test_explain_gives_the_dispatch_as_all_to_alls_whose_bytes_the_ranks_then_re
         assert int(total.subs({symbols[0]: incoming, symbols[1]: returned})) == run.bytes_received[r]
 
 
+def test_a_bf16_model_is_one_devices():
+    """Parameters and activations in bf16 (the grouped matmul's own dtype): forward and gradients as one device."""
+    model, x, target = _model_and_data(50, dtype=torch.bfloat16)
+    x, target = x.bfloat16(), target.bfloat16()
+    want = ((model(x).float() - target.float()) ** 2).mean()
+    want.backward()
+
+    def loss(x, target):
+        return ((model(x).float() - target.float()) ** 2).mean()
+
+    run = simulate_ranks(loss, x, target, mesh=fxshard.MeshSpec(ep=4), grad=True,
+                         placements={0: [Shard(0)], 1: [Shard(0)], **EXPERTS_SHARDED})
+    torch.testing.assert_close(run.full()[0], want.detach())
+    _assert_gradients_close(run.full_grads(), model)
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
 def test_experts_replicated_stay_as_they_were():
     """Experts not sharded by expert: no routed op, the program as before (exact, routing replicated)."""
     model, x, _ = _model_and_data(3)
@@ -126,6 +143,28 @@ def test_a_shared_expert_and_a_residual_add_into_the_routed_sum():
     _assert_gradients_close(run.full_grads(), model)
     assert warned == []
     assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
+def test_a_load_balancing_loss_reads_the_counts_beside_the_routed_op():
+    """The counts feed both the routed op (its offsets) and the auxiliary loss: the loss's counts are each
+    rank's histc of its own pairs, summed (Partial), and its gradient reaches the router through the scores."""
+    model, x, target = _model_and_data(40, balance=True)
+
+    def loss(x, target):
+        y, balance = model(x)
+        return ((y - target) ** 2).mean() + 0.1 * balance
+
+    want = loss(x, target)
+    want.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = simulate_ranks(loss, x, target, mesh=fxshard.MeshSpec(ep=4), grad=True,
+                             placements={0: [Shard(0)], 1: [Shard(0)], **EXPERTS_SHARDED})
+    assert not [w for w in caught if str(w.message).startswith("fxshard")]
+    torch.testing.assert_close(run.full()[0], want.detach())
+    _assert_gradients_close(run.full_grads(), model)
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+    assert not [c for c in collectives_of(run.graph) if c.kind == "all_gather"]
 
 
 def test_bytes_received_is_the_planned_traffic_where_sizes_are_static():
