@@ -227,3 +227,37 @@ def test_ep_composes_with_other_axes(case):
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     assert kinds == moved
     assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+
+
+def _routed_layer(x, router, w1, w2, *, leak: bool = False, k: int = 2):
+    """A smaller dropless layer as a function; ``leak`` also returns its rows in expert order, which the
+    layer's result does not show but this output does: the region must stay as written."""
+    scores = torch.softmax(x @ router, dim=-1)
+    top, chosen = torch.topk(scores, k, dim=1)
+    flat = chosen.view(-1)
+    counts = torch.histc(flat.float(), bins=w1.shape[0], min=0, max=w1.shape[0])
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k
+    rows = (x[tokens] * top.view(-1)[order][:, None]).bfloat16()
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    out = torch._grouped_mm(torch.relu(torch._grouped_mm(rows, w1, offs=offsets)), w2, offs=offsets).float()
+    y = torch.zeros_like(x).scatter_add(0, tokens.view(-1, 1).expand(-1, x.shape[1]), out)
+    return (y, out) if leak else y
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_region_whose_rows_escape_is_left_as_written(leak):
+    """With its sorted rows returned, the order between sort and add is visible: no routed op (routing
+    replicated, experts gathered), still exact; without, the region is one op and the experts stay."""
+    torch.manual_seed(60)
+    x, router = torch.randn(32, 16), torch.randn(16, 4)
+    w1, w2 = torch.randn(4, 16, 32).bfloat16(), torch.randn(4, 32, 16).bfloat16()
+    with torch.no_grad():
+        want = _routed_layer(x, router, w1, w2, leak=leak)
+        run = simulate_ranks(lambda *a: _routed_layer(*a, leak=leak), x, router, w1, w2, mesh=fxshard.MeshSpec(ep=2),
+                             placements={0: [Shard(0)], 2: [Shard(0)], 3: [Shard(0)]})
+    for got, expected in zip(run.full(), want if leak else (want,)):
+        torch.testing.assert_close(got, expected)
+    routed = any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+    gathered = [c for c in collectives_of(run.graph) if c.kind == "all_gather"]
+    assert routed is not leak and bool(gathered) is leak
