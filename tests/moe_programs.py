@@ -106,7 +106,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, t
         loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
     # each parameter's update against one device's (a gradient lost or wrong is an update error of ~1)
     errors = {name: ((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-              / (q - q0).abs().max().item()
+              / max((q - q0).abs().max().item(), 1e-30)  # an expert no row reached: no update either side
               for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), before)}
     from torch._dynamo.utils import counters
 

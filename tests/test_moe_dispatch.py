@@ -261,3 +261,16 @@ def test_a_region_whose_rows_escape_is_left_as_written(leak):
     routed = any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
     gathered = [c for c in collectives_of(run.graph) if c.kind == "all_gather"]
     assert routed is not leak and bool(gathered) is leak
+
+
+def test_ranks_whose_experts_no_row_reaches():
+    """Every pair routed to the first two experts (a router biased hard): at ep 4 two ranks' experts get no
+    row, run on none and send nothing back; forward and gradients still one device's."""
+    model, x, target = _model_and_data(70, skew=50.0)
+    assert int(_chosen(model, x).max()) < 2
+    want = ((model(x) - target) ** 2).mean()
+    want.backward()
+    run, warned = _simulate(model, x, target, 4, grad=True)
+    torch.testing.assert_close(run.full()[0], want.detach())
+    _assert_gradients_close(run.full_grads(), model)
+    assert warned == [] and any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
