@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.backend.options import in_force
-from fxshard.lowering.collective_ops import NAMESPACE
+from fxshard.routing import ROUTED_OPS
 
 __all__ = ["CALLS_OPT_LEVEL", "GROUP_NAMES", "MENDS", "RETURNED_HANDLE", "THROUGH_PYTHON",
            "cpu_wrapper_mended", "cpu_wrapper_patches", "expected_kernels", "generated_op", "needed_mends",
@@ -86,11 +86,10 @@ def use_cpu_wrapper(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
 
 
 def _python_op_returning_a_list(gm: fx.GraphModule) -> bool:
-    """A call of a Python custom op that returns a list of tensors (fxshard's routed experts): torch's C++
-    wrapper reads its Python result as one tensor handle (a crash), so such a program keeps the Python one."""
-    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-               and _is_library_call(node.target) and node.target.namespace not in ("aten", NAMESPACE)
-               and any(isinstance(r.type, torch.ListType) for r in node.target._schema.returns) for node in gm.graph.nodes)
+    """A call of a routed-experts op (fxshard/routing.py): a Python op returning a list of tensors as many as its
+    body's outputs, which torch's C++ wrapper reads as one tensor handle (a crash), so such a program keeps
+    the Python wrapper. (fxshard's ``unpack_gathered`` returns a list too, which the mends make it read.)"""
+    return any(node.op == "call_function" and node.target in ROUTED_OPS for node in gm.graph.nodes)
 
 
 def cpu_wrapper_patches() -> dict[str, Any]:
