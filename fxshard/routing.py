@@ -16,9 +16,10 @@ then runs ``run_routed``: its own pairs sorted by expert, the counts exchanged (
 split sizes from the counts: data-dependent), regrouped by expert, the body run on the rank's experts,
 and the results sent back the same way. The backward op recomputes the dispatch and runs the body's
 vjp there, so the weights' gradients stay with their experts. Without sharded stacks the op is the
-region as written, on each rank's own pairs (or replicated). The ops' kernels run ``run_routed`` and
-its backward compiled whole by Inductor (``compiled``): the split sizes are unbacked sizes there, so one
-program serves every routing.
+region as written, on each rank's own pairs (or replicated). Under fxshard's backend the ops' CPU and
+CUDA kernels run ``run_routed`` and its backward compiled whole by Inductor
+(``backend/capture/routed_kernels.py``): the split sizes are unbacked sizes there, so one program serves
+every routing.
 
 The body is an FX graph (Dynamo's ops), named in the op's arguments by a digest of its code
 (``register_body``); the explicit cache of bodies is this module's ``_BODIES``.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -123,7 +123,7 @@ def _body_gradients(body: str, counts_dtype: torch.dtype, rows: Sequence[torch.T
     ``torch.func.vjp``, not ``torch.autograd.grad``: the op runs below autograd's dispatch key inside
     AOTAutograd's compiled backward, where ops record no graph even with grad mode on, so autograd.grad
     found nothing and every gradient came back zero (tests/test_e2e_gloo.py's update error caught it);
-    functorch's transform records its own. torch.compile traces it too (``compiled``)."""
+    functorch's transform records its own. torch.compile traces it too (``backend/capture/routed_kernels.py``)."""
     inputs = list(rows) + list(extras)
     floating = [k for k, t in enumerate(inputs) if t.is_floating_point()]
 
@@ -168,33 +168,13 @@ def run_routed_backward(body: str, rows: Sequence[torch.Tensor], keys: torch.Ten
     return [routing.combine(g) for g in found[:len(rows)]] + list(found[len(rows):])
 
 
-_COMPILED: dict[Callable, Callable] = {}  # explicit cache: run_routed(_backward) -> its torch.compile'd form
-
-
-def compiled(fn: Callable) -> Callable:
-    """``fn`` compiled by Inductor, whole (``fullgraph``): the sort, the counts, the all_to_alls with split sizes
-    the data gives (unbacked sizes: one program for every routing), the regrouping and the experts' body as
-    Inductor kernels, the same ops in the same order as ``fn``. ``FXSHARD_EXPERTS_EAGER=1`` runs ``fn`` as it is."""
-    if os.environ.get("FXSHARD_EXPERTS_EAGER") == "1":
-        return fn
-    if fn not in _COMPILED:
-        inner = torch.compile(fn, fullgraph=True, dynamic=False)
-
-        def run(*args: Any) -> list:
-            with torch._dynamo.config.patch(capture_scalar_outputs=True):
-                return inner(*args)
-
-        _COMPILED[fn] = run
-    return _COMPILED[fn]
-
-
 # ---- the ops ------------------------------------------------------------------------------------------
 @torch.library.custom_op("fxshard::routed_experts", mutates_args=())
 def routed_experts(body: str, rows: list[torch.Tensor], keys: torch.Tensor, extras: list[torch.Tensor],
                    num_experts: int, num_stacks: int, counts_dtype: torch.dtype, *, group: str | None = None,
                    group_size: int = 1) -> list[torch.Tensor]:
     """A routed MoE region: ``body(rows sorted by key, per-expert counts, extras)`` back in pair order."""
-    return compiled(run_routed)(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, group, group_size)
+    return run_routed(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, group, group_size)
 
 
 @routed_experts.register_fake
@@ -208,8 +188,8 @@ def routed_experts_backward(body: str, rows: list[torch.Tensor], keys: torch.Ten
                             grads: list[torch.Tensor], num_experts: int, num_stacks: int, counts_dtype: torch.dtype,
                             *, group: str | None = None, group_size: int = 1) -> list[torch.Tensor]:
     """The gradients of ``routed_experts``' rows, then of its extras."""
-    return compiled(run_routed_backward)(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype,
-                                         group, group_size)
+    return run_routed_backward(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype, group,
+                               group_size)
 
 
 @routed_experts_backward.register_fake

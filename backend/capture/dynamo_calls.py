@@ -23,6 +23,11 @@ def dynamic_by_default() -> bool:
     return not torch._dynamo.config.assume_static_by_default
 
 
+def scalar_outputs_captured() -> ContextManager:
+    """Dynamo tracing ``.tolist()`` / ``.item()`` as unbacked sizes instead of breaking the graph there."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
 def forget_frames(backend: Callable) -> None:
     """Drop the cache entries compiled with ``backend`` from every code object Dynamo compiled.
 
