@@ -111,10 +111,11 @@ def _warn_of_rank_numbers(gm: fx.GraphModule) -> None:
 
 class RankTraffic(TorchDispatchMode):
     """Bytes each simulated rank received, summed over the collectives it ran (``traffic.received_by_rank``),
-    whether a graph node or an op's own code (a dropless MoE's dispatch) called them: a dispatch mode over
-    ``LocalTensorMode`` sees each call with every rank's tensors and split sizes, so sizes computed from
-    the data count as they were. ``groups`` names the process groups the programs were lowered with;
-    rank r sits at ``coords[r]``."""
+    whether a graph node or an op's own code (a dropless MoE's dispatch) called them: ``record`` reads a
+    collective node's call with every rank's tensors and split sizes (as LocalTensors and ``LocalIntNode``
+    ints hold them), and entered as a dispatch mode over ``LocalTensorMode`` around an op's Python form it
+    sees the collectives that code calls. Sizes computed from the data count as they were. ``groups`` names
+    the process groups the programs were lowered with; rank r sits at ``coords[r]``."""
 
     def __init__(self, mesh: MeshSpec, coords: Sequence[tuple[int, ...]], groups: MeshGroups):
         super().__init__()
@@ -122,18 +123,24 @@ class RankTraffic(TorchDispatchMode):
         self.coords = [mesh.coordinate_dict(c) for c in coords]
         self.received = [0] * len(coords)
 
+    def record(self, func: Any, args: Sequence[Any], out: Any) -> None:
+        """Add what each rank received in ``func(*args) -> out`` where ``func`` is a functional collective."""
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is None or packet._qualified_op_name != f"{NAMESPACE}::{packet.__name__}" \
+                or packet.__name__ not in COLLECTIVES:
+            return
+        name = args[COLLECTIVES[packet.__name__].group_at]
+        for r, coord in enumerate(self.coords):
+            index = self.groups.index_in_group(name, coord)
+            if index is None:
+                raise RuntimeError(f"simulate: {func} runs on group {name!r}, which the ranks' programs were not "
+                                   "lowered with; its traffic cannot be read")
+            mine = pytree.tree_map(lambda v: _at_rank(v, r), tuple(args))
+            self.received[r] += received_by_rank(func, mine, _at_rank(out, r), index)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        packet = func._overloadpacket
-        if packet._qualified_op_name == f"{NAMESPACE}::{packet.__name__}" and packet.__name__ in COLLECTIVES:
-            name = args[COLLECTIVES[packet.__name__].group_at]
-            for r, coord in enumerate(self.coords):
-                index = self.groups.index_in_group(name, coord)
-                if index is None:
-                    raise RuntimeError(f"simulate: {func} runs on group {name!r}, which the ranks' programs were not "
-                                       "lowered with; its traffic cannot be read")
-                mine = pytree.tree_map(lambda v: _at_rank(v, r), args)
-                self.received[r] += received_by_rank(func, mine, _at_rank(out, r), index)
+        self.record(func, args, out)
         return out
 
 
@@ -156,7 +163,7 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
     indexes = [{n: i for i, n in enumerate(nodes)} for nodes in node_lists]
     env: list[Any] = [None] * len(node_lists[0])
     outputs: list[list[torch.Tensor]] = []
-    with LocalTensorMode(ranks) as mode, traffic if traffic is not None else contextlib.nullcontext():
+    with LocalTensorMode(ranks) as mode:
         placeholder = 0
         for i in range(len(node_lists[0])):
             nodes = [node_lists[r][i] for r in range(ranks)]
@@ -186,15 +193,20 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
                 env[i] = _per_rank_call(mode, nodes, lambda r, a: _rank_value(env[indexes[r][a]], r))
             elif first.target in PYTHON_FORMS and len(keys) == 1:  # its code runs on every rank's tensors at once
                 args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
-                env[i] = PYTHON_FORMS[first.target](*args, **kwargs, each=_each_rank(mode))
+                with traffic if traffic is not None else contextlib.nullcontext():  # the collectives it calls
+                    env[i] = PYTHON_FORMS[first.target](*args, **kwargs, each=_each_rank(mode))
             elif len(keys) == 1:
                 args, kwargs = fx.node.map_arg((first.args, first.kwargs), lambda a: env[indexes[0][a]])
                 env[i] = first.target(*args, **kwargs)
+                if traffic is not None:
+                    traffic.record(first.target, args, env[i])
             elif first.target is torch.ops._c10d_functional.all_to_all_single.default:
                 # per-rank split sizes: one call over all ranks with LocalIntNode sizes
                 args = fx.node.map_arg(first.args, lambda a: env[indexes[0][a]])
                 splits = [_rank_ints([n.args[k] for n in nodes]) for k in (1, 2)]
                 env[i] = first.target(args[0], *splits, first.args[3])
+                if traffic is not None:
+                    traffic.record(first.target, (args[0], *splits, first.args[3]), env[i])
             else:
                 def per_rank(r: int) -> torch.Tensor:
                     n = nodes[r]
