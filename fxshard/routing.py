@@ -165,7 +165,9 @@ def run_routed_backward(body: str, rows: Sequence[torch.Tensor], keys: torch.Ten
     routing, counts = route(keys, num_experts, group, group_size)
     found = each(functools.partial(_body_gradients, body, counts_dtype), [routing.dispatch(r) for r in rows], counts,
                  list(extras), [routing.dispatch(g) for g in grads])
-    return [routing.combine(g) for g in found[:len(rows)]] + list(found[len(rows):])
+    # contiguous, as the op's fake says: a stack's gradient otherwise takes the layout of the vjp's last op (a
+    # transposed stack's, transformers' ``weight.transpose(-2, -1)``), which the compiled caller's stride check refuses
+    return [routing.combine(g) for g in found[:len(rows)]] + [g.contiguous() for g in found[len(rows):]]
 
 
 # ---- the ops ------------------------------------------------------------------------------------------

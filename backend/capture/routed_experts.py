@@ -1,13 +1,14 @@
 """Stage 1: a dropless MoE's routed region in Dynamo's graph -> one ``fxshard::routed_experts`` call.
 
 The region (fxshard/routing.py says why it may be one op): the pairs' expert ids ``keys`` sorted
-stably (``order = argsort(keys)``), rows gathered by ``order`` (pair space) or ``order // k`` (token
-space: ``k`` choices per token), row-wise ops and grouped matmuls over them whose offsets come from
-the keys' per-expert counts (``histc`` / ``bincount`` / torchtitan's one-hot sum of topk ids, then
-``cumsum``), expert stacks spread over the rows by those counts (``repeat_interleave``: GPT-OSS's
-biases), and the results added back into their tokens (``index_add`` / ``scatter_add`` /
-``torchtitan::deterministic_scatter_add`` by the same indices). The rewrite is made only when
-every value of the region is read by the region or by those adds (so the rows' order is never
+(``order = argsort(keys)``, or ``sort(keys)[1]``, stable or not), rows gathered by ``order`` (pair space)
+or ``order // k`` (token space: ``k`` choices per token), row-wise ops and grouped matmuls over them
+whose offsets come from the keys' per-expert counts (``histc`` / ``bincount`` / torchtitan's one-hot sum
+of topk ids, then ``cumsum``), expert stacks spread over the rows by those counts (``repeat_interleave``: GPT-OSS's
+biases; ``S[sort(keys)[0]]``: transformers'), and the results added back into their tokens (``index_add`` /
+``scatter_add`` / ``torchtitan::deterministic_scatter_add`` by the same indices) or put back in pair order by
+the sort's inverse (transformers' ``inv[order] = arange``, ``rows[inv]``). The rewrite is made only when
+every value of the region is read by the region or by those exits (so the rows' order is never
 seen), and only when an expert weight stack arrives sharded by expert; anything else leaves the
 graph as it is, which is exact (the routing then runs replicated and the experts are gathered).
 

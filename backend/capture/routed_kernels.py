@@ -40,13 +40,19 @@ def compiled(fn: Callable) -> Callable:
     return _COMPILED[fn]
 
 
+def _eager(group: str | None) -> bool:
+    """Eager kernels: asked for, or no dispatch (no group: the pairs' counts are a ``bincount`` whose size the
+    data sets, which a compiled program would have to guard)."""
+    return group is None or os.environ.get("FXSHARD_EXPERTS_EAGER") == "1"
+
+
 def _forward(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, *, group=None, group_size=1):
-    run = run_routed if os.environ.get("FXSHARD_EXPERTS_EAGER") == "1" else compiled(run_routed)
+    run = run_routed if _eager(group) else compiled(run_routed)
     return run(body, rows, keys, extras, num_experts, num_stacks, counts_dtype, group, group_size)
 
 
 def _backward(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype, *, group=None, group_size=1):
-    run = run_routed_backward if os.environ.get("FXSHARD_EXPERTS_EAGER") == "1" else compiled(run_routed_backward)
+    run = run_routed_backward if _eager(group) else compiled(run_routed_backward)
     return run(body, rows, keys, extras, grads, num_experts, num_stacks, counts_dtype, group, group_size)
 
 
