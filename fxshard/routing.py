@@ -80,18 +80,44 @@ class Routing:
     recv: list | None = None
     perm: torch.Tensor | None = None
 
-    def dispatch(self, t: torch.Tensor) -> torch.Tensor:
-        """A pair-space tensor of this rank -> the rows of the rank's experts, grouped by expert."""
-        t = t[self.order]
-        if self.group is None:
-            return t
-        return _all_to_all(t, self.recv, self.send, self.group)[self.perm]
+    def dispatch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Pair-space tensors of this rank -> the rows of the rank's experts, grouped by expert: one all_to_all
+        carrying them all (``_packed``)."""
+        tensors = [t[self.order] for t in tensors]
+        if self.group is None or not tensors:
+            return tensors
+        moved = _all_to_all(_packed(tensors), self.recv, self.send, self.group)[self.perm]
+        return _unpacked(moved, tensors)
 
-    def combine(self, t: torch.Tensor) -> torch.Tensor:
+    def combine(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The inverse of ``dispatch``: rows grouped by expert -> this rank's pairs in pair order."""
-        if self.group is not None:
-            t = _all_to_all(t.new_empty(t.shape).index_copy(0, self.perm, t), self.send, self.recv, self.group)
-        return t.new_empty(t.shape).index_copy(0, self.order, t)
+        tensors = list(tensors)
+        if self.group is not None and tensors:
+            packed = _packed(tensors)
+            back = _all_to_all(packed.new_empty(packed.shape).index_copy(0, self.perm, packed), self.send, self.recv,
+                               self.group)
+            tensors = _unpacked(back, tensors)
+        return [t.new_empty(t.shape).index_copy(0, self.order, t) for t in tensors]
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Row tensors of one row count as one ``[rows, bytes]`` tensor (each row's bytes side by side, whatever
+    their dtypes): one all_to_all moves them all, as many bytes as one each would, in one call."""
+    if len(tensors) == 1:
+        return tensors[0].contiguous()
+    return torch.cat([t.contiguous().view(t.shape[0], torch.Size(t.shape[1:]).numel()).view(torch.uint8)
+                      for t in tensors], dim=1)
+
+
+def _unpacked(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``_packed``'s inverse: ``packed``'s rows cut into tensors of ``like``'s dtypes and trailing shapes."""
+    if len(like) == 1:
+        return [packed]
+    widths = [int(torch.Size(t.shape[1:]).numel()) * t.element_size() for t in like]
+    parts = torch.split(packed, widths, dim=1)
+    # a fresh row-major copy each (``contiguous`` keeps an empty part's strides: the grouped matmul refuses them)
+    return [p.clone(memory_format=torch.contiguous_format).view(t.dtype).view(packed.shape[0], *t.shape[1:])
+            for p, t in zip(parts, like)]
 
 
 def route(keys: torch.Tensor, num_experts: int, group: str | None, group_size: int) -> tuple[Routing, torch.Tensor]:
@@ -152,9 +178,8 @@ def run_routed(body: str, rows: Sequence[torch.Tensor], keys: torch.Tensor, extr
     (sizes that differ per rank are the dispatch's, which LocalTensors carry; the body's Python indexing
     of them is not)."""
     routing, counts = route(keys, num_experts, group, group_size)
-    outs = each(functools.partial(_body_outputs, body, counts_dtype), [routing.dispatch(r) for r in rows], counts,
-                list(extras))
-    return [routing.combine(o) for o in outs]
+    outs = each(functools.partial(_body_outputs, body, counts_dtype), routing.dispatch(rows), counts, list(extras))
+    return routing.combine(outs)
 
 
 def run_routed_backward(body: str, rows: Sequence[torch.Tensor], keys: torch.Tensor, extras: Sequence[torch.Tensor],
@@ -163,11 +188,12 @@ def run_routed_backward(body: str, rows: Sequence[torch.Tensor], keys: torch.Ten
     """The gradients of ``run_routed``'s rows and extras given its outputs': the dispatch again, the body's
     vjp on the rank's experts, the rows' gradients sent back (the extras' stay: a stack's are its experts')."""
     routing, counts = route(keys, num_experts, group, group_size)
-    found = each(functools.partial(_body_gradients, body, counts_dtype), [routing.dispatch(r) for r in rows], counts,
-                 list(extras), [routing.dispatch(g) for g in grads])
+    moved = routing.dispatch(list(rows) + list(grads))  # the rows and their outputs' gradients in one all_to_all
+    found = each(functools.partial(_body_gradients, body, counts_dtype), moved[:len(rows)], counts, list(extras),
+                 moved[len(rows):])
     # contiguous, as the op's fake says: a stack's gradient otherwise takes the layout of the vjp's last op (a
     # transposed stack's, transformers' ``weight.transpose(-2, -1)``), which the compiled caller's stride check refuses
-    return [routing.combine(g) for g in found[:len(rows)]] + [g.contiguous() for g in found[len(rows):]]
+    return routing.combine(found[:len(rows)]) + [g.contiguous() for g in found[len(rows):]]
 
 
 # ---- the ops ------------------------------------------------------------------------------------------
