@@ -23,6 +23,12 @@ def dynamic_by_default() -> bool:
     return not torch._dynamo.config.assume_static_by_default
 
 
+def kept_whole_by_dynamo(fn: Callable) -> Callable:
+    """``fn`` as one node of Dynamo's graph (``allow_in_graph``), not inlined: an autograd.Function that
+    torch.func must see as itself (a routed body's transformers op, backend/capture/moe_forms.py)."""
+    return torch._dynamo.allow_in_graph(fn)
+
+
 def scalar_outputs_captured() -> ContextManager:
     """Dynamo tracing ``.tolist()`` / ``.item()`` as unbacked sizes instead of breaking the graph there."""
     return torch._dynamo.config.patch(capture_scalar_outputs=True)

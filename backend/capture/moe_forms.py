@@ -16,31 +16,41 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fxshard.backend.capture.dynamo_calls import kept_whole_by_dynamo
+
+
 ELEMENTWISE = frozenset({
     "mul", "add", "sub", "truediv", "div", "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "pow", "square",
     "sqrt", "rsqrt", "clamp", "float", "bfloat16", "half", "to", "type_as", "contiguous", "erf", "abs", "where",
     "addcmul",  # GPT-OSS's swiglu (torchtitan/models/gpt_oss/moe.py): out + out * linear, elementwise
 })
 
+
 # in-place elementwise ops on a region value (transformers' ``out.add_(bias)`` after a grouped matmul): the body
 # copies the region's nodes in graph order, so the write lands before every later read of it there; region values
 # never alias a tensor outside (its seeds are fresh gathers), and none is read outside, so no one else sees it
 IN_PLACE = frozenset({"add_", "sub_", "mul_", "div_"})
 
+
 COUNT_OPS = frozenset({"cumsum", "to", "int", "long", "float", "view", "reshape", "type"})  # safe on each rank's counts
+
 
 CASTS_AND_FLATS = frozenset({"to", "float", "long", "int", "view", "reshape", "flatten", "contiguous"})
 
+
 STACK_VIEWS = frozenset({"transpose", "to", "bfloat16", "float", "half", "contiguous", "permute"})
+
 
 # custom ops that are ``out.scatter_add(0, index, src)`` called as ``op(out, index, src)``: torchtitan's combine
 # (torchtitan/ops/scatter_add.py runs exactly that under deterministic algorithms; its autograd is scatter_add's)
 SCATTER_ADD_OPS = frozenset({"torchtitan::deterministic_scatter_add"})
 
+
 # custom ops that are ``torch._grouped_mm(input, weight, offs=offs)``: transformers' fallback for weights not in bf16
 # under torch.compile (integrations/moe.py: rows [offs[e-1], offs[e]) times weight[e], each group alone; called as
 # ``op(input, weight, offs=offs)``), its autograd its own
 GROUPED_MM_OPS = frozenset({"transformers::grouped_mm_fallback"})
+
 
 def op_name_of(n: Any) -> str | None:
     if not isinstance(n, fx.Node):
@@ -51,8 +61,10 @@ def op_name_of(n: Any) -> str | None:
         return getattr(n.target, "__name__", None)
     return None
 
+
 def example(n: Any) -> Any:
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
 
 def static_shape(n: Any) -> tuple | None:
     """A value's shape, or None for a non-tensor and for symbolic sizes (a graph Dynamo made dynamic: left as
@@ -62,15 +74,18 @@ def static_shape(n: Any) -> tuple | None:
         return None
     return tuple(v.shape)
 
+
 def argument(n: fx.Node, i: int, key: str, default: Any = None) -> Any:
     """Argument ``i`` (or keyword ``key``) of a call, counting the tensor a method is called on as argument 0."""
     return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
 
 def stripped(n: Any) -> Any:
     """``n`` without casts and flattening views (``keys.view(-1).float()`` -> ``keys``' root)."""
     while op_name_of(n) in CASTS_AND_FLATS and n.op == "call_method" or (op_name_of(n) == "flatten" and n.op == "call_function"):
         n = n.args[0]
     return n
+
 
 def sorts_by_expert(n: Any) -> bool:
     """Whether ``n`` is ``torch.sort(keys)`` ascending along dim 0 / -1, stable or not (transformers' grouped_mm
@@ -79,6 +94,7 @@ def sorts_by_expert(n: Any) -> bool:
     that order unseen), only on each row's expert, which any ascending sort groups the same way."""
     return op_name_of(n) == "sort" and argument(n, 1, "dim", -1) in (0, -1) and not argument(n, 2, "descending", False)
 
+
 def sorted_source(n: Any) -> Any:
     """``x`` where ``n`` is ``sort(x)[0]`` (the sorted values: transformers counts ``histc(sort(ids)[0])``), else
     ``n``: a sort permutes its input, so the counts of its values are the counts of what it sorts."""
@@ -86,11 +102,13 @@ def sorted_source(n: Any) -> Any:
         return n.args[0].args[0]
     return n
 
+
 def last_bin_is_top_expert(bins: int, hi: Any) -> bool:
     """``histc(ids, bins=E, min=0, max=E - 1)`` (transformers' grouped_mm experts) counts integer ids in [0, E)
     per expert too: id ``v < E - 1`` falls in bin ``floor(v * E / (E - 1)) = v`` and ``E - 1``, the max, in the
     last; float32 rounding keeps that exact for E up to 4096 (checked for every id), not beyond."""
     return isinstance(hi, int) and 2 <= bins <= 4096 and hi == bins - 1
+
 
 def topk_ids(n: Any) -> bool:
     """Whether ``n`` is ``topk(...)[1]`` along the last dim (each row's ids distinct)."""
@@ -98,6 +116,7 @@ def topk_ids(n: Any) -> bool:
         return False
     ndim = len(static_shape(n) or ())
     return ndim > 0 and argument(n.args[0], 2, "dim", -1) in (-1, ndim - 1)
+
 
 def one_hot_counts(n: fx.Node, root: Any, keys_shape: tuple | None) -> int | None:
     """E where ``n`` is ``zeros_like(s, dtype=bool).scatter_(-1, ids, True).sum(dim=(0, .., -2))`` over ``[.., E]``
@@ -122,6 +141,7 @@ def one_hot_counts(n: fx.Node, root: Any, keys_shape: tuple | None) -> int | Non
     dims = tuple(d % len(shape) for d in (dims if isinstance(dims, (tuple, list)) else (dims,)) if isinstance(d, int))
     return shape[-1] if sorted(dims) == list(range(len(shape) - 1)) and static_shape(n) == (shape[-1],) else None
 
+
 def expanded_index(n: Any) -> Any:
     """The 1-D index ``i`` of ``i.view(-1, 1).expand(-1, d)`` (a gather's or scatter_add's index: each row
     ``p`` of it all ``i[p]``), or None for any other index (``i.view(1, -1).expand(n, -1)`` reads otherwise)."""
@@ -135,6 +155,7 @@ def expanded_index(n: Any) -> Any:
     shape = static_shape(index)
     return index if shape is not None and len(shape) == 1 and shape[0] == static_shape(column)[0] else None
 
+
 def runs_a_cumsum(offs: fx.Node) -> bool:
     """Whether the offsets are a running sum of the counts (a grouped matmul's ``offs``: each group's end)."""
     todo = [offs]
@@ -144,6 +165,7 @@ def runs_a_cumsum(offs: fx.Node) -> bool:
             return True
         todo.extend(n.all_input_nodes)
     return False
+
 
 def added_back(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(destination, index, source) of ``Z.index_add(0, i, s)`` / ``Z.scatter_add(0, i.expand, s)``."""
@@ -161,15 +183,18 @@ def added_back(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
             return dest, expanded_index(index), src
     return None
 
+
 def is_grouped_mm(n: fx.Node) -> bool:
     """``torch._grouped_mm(a, b, offs=offs)`` (``F.grouped_mm`` inlines to it), or an op in ``GROUPED_MM_OPS``."""
     return op_name_of(n) == "_grouped_mm" or schema_name(n) in GROUPED_MM_OPS
+
 
 def schema_name(n: fx.Node) -> str | None:
     """A custom op's qualified name (Dynamo records ``torch.ops.ns.op(...)`` as the packet, which has no schema)."""
     if n.op != "call_function":
         return None
     return getattr(getattr(n.target, "_schema", None), "name", None) or getattr(n.target, "_qualified_op_name", None)
+
 
 class TransformersGroupedMm(torch.autograd.Function):
     """``transformers::grouped_mm_fallback`` with an autograd torch.func can run: the body's vjp is torch.func's
@@ -189,12 +214,15 @@ class TransformersGroupedMm(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         return (*torch.ops.transformers.grouped_mm_fallback_backward(x, w, offs, grad), None)
 
-@torch._dynamo.allow_in_graph  # Dynamo (the op's compiled kernels) would inline it under torch.func and fail as eager
+
+@kept_whole_by_dynamo  # Dynamo (the op's compiled kernels) would inline it under torch.func and fail as eager
 def transformers_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return TransformersGroupedMm.apply(input, weight, offs)
 
+
 # a body's form of an op of the region (``_body``): the same values, differentiable by torch.func
 BODY_FORMS = {"transformers::grouped_mm_fallback": transformers_grouped_mm}
+
 
 def row_wise(n: fx.Node, inside: Callable[[Any], bool]) -> bool:
     """Whether ``n`` computes each row from the same row of its region inputs (and broadcast others)."""
@@ -225,10 +253,12 @@ def row_wise(n: fx.Node, inside: Callable[[Any], bool]) -> bool:
         return False  # region.grow checks its operands
     return False
 
+
 def strip_calls(n: Any, names: tuple) -> Any:
     while op_name_of(n) in names and n.op == "call_method":
         n = n.args[0]
     return n
+
 
 def stack_source(n: fx.Node) -> fx.Node:
     """The tensor a weight stack is a view or cast of, as long as its dim 0 stays the experts'."""
