@@ -384,7 +384,8 @@ def dispatches(node: fx.Node) -> list[Dispatch]:
     back = list(node.meta["val"])[:len(rows)] if grads else list(node.meta["val"])
     direction = "gradients" if grads else "rows"
     return [Dispatch(axes, (n - 1) * (num_experts // n) * 8, "the per-expert counts, from every peer"),
-            Dispatch(axes, received * _row_bytes(sent), f"the {direction} of the peers' pairs routed to this rank's experts"),
+            Dispatch(axes, received * _row_bytes(sent),
+                     f"the {direction} of the peers' pairs routed to this rank's experts"),
             Dispatch(axes, returned * _row_bytes(back), "the results of this rank's pairs its peers' experts ran")]
 
 

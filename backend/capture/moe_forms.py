@@ -52,7 +52,7 @@ SCATTER_ADD_OPS = frozenset({"torchtitan::deterministic_scatter_add"})
 GROUPED_MM_OPS = frozenset({"transformers::grouped_mm_fallback"})
 
 
-def op_name_of(n: Any) -> str | None:
+def name_of(n: Any) -> str | None:
     if not isinstance(n, fx.Node):
         return None
     if n.op == "call_method":
@@ -66,7 +66,7 @@ def example(n: Any) -> Any:
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
 
-def static_shape(n: Any) -> tuple | None:
+def shape_of(n: Any) -> tuple | None:
     """A value's shape, or None for a non-tensor and for symbolic sizes (a graph Dynamo made dynamic: left as
     written, every check here being on static sizes)."""
     v = example(n)
@@ -82,7 +82,8 @@ def argument(n: fx.Node, i: int, key: str, default: Any = None) -> Any:
 
 def stripped(n: Any) -> Any:
     """``n`` without casts and flattening views (``keys.view(-1).float()`` -> ``keys``' root)."""
-    while op_name_of(n) in CASTS_AND_FLATS and n.op == "call_method" or (op_name_of(n) == "flatten" and n.op == "call_function"):
+    while name_of(n) in CASTS_AND_FLATS and n.op == "call_method" \
+            or (name_of(n) == "flatten" and n.op == "call_function"):
         n = n.args[0]
     return n
 
@@ -92,13 +93,13 @@ def sorts_by_expert(n: Any) -> bool:
     experts sort without ``stable``): a sort that is not stable orders the rows of one expert arbitrarily, but the
     region's result does not depend on the order of the rows between sort and combine (the soundness check keeps
     that order unseen), only on each row's expert, which any ascending sort groups the same way."""
-    return op_name_of(n) == "sort" and argument(n, 1, "dim", -1) in (0, -1) and not argument(n, 2, "descending", False)
+    return name_of(n) == "sort" and argument(n, 1, "dim", -1) in (0, -1) and not argument(n, 2, "descending", False)
 
 
 def sorted_source(n: Any) -> Any:
     """``x`` where ``n`` is ``sort(x)[0]`` (the sorted values: transformers counts ``histc(sort(ids)[0])``), else
     ``n``: a sort permutes its input, so the counts of its values are the counts of what it sorts."""
-    if op_name_of(n) == "getitem" and n.args[1] == 0 and op_name_of(n.args[0]) == "sort":
+    if name_of(n) == "getitem" and n.args[1] == 0 and name_of(n.args[0]) == "sort":
         return n.args[0].args[0]
     return n
 
@@ -112,9 +113,9 @@ def last_bin_is_top_expert(bins: int, hi: Any) -> bool:
 
 def topk_ids(n: Any) -> bool:
     """Whether ``n`` is ``topk(...)[1]`` along the last dim (each row's ids distinct)."""
-    if op_name_of(n) != "getitem" or n.args[1] != 1 or op_name_of(n.args[0]) != "topk":
+    if name_of(n) != "getitem" or n.args[1] != 1 or name_of(n.args[0]) != "topk":
         return False
-    ndim = len(static_shape(n) or ())
+    ndim = len(shape_of(n) or ())
     return ndim > 0 and argument(n.args[0], 2, "dim", -1) in (-1, ndim - 1)
 
 
@@ -123,37 +124,37 @@ def one_hot_counts(n: fx.Node, root: Any, keys_shape: tuple | None) -> int | Non
     zeros (torchtitan's MoE counts its tokens per expert so): that is ``bincount(ids.view(-1), minlength=E)``
     only because each row of ``ids`` holds distinct experts, so ``ids`` must be a last-dim topk's indices
     (the keys' root), and the zeros must be fresh and read by the scatter alone (it writes them in place)."""
-    if op_name_of(n) != "sum" or n.op != "call_method" or argument(n, 2, "keepdim", False) or static_shape(n) is None \
-            or len(static_shape(n)) != 1:
+    if name_of(n) != "sum" or n.op != "call_method" or argument(n, 2, "keepdim", False) or shape_of(n) is None \
+            or len(shape_of(n)) != 1:
         return None
     hot = n.args[0]
-    if op_name_of(hot) not in ("scatter_", "scatter") or hot.op != "call_method" or len(hot.args) != 4 and \
+    if name_of(hot) not in ("scatter_", "scatter") or hot.op != "call_method" or len(hot.args) != 4 and \
             "value" not in hot.kwargs or "reduce" in hot.kwargs:  # scatter_(.., reduce="multiply") of zeros is zeros
         return None
     base, dim, index, value = hot.args[0], argument(hot, 1, "dim"), argument(hot, 2, "index"), argument(hot, 3, "value")
-    shape = static_shape(base)
+    shape = shape_of(base)
     if shape is None or index is not root or not topk_ids(index) or value not in (True, 1) \
-            or op_name_of(base) not in ("zeros_like", "zeros", "new_zeros") or list(base.users) != [hot] \
-            or dim not in (-1, len(shape) - 1) or static_shape(index)[:-1] != shape[:-1] or keys_shape is None \
-            or math.prod(static_shape(index)) != math.prod(keys_shape):
+            or name_of(base) not in ("zeros_like", "zeros", "new_zeros") or list(base.users) != [hot] \
+            or dim not in (-1, len(shape) - 1) or shape_of(index)[:-1] != shape[:-1] or keys_shape is None \
+            or math.prod(shape_of(index)) != math.prod(keys_shape):
         return None
     dims = argument(n, 1, "dim")
     dims = tuple(d % len(shape) for d in (dims if isinstance(dims, (tuple, list)) else (dims,)) if isinstance(d, int))
-    return shape[-1] if sorted(dims) == list(range(len(shape) - 1)) and static_shape(n) == (shape[-1],) else None
+    return shape[-1] if sorted(dims) == list(range(len(shape) - 1)) and shape_of(n) == (shape[-1],) else None
 
 
 def expanded_index(n: Any) -> Any:
     """The 1-D index ``i`` of ``i.view(-1, 1).expand(-1, d)`` (a gather's or scatter_add's index: each row
     ``p`` of it all ``i[p]``), or None for any other index (``i.view(1, -1).expand(n, -1)`` reads otherwise)."""
-    if op_name_of(n) not in ("expand", "expand_as"):
+    if name_of(n) not in ("expand", "expand_as"):
         return None
     column = n.args[0]
-    if static_shape(column) is None or len(static_shape(column)) != 2 or static_shape(column)[1] != 1 \
-            or op_name_of(column) not in ("view", "reshape", "unsqueeze"):
+    if shape_of(column) is None or len(shape_of(column)) != 2 or shape_of(column)[1] != 1 \
+            or name_of(column) not in ("view", "reshape", "unsqueeze"):
         return None
     index = column.args[0]
-    shape = static_shape(index)
-    return index if shape is not None and len(shape) == 1 and shape[0] == static_shape(column)[0] else None
+    shape = shape_of(index)
+    return index if shape is not None and len(shape) == 1 and shape[0] == shape_of(column)[0] else None
 
 
 def runs_a_cumsum(offs: fx.Node) -> bool:
@@ -161,7 +162,7 @@ def runs_a_cumsum(offs: fx.Node) -> bool:
     todo = [offs]
     while todo:
         n = todo.pop()
-        if op_name_of(n) == "cumsum" and argument(n, 1, "dim", 0) in (0, -1):
+        if name_of(n) == "cumsum" and argument(n, 1, "dim", 0) in (0, -1):
             return True
         todo.extend(n.all_input_nodes)
     return False
@@ -169,24 +170,24 @@ def runs_a_cumsum(offs: fx.Node) -> bool:
 
 def added_back(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(destination, index, source) of ``Z.index_add(0, i, s)`` / ``Z.scatter_add(0, i.expand, s)``."""
-    name = op_name_of(n)
+    name = name_of(n)
     if name == "index_add" and argument(n, 1, "dim") == 0 and argument(n, 4, "alpha", 1) == 1:
         return n.args[0], argument(n, 2, "index"), argument(n, 3, "source")
     if name == "scatter_add" and argument(n, 1, "dim") == 0:
         index, src = argument(n, 2, "index"), argument(n, 3, "src")
-        if static_shape(index) == static_shape(src):
+        if shape_of(index) == shape_of(src):
             return n.args[0], expanded_index(index), src
     schema = getattr(getattr(n.target, "_schema", None), "name", None) if n.op == "call_function" else None
     if schema in SCATTER_ADD_OPS and len(n.args) == 3 and not n.kwargs:
         dest, index, src = n.args
-        if static_shape(index) == static_shape(src):
+        if shape_of(index) == shape_of(src):
             return dest, expanded_index(index), src
     return None
 
 
 def is_grouped_mm(n: fx.Node) -> bool:
     """``torch._grouped_mm(a, b, offs=offs)`` (``F.grouped_mm`` inlines to it), or an op in ``GROUPED_MM_OPS``."""
-    return op_name_of(n) == "_grouped_mm" or schema_name(n) in GROUPED_MM_OPS
+    return name_of(n) == "_grouped_mm" or schema_name(n) in GROUPED_MM_OPS
 
 
 def schema_name(n: fx.Node) -> str | None:
@@ -226,16 +227,16 @@ BODY_FORMS = {"transformers::grouped_mm_fallback": transformers_grouped_mm}
 
 def row_wise(n: fx.Node, inside: Callable[[Any], bool]) -> bool:
     """Whether ``n`` computes each row from the same row of its region inputs (and broadcast others)."""
-    name, out = op_name_of(n), static_shape(n)
+    name, out = name_of(n), shape_of(n)
     if out is None or not out:  # a chunk or split of the rows' features (a tuple), or a scalar (not row-wise)
         return isinstance(example(n), (tuple, list)) and name in ("chunk", "split") and inside(n.args[0]) \
-            and argument(n, 2, "dim", 0) not in (0, -len(static_shape(n.args[0])))
+            and argument(n, 2, "dim", 0) not in (0, -len(shape_of(n.args[0])))
     rows = out[0]
     tensors = [a for a in n.all_input_nodes if isinstance(example(a), torch.Tensor)]
-    if any(inside(a) and static_shape(a)[0] != rows for a in tensors):
+    if any(inside(a) and shape_of(a)[0] != rows for a in tensors):
         return False
     if name in ELEMENTWISE or name in IN_PLACE and inside(n.args[0]):
-        return all(inside(a) or len(static_shape(a)) < len(out) or static_shape(a)[0] == 1 for a in tensors)
+        return all(inside(a) or len(shape_of(a)) < len(out) or shape_of(a)[0] == 1 for a in tensors)
     source = n.args[0]
     if not inside(source) or [a for a in tensors if inside(a)] != [source] * len([a for a in tensors if inside(a)]):
         return False
@@ -245,28 +246,28 @@ def row_wise(n: fx.Node, inside: Callable[[Any], bool]) -> bool:
             return isinstance(index, int)
         index = index if isinstance(index, tuple) else (index,)
         first = index[0] if index else None
-        return (first == slice(None) or first is Ellipsis and len(static_shape(source)) > len(index) - 1) \
+        return (first == slice(None) or first is Ellipsis and len(shape_of(source)) > len(index) - 1) \
             and not any(isinstance(i, fx.Node) for i in index)
     if name in ("view", "reshape", "flatten", "unsqueeze"):
-        return out[0] == static_shape(source)[0] and (name != "unsqueeze" or argument(n, 1, "dim") not in (0, -len(out)))
+        return out[0] == shape_of(source)[0] and (name != "unsqueeze" or argument(n, 1, "dim") not in (0, -len(out)))
     if name == "_grouped_mm":
         return False  # region.grow checks its operands
     return False
 
 
 def strip_calls(n: Any, names: tuple) -> Any:
-    while op_name_of(n) in names and n.op == "call_method":
+    while name_of(n) in names and n.op == "call_method":
         n = n.args[0]
     return n
 
 
 def stack_source(n: fx.Node) -> fx.Node:
     """The tensor a weight stack is a view or cast of, as long as its dim 0 stays the experts'."""
-    while op_name_of(n) in STACK_VIEWS:
-        if op_name_of(n) in ("transpose", "permute"):
-            ndim = len(static_shape(n))
+    while name_of(n) in STACK_VIEWS:
+        if name_of(n) in ("transpose", "permute"):
+            ndim = len(shape_of(n))
             moved = [a % ndim for a in n.args[1:] if isinstance(a, int)]
-            if op_name_of(n) == "permute" and moved[:1] != [0] or op_name_of(n) == "transpose" and 0 in moved:
+            if name_of(n) == "permute" and moved[:1] != [0] or name_of(n) == "transpose" and 0 in moved:
                 break
         n = n.args[0]
     return n

@@ -31,8 +31,8 @@ from fxshard.routing import ROUTED_OPS, register_body
 from fxshard.backend.capture import routed_kernels  # noqa: F401  (the ops' compiled kernels)
 from fxshard.backend.capture.moe_forms import (
     BODY_FORMS, COUNT_OPS, added_back, argument, example, expanded_index, is_grouped_mm, last_bin_is_top_expert,
-    one_hot_counts, op_name_of, row_wise, runs_a_cumsum, schema_name, sorted_source, sorts_by_expert, stack_source,
-    static_shape, strip_calls, stripped)
+    one_hot_counts, name_of, row_wise, runs_a_cumsum, schema_name, sorted_source, sorts_by_expert, stack_source,
+    shape_of, strip_calls, stripped)
 
 __all__ = ["rewrite"]
 
@@ -57,7 +57,7 @@ def _orders(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     """(order, keys) for each stable argsort (or sort's indices) of 1-D integer keys."""
     found = []
     for n in gm.graph.nodes:
-        name = op_name_of(n)
+        name = name_of(n)
         if name == "argsort" and argument(n, 1, "dim", -1) in (0, -1) and n.kwargs.get("stable"):
             keys = n.args[0]
             order = n
@@ -75,10 +75,10 @@ def _counts_of(gm: fx.GraphModule, keys: fx.Node) -> tuple[fx.Node, int] | None:
     """The per-expert counts of ``keys`` (histc over [0, E) in E bins, or bincount with minlength E)."""
     root = stripped(keys)
     for n in gm.graph.nodes:
-        name = op_name_of(n)
+        name = name_of(n)
         if name not in ("histc", "bincount") or stripped(sorted_source(stripped(n.args[0]))) is not root:
             continue
-        if static_shape(n.args[0]) != static_shape(keys):
+        if shape_of(n.args[0]) != shape_of(keys):
             continue
         if name == "histc":
             bins, lo, hi = argument(n, 1, "bins", 100), argument(n, 2, "min", 0), argument(n, 3, "max", 0)
@@ -89,7 +89,7 @@ def _counts_of(gm: fx.GraphModule, keys: fx.Node) -> tuple[fx.Node, int] | None:
             if isinstance(minlength, int) and minlength > 0 and argument(n, 1, "weights") is None:
                 return n, minlength
     for n in gm.graph.nodes:
-        experts = one_hot_counts(n, root, static_shape(keys))
+        experts = one_hot_counts(n, root, shape_of(keys))
         if experts is not None:
             return n, experts
     return None
@@ -99,9 +99,9 @@ def _index_k(n: Any, region: Region) -> int | None:
     """``k`` where ``n`` is ``order`` (1) or ``order // k``."""
     if n is region.order:
         return 1
-    if op_name_of(n) == "floordiv" and n.args[0] is region.order and isinstance(n.args[1], int):
+    if name_of(n) == "floordiv" and n.args[0] is region.order and isinstance(n.args[1], int):
         return n.args[1]
-    if op_name_of(n) == "div" and n.args[0] is region.order and n.kwargs.get("rounding_mode") == "floor" \
+    if name_of(n) == "div" and n.args[0] is region.order and n.kwargs.get("rounding_mode") == "floor" \
             and isinstance(n.args[1], int):
         return n.args[1]
     return None
@@ -111,21 +111,21 @@ def _adds_rows_into_tokens(added: tuple, region: Region) -> bool:
     """The add's destination has a row per token of the index (``order // k``: pairs / k rows) and the rows'
     features: what the sum over the k choices it becomes adds into."""
     dest, index, src = added
-    k, pairs = region.indices[index], static_shape(region.keys)[0]
-    shape, rows = static_shape(dest), static_shape(src)
+    k, pairs = region.indices[index], shape_of(region.keys)[0]
+    shape, rows = shape_of(dest), shape_of(src)
     return shape is not None and rows is not None and shape[0] * k == pairs and shape[1:] == rows[1:]
 
 
 def _gathered(n: fx.Node, region: Region) -> tuple[fx.Node, fx.Node] | None:
     """(source, index) of a row gather ``t[i]`` / ``index_select(t, 0, i)`` / ``gather(t, 0, i.expand)``."""
-    name = op_name_of(n)
+    name = name_of(n)
     if name == "getitem" and isinstance(n.args[1], fx.Node):
         return n.args[0], n.args[1]
     if name == "index_select" and argument(n, 1, "dim") == 0:
         return n.args[0], argument(n, 2, "index")
     if name == "gather" and argument(n, 1, "dim") == 0:
         index, src = argument(n, 2, "index"), n.args[0]
-        if static_shape(index) is not None and static_shape(src) is not None and static_shape(index)[1:] == static_shape(src)[1:]:
+        if shape_of(index) is not None and shape_of(src) is not None and shape_of(index)[1:] == shape_of(src)[1:]:
             return src, expanded_index(index)
     return None
 
@@ -134,16 +134,16 @@ def _inverse_write(inv: Any, region: Region) -> fx.Node | None:
     """The ``inv[order] = arange(N)`` (``operator.setitem``) where ``inv`` is ``empty_like(order)`` written so and
     then only read by row gathers ``t[inv]``: the inverse permutation of the sort (transformers' grouped_mm experts
     restore the pairs' order so); None otherwise (another write or read of ``inv`` could see the order)."""
-    pairs = static_shape(region.keys)[0]
-    if op_name_of(inv) not in ("empty_like", "empty", "new_empty") or static_shape(inv) != (pairs,):
+    pairs = shape_of(region.keys)[0]
+    if name_of(inv) not in ("empty_like", "empty", "new_empty") or shape_of(inv) != (pairs,):
         return None
     writes = [u for u in inv.users if u.target is operator.setitem]
-    reads = [u for u in inv.users if op_name_of(u) == "getitem" and u.args[1] is inv and u.args[0] is not inv]
+    reads = [u for u in inv.users if name_of(u) == "getitem" and u.args[1] is inv and u.args[0] is not inv]
     if len(writes) != 1 or len(writes) + len(reads) != len(inv.users):
         return None
     write = writes[0]
     _, index, value = write.args
-    if index is not region.order or op_name_of(value) != "arange" or not 1 <= len(value.args) <= 2 \
+    if index is not region.order or name_of(value) != "arange" or not 1 <= len(value.args) <= 2 \
             or value.kwargs.get("step", 1) != 1 or tuple(value.args) not in ((pairs,), (0, pairs)):
         return None
     nodes = list(write.graph.nodes)
@@ -154,7 +154,7 @@ def _unsorts(n: fx.Node, region: Region) -> tuple[None, fx.Node, fx.Node] | None
     """(None, inv, source) where ``n`` is ``source[inv]``, the sorted rows put back in pair order by the sort's
     inverse (``_inverse_write``): that is the op's own output for ``source``, so ``n`` becomes it (an exit with
     no add); the pairs' order is the keys', never the sort's, so it shows nothing of the rows' order."""
-    if op_name_of(n) != "getitem" or not isinstance(n.args[1], fx.Node) or _inverse_write(n.args[1], region) is None:
+    if name_of(n) != "getitem" or not isinstance(n.args[1], fx.Node) or _inverse_write(n.args[1], region) is None:
         return None
     return None, n.args[1], n.args[0]
 
@@ -196,8 +196,8 @@ def _grow(gm: fx.GraphModule, region: Region) -> bool:
                 region.stacks.append(stack)
             continue
         if not uses_rows:
-            if op_name_of(n) in COUNT_OPS and n.all_input_nodes and all(a in counted for a in n.all_input_nodes) \
-                    and static_shape(n) is not None and len(static_shape(n)) == 1:  # per expert still: [experts]
+            if name_of(n) in COUNT_OPS and n.all_input_nodes and all(a in counted for a in n.all_input_nodes) \
+                    and shape_of(n) is not None and len(shape_of(n)) == 1:  # per expert still: [experts]
                 counted.add(n)
             continue
         added = added_back(n)
@@ -213,8 +213,8 @@ def _grow(gm: fx.GraphModule, region: Region) -> bool:
             a, b, offs = n.args[0], n.args[1], argument(n, 2, "offs")
             extra = [x for x in list(n.args[3:]) + [v for k, v in n.kwargs.items() if k != "offs"] if x is not None]
             if a in inside and b not in inside and offs in counted and runs_a_cumsum(offs) and not extra \
-                    and static_shape(b) is not None \
-                    and static_shape(b)[0] == region.experts:
+                    and shape_of(b) is not None \
+                    and shape_of(b)[0] == region.experts:
                 inside.add(n)
                 if b not in region.stacks:
                     region.stacks.append(b)
@@ -234,7 +234,8 @@ def _grow(gm: fx.GraphModule, region: Region) -> bool:
     region.count_nodes = sorted((c for c in counted if c is not region.counts and _feeds(c, inside, counted)),
                                 key=order.__getitem__)
     others = [a for n in region.rows if n not in region.seeds and n not in region.spreads for a in n.all_input_nodes
-              if a not in inside and a not in counted and a not in region.stacks and isinstance(example(a), torch.Tensor)]
+              if a not in inside and a not in counted and a not in region.stacks
+              and isinstance(example(a), torch.Tensor)]
     region.others = list(dict.fromkeys(others))
     return bool(region.exits) and bool(region.stacks)
 
@@ -245,30 +246,31 @@ def _spread(n: fx.Node, region: Region, counted: set) -> fx.Node | None:
     ``cat([S, S.new_zeros(1, ..)]).repeat_interleave(cat([counts, (N - cumsum(counts)[-1]).unsqueeze(0)]),
     dim=0, output_size=N)`` with ``N`` the pairs: the counts sum to ``N``, so the padding row is repeated 0 times.
     On a rank that is its experts' rows of ``S`` repeated by their counts, as many as the rows it received."""
-    if op_name_of(n) != "repeat_interleave" or argument(n, 2, "dim") != 0 or len(n.args) < 2 or static_shape(n) is None:
+    if name_of(n) != "repeat_interleave" or argument(n, 2, "dim") != 0 or len(n.args) < 2 or shape_of(n) is None:
         return None
-    pairs = static_shape(region.keys)[0]
+    pairs = shape_of(region.keys)[0]
     source, repeats = n.args[0], strip_calls(argument(n, 1, "repeats"), ("long", "to", "int"))
-    if argument(n, 3, "output_size", pairs) != pairs or not isinstance(static_shape(n)[0], int) or static_shape(n)[0] != pairs:
+    if argument(n, 3, "output_size", pairs) != pairs or not isinstance(shape_of(n)[0], int) or shape_of(n)[0] != pairs:
         return None
     if repeats is region.counts:
         stack = source
-    elif op_name_of(source) == "cat" and op_name_of(repeats) == "cat" and argument(source, 1, "dim", 0) == 0 \
+    elif name_of(source) == "cat" and name_of(repeats) == "cat" and argument(source, 1, "dim", 0) == 0 \
             and argument(repeats, 1, "dim", 0) == 0 and len(source.args[0]) == 2 and len(repeats.args[0]) == 2:
         stack, pad = source.args[0]
         counts, tail = repeats.args[0]
         tail = strip_calls(tail, ("long", "to", "int", "unsqueeze", "view", "reshape"))
-        last = tail.args[1] if op_name_of(tail) == "sub" and tail.args[0] == pairs and len(tail.args) == 2 else None
-        total = strip_calls(last.args[0], ("long", "to", "int")) if op_name_of(last) == "getitem" else None
+        last = tail.args[1] if name_of(tail) == "sub" and tail.args[0] == pairs and len(tail.args) == 2 else None
+        total = strip_calls(last.args[0], ("long", "to", "int")) if name_of(last) == "getitem" else None
         if strip_calls(counts, ("long", "to", "int")) is not region.counts or total is None or last.args[1] != -1 \
-                or last.args[0] not in counted or op_name_of(total) != "cumsum" or argument(total, 1, "dim", 0) not in (0, -1) \
+                or last.args[0] not in counted or name_of(total) != "cumsum" \
+                or argument(total, 1, "dim", 0) not in (0, -1) \
                 or strip_calls(total.args[0], ("long", "to", "int")) is not region.counts \
-                or op_name_of(pad) not in ("new_zeros", "zeros") or static_shape(pad) is None or static_shape(pad)[0] != 1:
+                or name_of(pad) not in ("new_zeros", "zeros") or shape_of(pad) is None or shape_of(pad)[0] != 1:
             return None
     else:
         return None
-    shape = static_shape(stack)
-    if not isinstance(stack, fx.Node) or shape is None or shape[0] != region.experts or shape[1:] != static_shape(n)[1:]:
+    shape = shape_of(stack)
+    if not isinstance(stack, fx.Node) or shape is None or shape[0] != region.experts or shape[1:] != shape_of(n)[1:]:
         return None
     return stack
 
@@ -277,14 +279,15 @@ def _by_sorted_keys(n: fx.Node, region: Region) -> fx.Node | None:
     """The stack ``S`` where ``n`` is ``S[sort(keys)[0]]``, each sorted row's expert's row of ``S`` (transformers'
     grouped_mm experts gather their biases so): the sorted keys are each expert ``e`` ``counts[e]`` times, so that
     is ``S.repeat_interleave(counts, dim=0)``, a spread (``_spread``) whatever order the sort left within an expert."""
-    if op_name_of(n) != "getitem" or n.op != "call_function" or not isinstance(n.args[1], fx.Node):
+    if name_of(n) != "getitem" or n.op != "call_function" or not isinstance(n.args[1], fx.Node):
         return None
     stack, index = n.args
-    sort = region.order.args[0] if op_name_of(region.order) == "getitem" else None
-    if op_name_of(index) != "getitem" or index.args[0] is not sort or index.args[1] != 0 or sort.args[0] is not region.keys:
+    sort = region.order.args[0] if name_of(region.order) == "getitem" else None
+    if name_of(index) != "getitem" or index.args[0] is not sort or index.args[1] != 0 \
+            or sort.args[0] is not region.keys:
         return None
-    shape = static_shape(stack)
-    if shape is None or shape[0] != region.experts or static_shape(n) != (static_shape(region.keys)[0], *shape[1:]):
+    shape = shape_of(stack)
+    if shape is None or shape[0] != region.experts or shape_of(n) != (shape_of(region.keys)[0], *shape[1:]):
         return None
     return stack
 
@@ -310,9 +313,9 @@ def _find(gm: fx.GraphModule) -> list[Region]:
         if counted is None:
             continue
         region = Region(order, keys, counted[0], counted[1])
-        if static_shape(keys) is None:
+        if shape_of(keys) is None:
             continue
-        pairs = static_shape(keys)[0]
+        pairs = shape_of(keys)[0]
         region.indices = {n: k for n in gm.graph.nodes if (k := _index_k(n, region)) is not None}
         for n in gm.graph.nodes:
             got = _gathered(n, region)
@@ -320,7 +323,7 @@ def _find(gm: fx.GraphModule) -> list[Region]:
                 continue
             source, index = got
             k = region.indices[index]
-            if static_shape(source) is not None and static_shape(source)[0] * k == pairs and source not in region.seeds:
+            if shape_of(source) is not None and shape_of(source)[0] * k == pairs and source not in region.seeds:
                 region.seeds[n] = (source, k)
         if region.seeds and _grow(gm, region):
             regions.append(region)
@@ -363,7 +366,7 @@ def _pairs(graph: fx.Graph, source: fx.Node, k: int) -> fx.Node:
     """A token-space tensor in pair space: each row repeated ``k`` times (a view of a broadcast: no gather)."""
     if k == 1:
         return source
-    shape = static_shape(source)
+    shape = shape_of(source)
     wide = graph.call_method("expand", (graph.call_method("unsqueeze", (source, 1)), shape[0], k, *shape[1:]))
     return graph.call_method("reshape", (wide, shape[0] * k, *shape[1:]))
 
@@ -382,7 +385,7 @@ def _replace(gm: fx.GraphModule, region: Region) -> None:
         outs = {s: graph.call_function(operator.getitem, (call, i)) for i, s in enumerate(sources)}
     for node, (dest, index, source) in region.exits.items():
         k = 1 if dest is None else region.indices[index]  # an unsorting gather's rows are the op's (_unsorts)
-        shape = static_shape(source)
+        shape = shape_of(source)
         with graph.inserting_before(node):
             out = outs[source]
             if k > 1:
