@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from fxshard.costs import CostModel
 from fxshard.graph import LOCAL_REGION, output_layouts
 from fxshard.layout import Layout
-from fxshard.lowering.collective_ops import COLLECTIVES, NAMESPACE
 from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import own_shard_indexing
 from fxshard.mesh import MeshSpec
@@ -42,7 +41,7 @@ from fxshard.backend.capture.inputs import named_inputs
 from fxshard.backend.layers.regional_program import Region, RegionalProgram, RegionRole
 from fxshard.backend.programs.lower_for_rank import lower_for_rank
 from fxshard.backend.programs.stage6 import Cut, cut_into_regions
-from fxshard.backend.reports.traffic import received_by_rank
+from fxshard.backend.reports.traffic import functional_group, received_by_rank
 
 
 @contextlib.contextmanager
@@ -125,11 +124,9 @@ class RankTraffic(TorchDispatchMode):
 
     def record(self, func: Any, args: Sequence[Any], out: Any) -> None:
         """Add what each rank received in ``func(*args) -> out`` where ``func`` is a functional collective."""
-        packet = getattr(func, "_overloadpacket", None)
-        if packet is None or packet._qualified_op_name != f"{NAMESPACE}::{packet.__name__}" \
-                or packet.__name__ not in COLLECTIVES:
+        name = functional_group(func, args)
+        if name is None:
             return
-        name = args[COLLECTIVES[packet.__name__].group_at]
         for r, coord in enumerate(self.coords):
             index = self.groups.index_in_group(name, coord)
             if index is None:

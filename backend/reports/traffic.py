@@ -86,6 +86,12 @@ def collective_call(op: Any, args: Sequence[Any]) -> CollectiveCall | None:
     return None
 
 
+def functional_group(op: Any, args: Sequence[Any]) -> str | None:
+    """The group name a functional collective ``op(*args)`` runs on, or None for any other op."""
+    collective = _FUNCTIONAL.get(getattr(op, "_overloadpacket", op))
+    return None if collective is None else args[collective.group_at]
+
+
 def received_by_rank(op: Any, args: Sequence[Any], output: Any, index_in_group: int) -> int:
     """Bytes one rank received in a collective it ran (``args`` its arguments, ``output`` its result, real
     tensors), ``index_in_group`` its place in the group: an all_to_all with split sizes counts the rows that
