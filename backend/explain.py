@@ -27,6 +27,7 @@ from fxshard.backend.capture.capture import Captured, capture_graphs, outputs_on
 from fxshard.backend.driver import PlannedProgram
 from fxshard.backend.graph_runs import RunPlanner
 from fxshard.backend.simulate import SimulatedGraphs, holds_every_rank
+from fxshard.backend.reports.flops import flops_by_rank
 from fxshard.backend.reports.report import StageReporter, label_of
 
 
@@ -100,6 +101,11 @@ class Explanation(Communication):
     def memory(self) -> MemoryReport:
         return memory_report(self.graph)
 
+    @property
+    def flops_by_rank(self) -> list[int]:
+        """Each rank's FLOPs (its local program's, as torch's FlopCounterMode counts them), rank by rank."""
+        return flops_by_rank(self.graph)
+
     def report(self) -> str:
         """Every collective with why it is there, totals per mesh axis, memory per rank."""
         lines = [f"{c}: {c.reason}" for c in self.collectives] or ["no communication"]
@@ -138,6 +144,12 @@ class Explanations(Communication):
     @property
     def collectives(self) -> list[Collective]:  # type: ignore[override]
         return [c for e in self.graphs for c in e.collectives]
+
+    @property
+    def flops_by_rank(self) -> list[int]:
+        """Each rank's FLOPs summed over the graph runs."""
+        per_graph = [e.flops_by_rank for e in self.graphs]
+        return [sum(f) for f in zip(*per_graph)]
 
     def __len__(self) -> int:
         return len(self.graphs)

@@ -204,6 +204,8 @@ def run_lockstep(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[tor
                 env[i] = first.target(args[0], *splits, first.args[3])
                 if traffic is not None:
                     traffic.record(first.target, (args[0], *splits, first.args[3]), env[i])
+            elif isinstance(first.meta.get("val"), (tuple, list)):  # rank-specific arguments, several outputs
+                env[i] = _per_rank_call(mode, nodes, lambda r, a: _rank_value(env[indexes[r][a]], r))
             else:
                 def per_rank(r: int) -> torch.Tensor:
                     n = nodes[r]

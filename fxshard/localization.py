@@ -106,5 +106,16 @@ class RoutedGroup:
     axes: Any = None  # node -> the dispatch group's axes (fxshard.routing.group_axes)
 
 
+@dataclass(frozen=True)
+class QueryRows:
+    """A causal attention kernel (``rules_attention.QUERY_ROWS_OPS``) whose query rows are sharded, its keys
+    whole: each contiguous run of the rank's rows sees the keys before it whole and its own block
+    causally, so the rank calls the kernel once per (run, block) and combines: the outputs weighted by
+    their logsumexps (``backward`` False), or the query gradients summed and the key gradients placed at
+    their keys (a Partial(sum) over the sequence's axes). lowering/query_rows.py writes it."""
+
+    backward: bool = False
+
+
 Recipe = (LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate
-          | GlobalIndices | RoutedGroup)
+          | GlobalIndices | RoutedGroup | QueryRows)

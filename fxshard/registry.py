@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from . import routing, rules, rules_attention, rules_moe
 from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
-from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, Recipe, SelectIndex, SliceRange,
-                           SplitSizes)
+from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, QueryRows, Recipe, SelectIndex,
+                           SliceRange, SplitSizes)
 from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, WRITE_INTO, Declared, Kind, Ranges
 from .ops import CONSTRAIN, REDISTRIBUTE
 from .rules import LINEAR_OPS, einsum
@@ -68,6 +68,11 @@ def einsum_op(spec: str, reduce: str = "sum", partial_groups: Sequence[Sequence[
 def signature_op(rule: Any, localize: Recipe | None = None, **traits: Any) -> Op:
     """An op whose signature ``rule(node)`` computes from the node (its shapes, dims, flags)."""
     return Op(Declared(rule), localize, **traits)
+
+
+def _query_rows(op: Any, backward: bool = False) -> QueryRows | None:
+    """The recipe of an attention kernel whose causal calls stage 4 cuts into the rank's query rows."""
+    return QueryRows(backward) if op in rules_attention.QUERY_ROWS_OPS else None
 
 
 _view = Op(VIEW, LocalShape(1), relabels=True)
@@ -185,8 +190,9 @@ OPS: dict[Any, Op] = {
         rules.index_put_accumulate, MaskedAccumulate(target=0, indices=2, values=3, mask=1)),
     aten._grouped_mm.default: signature_op(rules_moe.grouped_mm),  # forward, and both forms of its backward
     # attention kernels: batch and heads independent
-    **{op.default: signature_op(rules_attention.attention) for op in rules_attention.ATTENTION_OPS},
-    **{op.default: signature_op(rules_attention.attention_backward) for op in rules_attention.ATTENTION_BACKWARD_OPS},
+    **{op.default: signature_op(rules_attention.attention, _query_rows(op)) for op in rules_attention.ATTENTION_OPS},
+    **{op.default: signature_op(rules_attention.attention_backward, _query_rows(op, backward=True))
+       for op in rules_attention.ATTENTION_BACKWARD_OPS},
     FLEX_ATTENTION: signature_op(flex_attention, FORWARD_INDICES),  # a higher-order op: fxshard/flex_attention.py
     # factories (rand_like/randn_like are not *_like: drawn in global shape, fxshard/decompose.py says why)
     aten.ones_like.default: Op(LIKE),

@@ -81,13 +81,26 @@ def _per_query_output(shape: Sequence[int] | None, q: Sequence[int], i: int) -> 
     return tuple(names)
 
 
+def _queries_independent(node: Any, q: Sequence[int], k: Sequence[int]) -> bool:
+    """Whether the call's query rows may be sharded (context parallelism: q, its mask rows and the
+    outputs on the sequence, k and v whole): always without dropout, where one device's random
+    mask cannot be cut; a causal call only on a kernel whose rank-local form stage 4 knows
+    (``QUERY_ROWS_OPS``: keys before the rank's rows whole, its own block causal) and where queries
+    and keys are one sequence (torch aligns a causal mask of unequal lengths top-left)."""
+    if _argument(node, "dropout_p"):
+        return False
+    if not _argument(node, "is_causal"):
+        return True
+    return node.target.overloadpacket in QUERY_ROWS_OPS and q[2] == k[2] and _argument(node, "attn_mask") is None
+
+
 def attention(node: Any) -> Signature | None:
     """The ATen attention kernels: batch and heads are independent; key seq and head dims stay whole.
 
-    Queries of a non-causal, unmasked call are independent too (context parallelism of q), unless
-    an extra output's dim 2 is not the query length (the efficient kernel's logsumexp is padded to
-    32 queries). Fewer k/v heads than the pieces of q's heads keep their major part (strategies.fit):
-    multi-query k/v (one head) are read whole by every rank's q heads.
+    Queries are independent too (context parallelism) where ``_queries_independent`` says so,
+    unless an extra output's dim 2 is not the query length (the efficient kernel's logsumexp is
+    padded to 32 queries). Fewer k/v heads than the pieces of q's heads keep their major part
+    (strategies.fit): multi-query k/v (one head) are read whole by every rank's q heads.
     """
     tensors = _named_tensors(node)
     shapes = dict(tensors)
@@ -102,7 +115,7 @@ def attention(node: Any) -> Signature | None:
             return None
         ins.append(f)
     whole = {"t", "d", "e"}
-    if _argument(node, "is_causal") or len(ins) > 3:
+    if not _queries_independent(node, q, k):
         whole.add("s")
     outs = node.meta["val"]
     extra = tuple(_per_query_output(tuple(o.shape) if isinstance(o, torch.Tensor) else None, q, i)
@@ -114,9 +127,11 @@ def attention(node: Any) -> Signature | None:
 
 
 def attention_backward(node: Any) -> Signature | None:
-    """The ATen attention backward kernels: (batch, heads) blocks are independent, all else whole.
+    """The ATen attention backward kernels: (batch, heads) blocks are independent, and query rows
+    where the forward's are (``_queries_independent``); key rows and head dims whole.
 
-    grad_query, grad_key, grad_value (and the efficient kernel's grad_bias) are laid out as their
+    Sharded query rows give grad_key and grad_value each rank's rows' share: a Partial(sum) over
+    the sequence's axes (``Signature.summed``). grad_query, grad_key, grad_value (and the efficient kernel's grad_bias) are laid out as their
     inputs: grouped-query k/v heads share q's heads factor and keep its major part (strategies.fit),
     so their gradients sum over the q heads the other ranks of their group hold (multi-query: all of
     them), a Partial(sum) there (``Signature.group_sums``); so does a broadcast bias's gradient over
@@ -136,6 +151,8 @@ def attention_backward(node: Any) -> Signature | None:
             f = _mask_factors(shape, (q[0], q[1], q[2], k[2]), broadcast_named=True)
         elif name == "logsumexp":  # [b, h, s], [b, h, s, 1] (cuDNN) or [b, h, padded s] (efficient)
             f = ("b", "h") + own[2:] if len(shape) >= 3 and tuple(shape[:2]) == tuple(q[:2]) else None
+            if f is not None and shape[2] == q[2]:
+                f = ("b", "h", "s") + own[3:]
         else:  # RNG seed and offset, sequence offsets: replicated
             f = own
         if f is None:
@@ -151,10 +168,13 @@ def attention_backward(node: Any) -> Signature | None:
             return None
         else:
             outs.append(by_name[name])
-    whole = frozenset(f for dims in ins for f in dims if f is not None and f not in ("b", "h"))
+    whole = {f for dims in ins for f in dims if f is not None and f not in ("b", "h", "s")}
+    padded = any(f is not None and f.startswith("w") for f in by_name.get("logsumexp", ())[2:3])
+    if padded or not _queries_independent(node, q, k):
+        whole.add("s")
     grouped = ((1, 2) if k[1] < q[1] else ()) + ((3,) if len(outs) > 3 and outs[3] else ())
-    return Signature(tuple(ins), outs[0], whole=whole, partial_ops=(), extra_outputs=tuple(outs[1:]),
-                     group_sums=grouped)
+    return Signature(tuple(ins), outs[0], whole=frozenset(whole), partial_ops=(), extra_outputs=tuple(outs[1:]),
+                     group_sums=grouped, summed=((), ("s",), ("s",)))
 
 
 ATTENTION_OPS = tuple(op for op in (
@@ -164,6 +184,15 @@ ATTENTION_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),
     getattr(aten, "_scaled_dot_product_fused_attention_overrideable", None),
     getattr(aten, "_scaled_dot_product_attention_math", None),
+) if op is not None)
+
+# kernels whose causal calls stage 4 rewrites for a rank's query rows (lowering/query_rows.py): their calls
+# without mask or dropout take (q, k, v, is_causal) and give (out, logsumexp [b, h, s]) first, and their
+# backward reads the logsumexp and the output it is given (so a row's gradient over a block of keys is the
+# same kernel called on those keys with the whole row's logsumexp)
+QUERY_ROWS_OPS = tuple(op for op in (
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
 ) if op is not None)
 
 ATTENTION_BACKWARD_OPS = tuple(op for op in (

@@ -22,9 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_
 
 from fxshard.graph import GROUP_AXES, LAYOUT, LOCAL_REGION, LOCALIZE, argument_leaves, copy_graph_module, metadata
 from fxshard.layout import Layout
-from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, RoutedGroup,
-                                  SelectIndex, SliceRange, SplitSizes)
+from fxshard.localization import (GlobalIndices, LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, QueryRows,
+                                  RoutedGroup, SelectIndex, SliceRange, SplitSizes)
 from fxshard.mesh import Coordinate
+from .query_rows import localize_query_rows
 
 aten = torch.ops.aten  # the ops stage 4 writes into a local program (slices, pads, masks)
 
@@ -321,6 +322,7 @@ _RECIPES = {
     MaskedAccumulate: _localize_accumulate,
     GlobalIndices: _localize_indices,
     RoutedGroup: _localize_routed,
+    QueryRows: localize_query_rows,
 }
 
 

@@ -257,3 +257,18 @@ def test_dropless_moe_trains_with_experts_dispatched_on_four_gloo_ranks():
         # Dynamo's graphs: the model's, and the routed op's forward and backward, each compiled once for
         # both steps' routings (its split sizes unbacked)
         assert result["graphs"]["unique_graphs"] == 3, (rank, result)
+
+
+def test_context_parallel_training_on_two_gloo_ranks():
+    """Two Llama-style blocks with the input Shard(1) on cp=2 (tests/cp_programs.py): two SGD steps through
+    torch.compile equal one device's (loss and every parameter's update); the compiled programs ran fxshard's
+    causal-rows attention forward and backward (each rank its rows over the keys before them)."""
+    with examples_and_tests_on_path():
+        import cp_programs
+        from ranks import spawn
+
+        results = spawn(cp_programs.sgd_steps, 2, timeout=600.0, steps=2)
+    for rank, result in results.items():
+        assert result["loss_error"] < 1e-4, (rank, result)
+        assert result["update_error"] < 1e-3, (rank, result)
+        assert result["stages"], (rank, result)

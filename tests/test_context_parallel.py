@@ -1,0 +1,177 @@
+"""Context parallelism (issue 68): the sequence dim sharded on a ``cp`` axis through causal attention.
+
+Q, the residual stream and the MLP stay sequence-sharded; only K and V are all-gathered (the Llama 3
+way), and each rank's causal attention runs on its own rows over the keys before them and its own
+block (fxshard/causal_rows.py); the backward's dK/dV come back as Partial sums over cp. Checked on
+simulated ranks against one device, on fresh random data: outputs and every gradient; the bytes
+``explain`` plans; and each rank's FLOPs (``flops_by_rank``, as torch's FlopCounterMode counts them).
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, _StridedShard
+
+import fxshard
+from fxshard.backend.explain import collectives_of, explain
+from fxshard.backend.reports.flops import counting_mode
+from fxshard.backend.simulate import simulate_ranks
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from cp_programs import CFG, Blocks  # noqa: E402
+from models.llama import COLUMN_PARALLEL, ROW_PARALLEL, Llama, LlamaConfig  # noqa: E402
+
+B, S = 2, 64
+
+
+def _fresh(seed: int, cfg: LlamaConfig = CFG) -> tuple[Blocks, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Blocks(cfg), torch.randn(B, S, cfg.dim, requires_grad=True)
+
+
+def _check_training(model: nn.Module, x: torch.Tensor, mesh: fxshard.MeshSpec, placements: dict,
+                    grad_out: torch.Tensor | None = None) -> dict[str, int]:
+    """Simulated ranks' output and every gradient (input and parameters) equal one device's; the plan's counts."""
+    sim = simulate_ranks(model, x, mesh=mesh, placements=placements, grad=True)
+    out = model(x)
+    names = [0] + [n for n, _ in model.named_parameters()]
+    want = dict(zip(names, torch.autograd.grad(out.sum(), [x] + list(model.parameters()))))
+    torch.testing.assert_close(sim.full()[0], out.detach(), rtol=1e-5, atol=1e-5)
+    got = sim.full_grads()
+    assert set(got) == set(want)
+    for name in names:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    counts: dict[str, int] = {}
+    for c in collectives_of(sim.graph):
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    return counts
+
+
+def _kv_bytes(cfg: LlamaConfig, layers: int, cp: int, tp: int = 1) -> float:
+    """What gathering K and V costs a rank: 2 x layers x (cp-1)/cp x the K/V bytes (a tp rank's heads)."""
+    kv = B * S * cfg.n_kv_heads * cfg.head_dim * 4 // tp
+    return 2 * layers * (cp - 1) / cp * kv
+
+
+def test_two_blocks_cp4_exact_moving_only_keys_and_values():
+    model, x = _fresh(0)
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    counts = _check_training(model, x, mesh, placements)
+    # training: K, V gathered per layer (kept for the backward), dK + dV + dQ's input gradient reduce-scattered
+    # once per layer beside the normed input's gather, every replicated weight's gradient all-reduced
+    assert counts == {"all_gather": 6, "reduce_scatter": 2, "all_reduce": 18}
+    e = explain(model, x.detach(), mesh=mesh, placements=placements)
+    assert e.bytes_per_rank <= 1.1 * _kv_bytes(CFG, 2, 4) + 4096
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 4
+
+
+def test_flops_by_rank_balanced_and_not_duplicated():
+    model, x = _fresh(1)
+    x = x.detach()
+    with counting_mode() as one_device:
+        model(x)
+    for placement in ((Shard(1),), (_StridedShard(1, split_factor=2),)):
+        flops = explain(model, x, mesh=fxshard.MeshSpec(cp=4), placements={0: placement}).flops_by_rank
+        assert len(flops) == 4
+        assert max(flops) / (sum(flops) / 4) <= 1.15, (placement, flops)
+        assert sum(flops) <= 1.15 * one_device.get_total_flops(), (placement, flops)
+
+
+def test_round_robin_rows_balance_causal_attention():
+    """Rank r's rows of a contiguous shard see r+1 blocks of keys: the last rank does most of the attention;
+    a strided (round-robin) layout of the sequence, DTensor's _StridedShard, evens it out, exactly."""
+    cfg = LlamaConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=128)
+    model, x = _fresh(2, cfg)
+
+    def flops(placement: tuple) -> list[int]:
+        return explain(model, x.detach(), mesh=fxshard.MeshSpec(cp=4), placements={0: placement}).flops_by_rank
+
+    contiguous, strided = flops((Shard(1),)), flops((_StridedShard(1, split_factor=4),))
+    spread = [max(f) - min(f) for f in (contiguous, strided)]
+    assert spread[1] * 3 < spread[0], (contiguous, strided)
+    _check_training(model, x, fxshard.MeshSpec(cp=4), {0: (_StridedShard(1, split_factor=4),)})
+
+
+def test_cp2_tp2_megatron_exact():
+    model, x = _fresh(3)
+    placements = {0: (Shard(1), Replicate())}
+    for name, _ in model.named_parameters():
+        if any(k in name for k in COLUMN_PARALLEL):
+            placements[name] = (Replicate(), Shard(0))
+        elif any(k in name for k in ROW_PARALLEL):
+            placements[name] = (Replicate(), Shard(1))
+    mesh = fxshard.MeshSpec(cp=2, tp=2)
+    _check_training(model, x, mesh, placements)
+    e = explain(model, x.detach(), mesh=mesh, placements=placements)
+    # K, V of the rank's heads gathered on cp; the row-parallel projections' partial sums reduced on tp
+    by_axes = e.bytes_by_axes()
+    assert by_axes["cp"] <= 1.1 * _kv_bytes(CFG, 2, 2, tp=2) + 4096, by_axes
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sharded_queries_with_grouped_heads_and_masks(causal):
+    """Grouped-query k/v (fewer heads than q) and, non-causal, an additive mask sharded with the queries."""
+    g = torch.Generator().manual_seed(4 + causal)
+    q = torch.randn(B, 8, S, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, 2, S, 16, generator=g, requires_grad=True) for _ in range(2))
+    mask = None if causal else torch.randn(B, 1, S, S, generator=g)
+
+    def fn(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=causal,
+                                              enable_gqa=True)
+
+    args = (q, k, v) + (() if mask is None else (mask,))
+    placements = {i: (Shard(2),) for i in range(len(args))}
+    sim = simulate_ranks(fn, *args, mesh=fxshard.MeshSpec(cp=4), placements=placements, grad=True)
+    out = fn(*args)
+    want = torch.autograd.grad(out.sum(), [q, k, v])
+    torch.testing.assert_close(sim.full()[0], out.detach(), rtol=1e-5, atol=1e-5)
+    got = sim.full_grads()
+    for i, w in enumerate(want):
+        torch.testing.assert_close(got[i], w, rtol=1e-5, atol=1e-5)
+    kinds = {c.kind for c in collectives_of(sim.graph)}
+    assert kinds <= {"all_gather", "reduce_scatter"}, kinds  # K/V gathered, dK/dV reduce-scattered; q never moves
+
+
+def test_examples_llama_cp4_exact():
+    """The examples' Llama (embedding, rotary table, grouped-query heads, loss) with the tokens Shard(1) on cp."""
+    torch.manual_seed(5)
+    model = Llama(LlamaConfig(vocab_size=128, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128))
+    tokens, targets = (torch.randint(0, 128, (B, S)) for _ in range(2))
+    placements = {0: (Shard(1),), 1: (Shard(1),)}
+    sim = simulate_ranks(model.loss, tokens, targets, mesh=fxshard.MeshSpec(cp=4), placements=placements, grad=True)
+    loss = model.loss(tokens, targets)
+    want = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+    torch.testing.assert_close(sim.full()[0], loss.detach(), rtol=1e-5, atol=1e-6)
+    got = sim.full_grads()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    queries = [c for c in collectives_of(sim.graph) if c.kind == "all_gather" and c.bytes_per_rank > 4096]
+    assert len(queries) <= 3 * 2, queries  # per layer: K, V and the normed input for the backward's weight grads
+
+
+def test_hugging_face_llama_cp4_exact():
+    """transformers' LlamaForCausalLM (its SDPA attention, causal mask from the cache positions) with the ids
+    Shard(1) on cp=4: logits equal one device's, and attention moves only K and V (gathered)."""
+    transformers = pytest.importorskip("transformers")
+    from hint_programs import Logits
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(6)
+    model = Logits(transformers.LlamaForCausalLM(cfg).eval())
+    ids = torch.randint(0, 256, (B, S))
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    with torch.no_grad():
+        want = model(ids)
+        got = fxshard.simulate(model, ids, mesh=mesh, placements=placements)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    e = explain(model, ids, mesh=mesh, placements=placements)
+    kv = B * S * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # one K or V
+    assert e.bytes_per_rank <= 1.1 * (2 * 2 * 3 / 4 * kv) + 4096, e.report()  # 2 layers x (K, V) x (cp-1)/cp
