@@ -13,12 +13,19 @@ GraphModule), called with ``(b, h, q_idx, kv_idx)`` of each score. The signature
 - tensors the subgraphs capture (``score_buffers``, ``mask_buffers``: an ALiBi slope table) stay whole,
   since the subgraphs may index them anywhere.
 
+Query rows shard too (context parallelism, the sequence dim of q on a ``cp`` axis, k and v whole):
+the block mask's per-query-block tensors (``kv_num_blocks``, ``kv_indices`` and their ``full_``
+pair: which key blocks each query block reads, [B, H, query blocks, ...]) follow q's rows, one
+block of ``Q_BLOCK_SIZE`` rows per entry, and its per-key-block tensors (``q_num_blocks``, ...:
+the backward's) stay whole. A rank's rows must be one contiguous run of whole blocks.
+
 What a subgraph sees of a sharded dim: the local program calls the kernel on the rank's heads, so
 the kernel hands the subgraphs local indices ``h`` in ``[0, heads / n)``. A score_mod that reads the
 head (ALiBi's slope of head ``h``) must see the global head, as on one device: stage 4 gives each
-rank a copy of both subgraphs whose batch and head indices are shifted by the rank's first batch row
-and first head (``localization.GlobalIndices``), and refuses where the rank's heads are not one
-contiguous run (then there is no shift that makes them global).
+rank a copy of both subgraphs whose batch, head and query indices are shifted by the rank's first
+batch row, head and query row (``localization.GlobalIndices``; a causal mask_mod compares the global
+``q_idx`` with ``kv_idx``), and refuses where the rank's heads are not one contiguous run (then there
+is no shift that makes them global). The block mask's query length becomes the rank's.
 """
 from __future__ import annotations
 
@@ -36,9 +43,14 @@ FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 # the subgraphs flex_attention calls, as (path in its arguments, (placeholder, dim of q it indexes)):
 # score_mod(score, b, h, q_idx, kv_idx, *buffers) is argument 3; mask_mod(b, h, q_idx, kv_idx, *buffers)
 # is the block mask's (argument 4) last element
-FORWARD_INDICES = GlobalIndices(of=0, subgraphs=(((3,), ((1, 0), (2, 1))), ((4, -1), ((0, 0), (1, 1)))))
+# (score_mod's q_idx: placeholder 3; mask_mod's: 2). The block mask (argument 4) is BlockMask.as_tuple():
+# Q_LEN, KV_LEN, the per-query-block tensors (2-5), the per-key-block ones (6-9), the backward's write
+# orders (10-13), Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod
+FORWARD_INDICES = GlobalIndices(of=0, subgraphs=(((3,), ((1, 0), (2, 1), (3, 2))), ((4, -1), ((0, 0), (1, 1), (2, 2)))),
+                                lengths=(((4, 0), 2),), blocks=(((4, 14), 2),))
 
 _Q, _K, _V, _BLOCK_MASK, _SCORE_BUFFERS, _MASK_BUFFERS = 0, 1, 2, 4, 7, 8
+_Q_LEN, _KV_LEN, _PER_QUERY_BLOCK = 0, 1, range(2, 6)
 
 
 def _shape(a: Any) -> tuple[int, ...] | None:
@@ -58,8 +70,9 @@ def _heads_agree(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
             and q[1] % k[1] == 0 and k[2] == v[2])
 
 
-def _block_mask_factors(shape: Sequence[int], q: Sequence[int], i: int) -> tuple[str | None, ...] | None:
-    """A block-mask tensor ``[B|1, H|1, blocks...]``: its batch and heads are q's (or broadcast), the rest whole."""
+def _block_mask_factors(shape: Sequence[int], q: Sequence[int], i: int, element: int) -> tuple[str | None, ...] | None:
+    """A block-mask tensor ``[B|1, H|1, blocks...]``: its batch and heads are q's (or broadcast); a per-query-block
+    one's query blocks (dim 2) are q's rows in blocks, the rest whole."""
     if len(shape) < 2:
         return None
     lead: list[str | None] = []
@@ -70,7 +83,10 @@ def _block_mask_factors(shape: Sequence[int], q: Sequence[int], i: int) -> tuple
             lead.append(factor)
         else:
             return None
-    return tuple(lead) + tuple(f"m{i}_{d}" for d in range(2, len(shape)))
+    rest = [f"m{i}_{d}" for d in range(2, len(shape))]
+    if element in _PER_QUERY_BLOCK and rest:
+        rest[0] = "s"
+    return tuple(lead) + tuple(rest)
 
 
 def flex_attention(node: fx.Node) -> Signature | None:
@@ -82,12 +98,14 @@ def flex_attention(node: fx.Node) -> Signature | None:
     if q is None or k is None or v is None or not _heads_agree(q, k, v):
         return None
     factors = {_Q: ("b", "h", "s", "d"), _K: ("b", "h", "t", "d"), _V: ("b", "h", "t", "e")}
+    block_mask = node.args[_BLOCK_MASK]
+    elements = iter([e for e, a in enumerate(block_mask) if _shape(a) is not None])
     ins: list[tuple[str | None, ...]] = []
     for j, (position, shape) in enumerate(tensors):
         if position in factors:
             f = factors[position]
         elif position == _BLOCK_MASK:
-            f = _block_mask_factors(shape, q, j)
+            f = _block_mask_factors(shape, q, j, next(elements))
         elif position in (_SCORE_BUFFERS, _MASK_BUFFERS):
             f = tuple(f"w{j}_{d}" for d in range(len(shape)))
         else:
@@ -101,6 +119,8 @@ def flex_attention(node: fx.Node) -> Signature | None:
     shapes = [tuple(o.shape) for o in outs]
     if shapes[0] != (q[0], q[1], q[2], v[3]) or any(s != tuple(q[:3]) for s in shapes[1:]):
         return None
-    whole = {f for dims in ins for f in dims if f is not None and f not in ("b", "h")}
+    whole = {f for dims in ins for f in dims if f is not None and f not in ("b", "h", "s")}
+    if (block_mask[_Q_LEN], block_mask[_KV_LEN]) != (q[2], k[2]):
+        whole.add("s")  # a block mask of other lengths: its blocks are not q's rows
     return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole),
                      extra_outputs=tuple(("b", "h", "s") for _ in shapes[1:]))

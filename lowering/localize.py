@@ -256,6 +256,18 @@ def _localize_indices(node: fx.Node, recipe: GlobalIndices, coordinate: Coordina
     each sharded dim to the index it is given: the kernel counts heads from 0 on every rank."""
     layout = node.args[recipe.of].meta[LAYOUT]
     gm = node.graph.owning_module
+    for path, d in recipe.blocks:
+        block = _at(node.args, path)
+        if layout.dim_is_sharded(d) and isinstance(block, int):
+            first = _first_index(layout, d, coordinate, node.format_node())
+            rows = int(layout.local_shape(coordinate)[d])
+            if first % block or rows % block:
+                raise LocalizeError(f"{node.format_node()}: the rank at {coordinate} holds rows {first}..{first + rows}"
+                                    f" of dim {d} under {layout}, not whole blocks of {block}; shard it in multiples"
+                                    " of the block mask's BLOCK_SIZE")
+    for path, d in recipe.lengths:
+        if layout.dim_is_sharded(d):
+            node.args = _replaced(node.args, path, int(layout.local_shape(coordinate)[d]))
     for path, indices in recipe.subgraphs:
         offsets = {p: _first_index(layout, d, coordinate, node.format_node()) for p, d in indices
                    if layout.dim_is_sharded(d)}

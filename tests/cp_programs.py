@@ -72,3 +72,25 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, b
               / max((q - q0).abs().max().item(), 1e-30)
               for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), before)}
     return {"loss_error": loss_error, "update_error": max(errors.values()), "stages": sorted(set(stages))}
+
+
+def flex_forward(rank: int, world_size: int, device: str = "cpu", sequence: bool = True, **options: Any
+                 ) -> dict[str, Any]:
+    """tests/test_context_parallel.py's ``FlexCausal`` through ``fxshard.compile`` (Inductor's flex attention
+    kernel on each rank's query blocks) with the input ``Shard(1)`` on ``cp``: the worst error against one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import fxshard
+    from test_context_parallel import FlexCausal
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    model = FlexCausal().requires_grad_(False)
+    x = torch.randn(2, 64, 32)
+    want = model(x)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]), requires_grad=False))
+    out = fxshard.compile(model, **options)(distribute_tensor(x, mesh, [Shard(1) if sequence else Replicate()]))
+    return {"error": (out.full_tensor() - want).abs().max().item()}

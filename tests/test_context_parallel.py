@@ -175,3 +175,58 @@ def test_hugging_face_llama_cp4_exact():
     e = explain(model, ids, mesh=mesh, placements=placements)
     kv = B * S * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # one K or V
     assert e.bytes_per_rank <= 1.1 * (2 * 2 * 3 / 4 * kv) + 4096, e.report()  # 2 layers x (K, V) x (cp-1)/cp
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class FlexCausal(nn.Module):
+    """q/k/v projections around FlexAttention with a causal block mask (blocks of 16 rows) and a score_mod
+    that reads the query index: each rank's subgraphs must see global query rows. The block mask's tensors
+    are buffers (``fxshard.compile`` reads no tensor that is not an argument, parameter or buffer) that the
+    forward wraps in a BlockMask again."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 8, block: int = 16):
+        super().__init__()
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        self.heads, self.head_dim = heads, head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(heads * head_dim, heads * head_dim, bias=False) for _ in range(4))
+        mask = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=block)
+        self.mask_sizes = (mask.seq_lengths, mask.BLOCK_SIZE)
+        for i, t in enumerate(mask.as_tuple()[2:10]):
+            self.register_buffer(f"mask_{i}", t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        block_mask = BlockMask(self.mask_sizes[0], *(getattr(self, f"mask_{i}") for i in range(8)),
+                               BLOCK_SIZE=self.mask_sizes[1], mask_mod=causal)
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2).contiguous() for p in (self.q, self.k, self.v))
+        out = flex_attention(q, k, v, score_mod=lambda score, b, h, q, kv: score - 0.1 * (q - kv),
+                             block_mask=block_mask)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_flex_attention_causal_block_mask_cp4_exact():
+    """FlexAttention (forward: torch has no CPU backward) with the sequence Shard(1) on cp=4: each rank's block
+    mask rows are its query blocks, its mask_mod and score_mod get global query indices; only K and V move."""
+    torch.manual_seed(7)
+    model = FlexCausal().requires_grad_(False)
+    x = torch.randn(B, S, 32)
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    got = simulate_ranks(model, x, mesh=mesh, placements=placements).full()[0]
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+    e = explain(model, x, mesh=mesh, placements=placements)
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 2, e.report()
+    assert e.bytes_per_rank == 2 * 3 / 4 * B * S * 32 * 4
+
+
+def test_flex_attention_rows_not_in_whole_blocks_are_refused():
+    """Rows of a rank that cut a block of the block mask (8 rows per rank, blocks of 16) fail with what to do."""
+    torch.manual_seed(8)
+    model = FlexCausal(block=32).requires_grad_(False)
+    with pytest.raises(Exception, match="BLOCK_SIZE"):
+        simulate_ranks(model, torch.randn(B, S, 32), mesh=fxshard.MeshSpec(cp=4), placements={0: (Shard(1),)})

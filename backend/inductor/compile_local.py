@@ -60,6 +60,7 @@ from fxshard.backend.inductor.collective_windows import CollectiveWindows
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.inductor.cpu_wrapper import cpu_wrapper_mended, cpu_wrapper_patches, use_cpu_wrapper
 from fxshard.backend.inductor.compile_inner import compile_direct, takes_directly
+from fxshard.backend.inductor.flex_inputs import with_fresh_flex_inputs
 
 __all__ = ["BucketPolicy", "TRAINING_PATCHES", "compile_local", "cacheable_inputs", "bucketed_uncompiled", "block_bytes",
            "inductor_patches", "start_compile_workers"]
@@ -114,6 +115,7 @@ def compile_local(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], policy: Bu
     if training:
         patches = {**patches, **TRAINING_PATCHES}
     example_inputs = cacheable_inputs(inputs)
+    gm = with_fresh_flex_inputs(gm)  # Inductor's CPU flex template reads a view from its buffer's start
     if use_cpu_wrapper(gm, example_inputs):  # two C++ compiles per program, not one per kernel (cpu_wrapper.py)
         try:
             with cpu_wrapper_mended():
