@@ -24,8 +24,11 @@ class Blocks(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = rope_angles(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta, x.device)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope``: the rotary angles [seq, head_dim / 2] (default: computed here; a DTensor program passes them
+        as a replicated DTensor, since DTensor's eager semantics, which Dynamo traces, mix no plain tensor in)."""
+        if rope is None:
+            rope = rope_angles(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta, x.device)
         for layer in self.layers:
             x = layer(x, rope)
         return x
@@ -33,7 +36,7 @@ class Blocks(nn.Module):
 
 def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, batch: int = 2, seq: int = 64,
               lr: float = 0.1) -> dict[str, Any]:
-    """``steps`` SGD steps of ``Blocks`` through ``fxshard.compile`` (torch.compile on global stand-ins) with the input ``Shard(1)`` on a
+    """``steps`` SGD steps of ``Blocks`` through torch.compile(backend="fxshard") with the input ``Shard(1)`` on a
     ``cp`` axis of all ranks and every parameter replicated; the same steps on one device. Returns the worst loss
     error, the worst parameter-update error relative to one device's update, and the stages whose graphs hold
     fxshard's causal-rows attention."""
@@ -47,18 +50,18 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, b
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
-    import fxshard
-
     stages: list[str] = []
-    compiled = fxshard.compile(model, on_graph=lambda stage, gm: stages.append(stage) if any(
-        "causal_rows_attention" in str(n.target) for n in gm.graph.nodes) else None)
+    compiled = torch.compile(model, backend="fxshard", options={
+        "on_graph": lambda stage, gm: stages.append(stage) if any(
+            "causal_rows_attention" in str(n.target) for n in gm.graph.nodes) else None})
+    rope = distribute_tensor(rope_angles(seq, CFG.head_dim, CFG.rope_theta), mesh, [Replicate()])
     before = [p.detach().clone() for p in reference.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     loss_error = 0.0
     for step in range(steps):
         x = torch.randn(batch, seq, CFG.dim, generator=torch.Generator().manual_seed(step))
-        loss = (compiled(distribute_tensor(x, mesh, [Shard(1)])) ** 2).mean()
+        loss = (compiled(distribute_tensor(x, mesh, [Shard(1)]), rope) ** 2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

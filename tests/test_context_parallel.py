@@ -111,6 +111,26 @@ def test_cp2_tp2_megatron_exact():
     # K, V of the rank's heads gathered on cp; the row-parallel projections' partial sums reduced on tp
     by_axes = e.bytes_by_axes()
     assert by_axes["cp"] <= 1.1 * _kv_bytes(CFG, 2, 2, tp=2) + 4096, by_axes
+    flops = e.flops_by_rank
+    with counting_mode() as one_device:
+        model(x.detach())
+    assert max(flops) / (sum(flops) / 4) <= 1.15 and sum(flops) <= 1.15 * one_device.get_total_flops(), flops
+
+
+def test_fsdp_dp_x_cp_x_tp_training_exact():
+    """dp x cp x tp = 2 x 2 x 2: the batch on dp, the sequence on cp, Megatron on tp, every weight's other dim
+    sharded on dp (FSDP: gathered where used, its gradient reduce-scattered)."""
+    model, x = _fresh(9)
+    placements = {0: (Shard(0), Shard(1), Replicate())}
+    for name, _ in model.named_parameters():
+        if any(k in name for k in COLUMN_PARALLEL):
+            placements[name] = (Shard(1), Replicate(), Shard(0))
+        elif any(k in name for k in ROW_PARALLEL):
+            placements[name] = (Shard(0), Replicate(), Shard(1))
+        else:
+            placements[name] = (Shard(0), Replicate(), Replicate())
+    counts = _check_training(model, x, fxshard.MeshSpec(dp=2, cp=2, tp=2), placements)
+    assert counts["reduce_scatter"] >= 18, counts  # every weight's gradient into its dp shard
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -8,7 +8,8 @@ In the order a program meets them:
 3. ``buckets``: a block's parameter all_gathers and gradient reduce_scatters merged into one each
    (``bucket_traces`` makes Inductor's merges cheap, ``bucket_copies`` their copies one library call).
 4. ``collective_windows``: each collective's start and wait placed around the compute that does not need it.
-5. ``cpu_wrapper``: on the CPU, Inductor's C++ wrapper with one C++ compile per program.
+5. ``cpu_wrapper``: on the CPU, Inductor's C++ wrapper with one C++ compile per program; ``flex_inputs`` copies
+   the views a CPU FlexAttention call reads (Inductor's C++ flex template drops their offsets).
 
 (Steps 3-4 and ``layers/prefetch`` do what torch's own ``schedule_overlap_bucketing`` and
 ``manual_overlap_bucketing`` passes do for FSDP2. On fxshard's training programs (session 43) torch's make more
