@@ -5,7 +5,7 @@ query rows are sharded holds them in runs of consecutive positions (one run unde
 under a strided, round-robin layout) and gets the keys whole. For a run ``[lo, hi)`` the keys ``[0, lo)``
 are all visible and the keys ``[lo, hi)`` are the run's own causal square (where torch's top-left and
 bottom-right alignments agree), so the rank calls the model's own kernel on exactly the work its rows
-need, and combines the two partial softmaxes by their logsumexps::
+need (CPU flash, CUDA flash, memory-efficient), and combines the two partial softmaxes by their logsumexps::
 
     lse = logaddexp(lse_own, lse_before)
     out = out_own * exp(lse_own - lse) + out_before * exp(lse_before - lse)
@@ -29,18 +29,52 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 aten = torch.ops.aten
 SEQUENCE = 2  # q, k, v, the outputs and the logsumexp: [batch, heads, sequence, ...]
 
-# the kernels (``rules_attention.QUERY_ROWS_OPS``) by name: (q, k, v, causal, scale) -> (out, lse);
-# (grad_out, q, k, v, out, lse, causal, scale) -> (grad_q, grad_k, grad_v)
+
+
+def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> tuple:
+    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., :q.shape[SEQUENCE]]  # its logsumexp is padded to a multiple of 32 queries
+
+
+def _efficient_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, scale: float | None) -> tuple:
+    n = q.shape[SEQUENCE]
+    padded = torch.nn.functional.pad(lse, (0, -(-n // 32) * 32 - n))
+    seed, offset = (torch.empty((), dtype=torch.long, device=q.device) for _ in range(2))  # no dropout: unread
+    return aten._scaled_dot_product_efficient_attention_backward(
+        g, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+
+
+def _flash_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float | None) -> tuple:
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # no dropout: its RNG state is unread
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        g, q, k, v, out, lse, None, None, q.shape[SEQUENCE], k.shape[SEQUENCE], 0.0, causal, seed, offset,
+        scale=scale)[:3]
+
+
+# the kernels (``rules_attention.QUERY_ROWS_OPS``) by name, called without dropout or mask:
+# (q, k, v, causal, scale) -> (out, lse [b, h, s]); (grad_out, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
 FORWARD: dict[str, Callable] = {
     "cpu_flash": lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale)[:2],
+    "flash": lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)[:2],
+    "efficient": _efficient,
 }
 BACKWARD: dict[str, Callable] = {
     "cpu_flash": lambda g, q, k, v, out, lse, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, q, k, v, out, lse, 0.0, causal, scale=scale)[:3],
+    "flash": _flash_backward,
+    "efficient": _efficient_backward,
 }
 KERNEL_OF = {aten._scaled_dot_product_flash_attention_for_cpu.default: "cpu_flash",
-             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "cpu_flash"}
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "cpu_flash",
+             aten._scaled_dot_product_flash_attention.default: "flash",
+             aten._scaled_dot_product_flash_attention_backward.default: "flash",
+             aten._scaled_dot_product_efficient_attention.default: "efficient",
+             aten._scaled_dot_product_efficient_attention_backward.default: "efficient"}
 
 
 def runs_of(rows: Sequence[int]) -> list[int]:

@@ -91,7 +91,8 @@ def _queries_independent(node: Any, q: Sequence[int], k: Sequence[int]) -> bool:
         return False
     if not _argument(node, "is_causal"):
         return True
-    return node.target.overloadpacket in QUERY_ROWS_OPS and q[2] == k[2] and _argument(node, "attn_mask") is None
+    return node.target.overloadpacket in QUERY_ROWS_OPS and q[2] == k[2] \
+        and all(_argument(node, m) is None for m in ATTENTION_MASKS)
 
 
 def attention(node: Any) -> Signature | None:
@@ -193,6 +194,10 @@ ATTENTION_OPS = tuple(op for op in (
 QUERY_ROWS_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+    getattr(aten, "_scaled_dot_product_flash_attention", None),
+    getattr(aten, "_scaled_dot_product_flash_attention_backward", None),
+    getattr(aten, "_scaled_dot_product_efficient_attention", None),
+    getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
 ) if op is not None)
 
 ATTENTION_BACKWARD_OPS = tuple(op for op in (

@@ -6,8 +6,10 @@ own causal block, not one device's top-left causal mask on its local rows.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from fxshard.causal_rows import CAUSAL_ROWS_OPS, KERNEL_OF, runs_of
@@ -16,6 +18,7 @@ from fxshard.layout import Layout
 from fxshard.localization import QueryRows
 from fxshard.mesh import Coordinate
 
+aten = torch.ops.aten
 SEQUENCE = 2
 _FORWARD = ("query", "key", "value")
 _BACKWARD = ("grad_out", "query", "key", "value", "out", "logsumexp")
@@ -43,9 +46,32 @@ def localize_query_rows(node: fx.Node, recipe: QueryRows, coordinate: Coordinate
                              "shard the sequence evenly over its axes")
     names = _BACKWARD if recipe.backward else _FORWARD
     kernel = KERNEL_OF[node.target]
-    node.target = CAUSAL_ROWS_OPS[1 if recipe.backward else 0]
+    op = CAUSAL_ROWS_OPS[1 if recipe.backward else 0]
+    node.target = op
     node.args = tuple(values[n] for n in names) + (runs_of(rows), kernel, values.get("scale"))
     node.kwargs = {}
+    _stand_in_for_extras(node, len(op._schema.returns), q.meta["val"].device)
+
+
+def _stand_in_for_extras(node: fx.Node, kept: int, device: torch.device) -> None:
+    """The kernel's outputs past the op's (``kept``): its RNG state, sequence offsets, debug mask, a bias's
+    gradient. Without dropout, mask or bias nothing reads them but the backward kernel this stage rewrites
+    too, so a stand-in of their metadata takes each one's place (None stays None, an int stays the int)."""
+    for user in list(node.users):
+        if user.target is not operator.getitem or user.args[1] < kept:
+            continue
+        val = user.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            with node.graph.inserting_after(user):
+                stand_in = node.graph.call_function(aten.empty.memory_format, (list(val.shape),),
+                                                    {"dtype": val.dtype, "device": device})
+            user.replace_all_uses_with(stand_in)
+        else:
+            constant = int(val) if isinstance(val, (int, torch.SymInt)) else None
+            for reader in list(user.users):
+                reader.args, reader.kwargs = fx.node.map_arg((reader.args, reader.kwargs),
+                                                             lambda a: constant if a is user else a)
+        node.graph.erase_node(user)
 
 
 def _bound(node: fx.Node) -> dict[str, Any]:
@@ -58,4 +84,6 @@ def _bound(node: fx.Node) -> dict[str, Any]:
             out[arg.name] = node.args[i]
         elif arg.has_default_value():
             out[arg.name] = arg.default_value
+    if "grad_out_" in out:  # the efficient kernel's name for it
+        out["grad_out"] = out.pop("grad_out_")
     return out

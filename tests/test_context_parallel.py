@@ -250,3 +250,33 @@ def test_flex_attention_rows_not_in_whole_blocks_are_refused():
     model = FlexCausal(block=32).requires_grad_(False)
     with pytest.raises(Exception, match="BLOCK_SIZE"):
         simulate_ranks(model, torch.randn(B, S, 32), mesh=fxshard.MeshSpec(cp=4), placements={0: (Shard(1),)})
+
+
+CUDA_KERNELS = {
+    "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0],
+    "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                                         True)[0],
+}
+
+
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_cuda_kernels_causal_rows_on_stand_ins(kernel):
+    """The CUDA flash and memory-efficient kernels' causal calls on sharded rows, forward and backward, on the CPU
+    stand-ins of tests/attention_kernels.py (the math formula with the real kernels' outputs: padded logsumexp,
+    RNG state): one device's values and gradients, q never gathered. The real kernels: tests/test_gpu.py's GPU tier."""
+    from attention_kernels import register_cuda_kernels_on_cpu
+
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(B, 4, S, 16, generator=g, requires_grad=True) for _ in range(3))
+    fn = CUDA_KERNELS[kernel]
+    with register_cuda_kernels_on_cpu():
+        sim = simulate_ranks(fn, q, k, v, mesh=fxshard.MeshSpec(cp=4), placements={i: (Shard(2),) for i in range(3)},
+                             grad=True)
+        out = fn(q, k, v)
+        want = torch.autograd.grad(out.sum(), [q, k, v])
+    torch.testing.assert_close(sim.full()[0], out.detach(), rtol=1e-5, atol=1e-5)
+    got = sim.full_grads()
+    for i, w in enumerate(want):
+        torch.testing.assert_close(got[i], w, rtol=1e-5, atol=1e-5)
+    gathered = [c for c in collectives_of(sim.graph) if c.kind == "all_gather"]
+    assert len(gathered) == 2, gathered  # k and v (kept for the backward), never q

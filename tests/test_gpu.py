@@ -194,3 +194,36 @@ def test_cuda_attention_kernels_by_heads_match_one_gpu(case):
     grads = run.full_grads()
     torch.testing.assert_close([run.full()[0]] + [grads[i] for i in range(3)], [want, *want_grads],
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_cuda_causal_attention_on_sequence_shards_matches_one_gpu(backend):
+    """Context parallelism through a real CUDA kernel: causal SDPA with q, k, v Shard(2) on cp=4 simulated ranks,
+    each rank's rows computed by fxshard::causal_rows_attention over the gathered keys (fxshard/causal_rows.py):
+    the output and every gradient are one GPU's, and q is never gathered (k and v are)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fxshard
+    from fxshard.backend.explain import collectives_of
+    from fxshard.backend.simulate import simulate_ranks
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        try:
+            want = fn(q, k, v)
+        except RuntimeError as e:  # this GPU (or build) lacks the kernel
+            pytest.skip(f"{backend}: {e}")
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+        run = simulate_ranks(fn, q, k, v, mesh=fxshard.MeshSpec(cp=4), placements={i: (Shard(2),) for i in range(3)},
+                             grad=True)
+    assert [c.kind for c in collectives_of(run.graph)].count("all_gather") == 2
+    grads = run.full_grads()
+    torch.testing.assert_close([run.full()[0]] + [grads[i] for i in range(3)], [want, *want_grads],
+                               rtol=2e-2, atol=2e-2)
