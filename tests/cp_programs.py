@@ -41,7 +41,9 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, b
     error, the worst parameter-update error relative to one device's update, and the stages whose graphs hold
     fxshard's causal-rows attention."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from step_checks import loss_error, update_errors
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
@@ -58,7 +60,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, b
     before = [p.detach().clone() for p in reference.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    loss_error = 0.0
+    worst_loss = 0.0
     for step in range(steps):
         x = torch.randn(batch, seq, CFG.dim, generator=torch.Generator().manual_seed(step))
         loss = (compiled(distribute_tensor(x, mesh, [Shard(1)]), rope) ** 2).mean()
@@ -69,12 +71,9 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, b
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
-    errors = {name: ((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-              / max((q - q0).abs().max().item(), 1e-30)
-              for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), before)}
-    return {"loss_error": loss_error, "update_error": max(errors.values()), "stages": sorted(set(stages))}
+        worst_loss = max(worst_loss, loss_error(loss, ref_loss))
+    errors = update_errors(model, reference, before)
+    return {"loss_error": worst_loss, "update_error": max(errors.values()), "stages": sorted(set(stages))}
 
 
 def flex_forward(rank: int, world_size: int, device: str = "cpu", sequence: bool = True, **options: Any

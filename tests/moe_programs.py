@@ -72,7 +72,9 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, t
     Returns the worst loss error, the worst error of a parameter's update relative to one device's update,
     and the stages whose graphs hold the routed op."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from step_checks import loss_error, update_errors
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("ep",))
     torch.manual_seed(0)
@@ -89,7 +91,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, t
     before = [p.detach().clone() for p in reference.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    loss_error = 0.0
+    worst_loss = 0.0
     for step in range(steps):
         x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(step))
         target = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(100 + step))
@@ -102,13 +104,9 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, t
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        loss_error = max(loss_error, abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
-    # each parameter's update against one device's (a gradient lost or wrong is an update error of ~1)
-    errors = {name: ((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-              / max((q - q0).abs().max().item(), 1e-30)  # an expert no row reached: no update either side
-              for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), before)}
+        worst_loss = max(worst_loss, loss_error(loss, ref_loss))
+    errors = update_errors(model, reference, before)  # an expert no row reached: no update either side
     from torch._dynamo.utils import counters
 
-    return {"loss_error": loss_error, "update_error": max(errors.values()), "errors": errors,
+    return {"loss_error": worst_loss, "update_error": max(errors.values()), "errors": errors,
             "routed": sorted(set(stages)), "graphs": dict(counters["stats"])}

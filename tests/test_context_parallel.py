@@ -280,3 +280,22 @@ def test_cuda_kernels_causal_rows_on_stand_ins(kernel):
         torch.testing.assert_close(got[i], w, rtol=1e-5, atol=1e-5)
     gathered = [c for c in collectives_of(sim.graph) if c.kind == "all_gather"]
     assert len(gathered) == 2, gathered  # k and v (kept for the backward), never q
+
+
+def test_torchtitan_llama3_cp4_exact():
+    """torchtitan's Llama 3 as its builder makes it (fused QKV, GQA, complex RoPE from its buffer, its SDPA
+    attention; tests/titan_programs.py) with the tokens Shard(1) on cp=4 and its parameters replicated: the logits
+    one device's, and only K and V move (2 per layer)."""
+    pytest.importorskip("torchtitan")
+    pytest.importorskip("triton", reason="torchtitan's models import triton (torch 2.15's build brings it)")
+    import titan_programs as titan
+
+    model = titan.build(titan.llama3_config())
+    tokens = torch.randint(0, titan.VOCAB, (B, S), generator=torch.Generator().manual_seed(11))
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    with torch.no_grad():
+        want = model(tokens)
+        got = fxshard.simulate(model, tokens, mesh=mesh, placements=placements)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    e = explain(model, tokens, mesh=mesh, placements=placements)
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 4, e.report()
