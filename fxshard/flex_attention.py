@@ -17,7 +17,8 @@ Query rows shard too (context parallelism, the sequence dim of q on a ``cp`` axi
 the block mask's per-query-block tensors (``kv_num_blocks``, ``kv_indices`` and their ``full_``
 pair: which key blocks each query block reads, [B, H, query blocks, ...]) follow q's rows, one
 block of ``Q_BLOCK_SIZE`` rows per entry, and its per-key-block tensors (``q_num_blocks``, ...:
-the backward's) stay whole. A rank's rows must be one contiguous run of whole blocks.
+the backward's) stay whole. A rank's rows must be one contiguous run of whole blocks (``Signature.exact``:
+a strategy that would give a rank part of a block is none, so the queries stay whole there).
 
 What a subgraph sees of a sharded dim: the local program calls the kernel on the rank's heads, so
 the kernel hands the subgraphs local indices ``h`` in ``[0, heads / n)``. A score_mod that reads the
@@ -101,11 +102,14 @@ def flex_attention(node: fx.Node) -> Signature | None:
     block_mask = node.args[_BLOCK_MASK]
     elements = iter([e for e, a in enumerate(block_mask) if _shape(a) is not None])
     ins: list[tuple[str | None, ...]] = []
+    per_query_block: list[int] = []
     for j, (position, shape) in enumerate(tensors):
         if position in factors:
             f = factors[position]
         elif position == _BLOCK_MASK:
-            f = _block_mask_factors(shape, q, j, next(elements))
+            element = next(elements)
+            f = _block_mask_factors(shape, q, j, element)
+            per_query_block += [j] if element in _PER_QUERY_BLOCK else []
         elif position in (_SCORE_BUFFERS, _MASK_BUFFERS):
             f = tuple(f"w{j}_{d}" for d in range(len(shape)))
         else:
@@ -123,4 +127,4 @@ def flex_attention(node: fx.Node) -> Signature | None:
     if (block_mask[_Q_LEN], block_mask[_KV_LEN]) != (q[2], k[2]):
         whole.add("s")  # a block mask of other lengths: its blocks are not q's rows
     return Signature(tuple(ins), ("b", "h", "s", "e"), whole=frozenset(whole),
-                     extra_outputs=tuple(("b", "h", "s") for _ in shapes[1:]))
+                     extra_outputs=tuple(("b", "h", "s") for _ in shapes[1:]), exact=tuple(per_query_block))

@@ -39,6 +39,9 @@ class Signature:
     # per output (0: the first), factors it sums over that another output keeps (a grouped matmul's
     # backward: grad_input sums over n, grad_weight is indexed by it): Partial(sum) on their axes there
     summed: tuple[tuple[str, ...], ...] = ()
+    # inputs whose dims must hold all of their factors' pieces, never a major part of them (a block mask's query
+    # blocks: each rank's rows whole blocks, or the factor stays whole)
+    exact: tuple[int, ...] = ()
 
     @property
     def contracted(self) -> set[str]:

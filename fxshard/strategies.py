@@ -170,6 +170,8 @@ def _strategy(sig: Signature, assign: Mapping[str, tuple[Piece, ...]], group: tu
         def partial_of(i: int) -> tuple:
             return (tuple(partial) if i in group else ()) + (contracted if i in sig.addends else ())
 
+        if any(_fitted(sig.inputs[i], in_layouts[i].shape, assign)[1] for i in sig.exact):
+            return None
         required = tuple(
             Layout(mesh, layout.shape, _fitted(dims, layout.shape, assign)[0], partial_of(i))
             for i, (dims, layout) in enumerate(zip(sig.inputs, in_layouts)))

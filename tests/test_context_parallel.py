@@ -244,12 +244,17 @@ def test_flex_attention_causal_block_mask_cp4_exact():
     assert e.bytes_per_rank == 2 * 3 / 4 * B * S * 32 * 4
 
 
-def test_flex_attention_rows_not_in_whole_blocks_are_refused():
-    """Rows of a rank that cut a block of the block mask (8 rows per rank, blocks of 16) fail with what to do."""
+def test_flex_attention_rows_not_in_whole_blocks_gather_the_queries():
+    """Rows of a rank that would cut a block of the block mask (16 rows per rank, blocks of 32): the plan keeps
+    the queries whole there (gathered), exact, instead of giving a rank half a block."""
     torch.manual_seed(8)
     model = FlexCausal(block=32).requires_grad_(False)
-    with pytest.raises(Exception, match="BLOCK_SIZE"):
-        simulate_ranks(model, torch.randn(B, S, 32), mesh=fxshard.MeshSpec(cp=4), placements={0: (Shard(1),)})
+    x = torch.randn(B, S, 32)
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    got = simulate_ranks(model, x, mesh=mesh, placements=placements).full()[0]
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+    e = explain(model, x, mesh=mesh, placements=placements)
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 3, e.report()  # q too
 
 
 CUDA_KERNELS = {
