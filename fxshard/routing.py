@@ -302,8 +302,9 @@ def _row_pieces(keys: Layout, axes: tuple[MeshAxis, ...]) -> list[Piece]:
 
 class Routed(Kind):
     """``routed_experts`` and its backward: the stacks in blocks on their expert axes, the pairs cut on those
-    axes (and any others the keys lie on), the outputs as the pairs; all replicated where the stacks are not
-    sharded by expert, or the expert axes divide neither the experts nor the pairs.
+    axes (and any others the keys lie on), the outputs as the pairs; all replicated where the stacks are
+    sharded but not by expert, or the expert axes divide neither the experts nor the pairs. Stacks replicated
+    (data or context parallelism): the pairs as the keys lie, each rank's through every expert, no dispatch.
 
     Gradients (the backward op): a stack's is its experts', summed over the axes the pairs lie on besides
     the expert axes (each dispatch group ran its own pairs); another extra's (broadcast over the rows) is
@@ -323,7 +324,7 @@ class Routed(Kind):
         if axes and not (all(is_static(a.size) for a in axes) and num_experts % _size(axes) == 0
                          and pairs % _size(axes) == 0):
             axes = ()
-        if not axes:
+        if not axes and not all(l.is_replicated for l in extra_layouts[:num_stacks]):
             required = tuple(Layout.replicated(ctx.mesh, l.shape) for l in layouts)
             outputs = tuple(Layout.replicated(ctx.mesh, v.shape) for v in node.meta["val"])
             return required, outputs

@@ -66,9 +66,10 @@ def received_by_routing(chosen: torch.Tensor, ranks: int, experts: int, row_byte
 
 
 def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, tokens: int = 64, skew: float = 2.0,
-              lr: float = 0.1) -> dict[str, Any]:
-    """``steps`` SGD steps of a ``DroplessMoE`` with its experts ``Shard(0)`` on an ``ep`` axis of all ranks and
-    the tokens ``Shard(0)`` on it, through torch.compile(backend="fxshard"); the same steps on one device.
+              lr: float = 0.1, experts_sharded: bool = True) -> dict[str, Any]:
+    """``steps`` SGD steps of a ``DroplessMoE`` with its experts ``Shard(0)`` on an ``ep`` axis of all ranks
+    (``experts_sharded``; else replicated: data parallel) and the tokens ``Shard(0)`` on it, through
+    torch.compile(backend="fxshard"); the same steps on one device.
     Returns the worst loss error, the worst error of a parameter's update relative to one device's update,
     and the stages whose graphs hold the routed op."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,7 +82,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", steps: int = 2, t
     reference = DroplessMoE(skew=skew)
     model = copy.deepcopy(reference)
     for name in ("router", "w1", "w2", "w3"):
-        placement = Replicate() if name == "router" else Shard(0)
+        placement = Shard(0) if name != "router" and experts_sharded else Replicate()
         setattr(model, name, torch.nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh, [placement])))
     model.bias = distribute_tensor(model.bias, mesh, [Replicate()])
     stages: list[str] = []

@@ -307,11 +307,10 @@ def test_torchtitan_llama3_cp4_exact():
 
 
 # Hugging Face architectures of tests/zoo.py (their own attention code: SDPA, sliding windows as masks, ALiBi in
-# eager attention, an encoder) with the ids Shard(1) on cp=4: K and V gathered per layer, nothing else, except
-# the MoE layers' routing (transformers' grouped_mm path sorts every routed pair: their tokens are gathered,
-# 3 more gathers a layer; the dropless rewrite fires only for experts sharded by expert)
-ZOO_CP = {"llama": 4, "mistral": 4, "gemma3": 4, "gpt_neox": 4, "bloom": 4, "bert": 4, "mixtral": 10}
-ZOO_CP_SLOW = {"qwen2": 4, "gemma": 4, "phi3": 4, "falcon": 4, "opt": 4, "qwen2_moe": 10}
+# eager attention, an encoder; MoE layers, whose replicated experts route each rank's own tokens: the routed op
+# without dispatch) with the ids Shard(1) on cp=4: K and V gathered per layer, nothing else
+ZOO_CP = {"llama": 4, "mistral": 4, "gemma3": 4, "gpt_neox": 4, "bloom": 4, "bert": 4, "mixtral": 4}
+ZOO_CP_SLOW = {"qwen2": 4, "gemma": 4, "phi3": 4, "falcon": 4, "opt": 4, "qwen2_moe": 4}
 
 
 @pytest.mark.parametrize("name", list(ZOO_CP) + [pytest.param(n, marks=pytest.mark.slow) for n in ZOO_CP_SLOW])

@@ -286,3 +286,18 @@ def test_context_parallel_flex_attention_under_inductor_on_two_gloo_ranks():
         results = spawn(cp_programs.flex_forward, 2, timeout=600.0)
     for rank, result in results.items():
         assert result["error"] < 1e-5, (rank, result)
+
+
+def test_data_parallel_moe_routes_each_ranks_tokens_on_two_gloo_ranks():
+    """The dropless MoE layer with its experts replicated and the tokens Shard(0) (data parallel): the routed op
+    without dispatch, each rank its own tokens through every expert (tests/test_moe_dispatch.py: nothing moves in
+    the forward); two SGD steps through torch.compile equal one device's."""
+    with examples_and_tests_on_path():
+        import moe_programs
+        from ranks import spawn
+
+        results = spawn(moe_programs.sgd_steps, 2, timeout=600.0, steps=2, experts_sharded=False)
+    for rank, result in results.items():
+        assert result["loss_error"] < 1e-3, (rank, result)
+        assert result["update_error"] < 5e-2, (rank, result)
+        assert {"plan_forward", "plan_backward"} <= set(result["routed"]), (rank, result)

@@ -124,13 +124,27 @@ def test_a_bf16_model_is_one_devices():
     assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
 
 
-def test_experts_replicated_stay_as_they_were():
-    """Experts not sharded by expert: no routed op, the program as before (exact, routing replicated)."""
-    model, x, _ = _model_and_data(3)
+def test_experts_replicated_route_each_ranks_tokens_locally():
+    """Experts replicated, tokens sharded (data or context parallelism): the routed op with no dispatch, each rank
+    its own tokens through every expert; nothing moves in the forward (the region as written sorts every rank's
+    pairs: it gathered the tokens), and a training step all-reduces the replicated weights' gradients only."""
+    model, x, target = _model_and_data(3)
     with torch.no_grad():
-        run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(ep=2), placements={0: [Shard(0)]})
+        run = simulate_ranks(model, x, mesh=fxshard.MeshSpec(dp=2), placements={0: [Shard(0)]})
         torch.testing.assert_close(run.full()[0], model(x))
-    assert not any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+    assert any(n.target in ROUTED_OPS for n in run.graph.graph.nodes)
+    assert collectives_of(run.graph) == []
+
+    def loss(x, target):
+        return ((model(x) - target) ** 2).mean()
+
+    want = loss(x, target)
+    want.backward()
+    run = simulate_ranks(loss, x, target, mesh=fxshard.MeshSpec(dp=2), placements={0: [Shard(0)], 1: [Shard(0)]},
+                         grad=True)
+    torch.testing.assert_close(run.full()[0], want.detach())
+    _assert_gradients_close(run.full_grads(), model)
+    assert {c.kind for c in collectives_of(run.graph)} == {"all_reduce"}
 
 
 def test_a_shared_expert_and_a_residual_add_into_the_routed_sum():

@@ -9,7 +9,8 @@ biases; ``S[sort(keys)[0]]``: transformers'), and the results added back into th
 ``scatter_add`` / ``torchtitan::deterministic_scatter_add`` by the same indices) or put back in pair order by
 the sort's inverse (transformers' ``inv[order] = arange``, ``rows[inv]``). The rewrite is made only when
 every value of the region is read by the region or by those exits (so the rows' order is never
-seen), and only when an expert weight stack arrives sharded by expert; anything else leaves the
+seen), and only when an expert weight stack arrives sharded by expert, or every stack replicated while
+an input is sharded (each rank then routes its own tokens, no dispatch); anything else leaves the
 graph as it is, which is exact (the routing then runs replicated and the experts are gathered).
 
 ``rewrite`` returns the graph with each such region replaced: the rows in pair order (a token row
@@ -331,11 +332,14 @@ def _find(gm: fx.GraphModule) -> list[Region]:
 
 
 def _sharded_by_expert(region: Region, layouts: Mapping[fx.Node, Layout]) -> bool:
-    for stack in region.stacks:
-        layout = layouts.get(stack_source(stack))
-        if layout is not None and layout.ndim and layout.dim_is_sharded(0):
-            return True
-    return False
+    """A stack arrives sharded by expert (expert parallelism), or every stack arrives replicated while an input
+    is sharded (data or context parallelism: each rank routes its own tokens through every expert, no
+    collective, where the region as written would gather every rank's tokens for its sort)."""
+    stacks = [layouts.get(stack_source(stack)) for stack in region.stacks]
+    if any(layout is not None and layout.ndim and layout.dim_is_sharded(0) for layout in stacks):
+        return True
+    return bool(stacks) and all(layout is not None and layout.is_replicated for layout in stacks) \
+        and any(not layout.is_replicated for layout in layouts.values())
 
 
 def _body(gm: fx.GraphModule, region: Region) -> tuple[fx.GraphModule, list[fx.Node]]:
