@@ -4,6 +4,7 @@ from typing import Any
 from .costs import CostModel
 from .layout import Layout, LayoutError, Piece
 from .load import ShardPlan, load_sharded, register_transform
+from .load_balance import causal_mask, head_tail_order
 from .lower_bound import lower_bound_bytes
 from .mesh import MeshAxis, MeshSpec
 from .ops import constrain
@@ -13,7 +14,7 @@ from .plans import Plan, Step
 from .policies import TrainingSplit
 
 __all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile",
-           "constrain", "explain", "explain_pipeline", "layout_from_placements", "load_sharded", "lower_bound_bytes",
+           "causal_mask", "constrain", "explain", "explain_pipeline", "head_tail_order", "layout_from_placements", "load_sharded", "lower_bound_bytes",
            "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan",
            "TrainingSplit"]
 

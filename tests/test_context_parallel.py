@@ -328,3 +328,96 @@ def test_zoo_architectures_cp4_exact(name):
     torch.testing.assert_close(run.full()[0], want, rtol=1e-4, atol=1e-5)
     kinds = [c.kind for c in collectives_of(run.graph)]
     assert kinds == ["all_gather"] * {**ZOO_CP, **ZOO_CP_SLOW}[name], kinds
+
+
+def test_head_tail_order():
+    """Rank r's contiguous shard of the reordered sequence holds chunks r and 2 cp - 1 - r of 2 cp."""
+    assert fxshard.head_tail_order(16, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="pad it to a multiple of 8"):
+        fxshard.head_tail_order(20, 4)
+    positions = torch.tensor([0, 3, 1, 2])
+    visible = fxshard.causal_mask(positions)[0, 0] == 0
+    assert visible.tolist() == [[p >= q for q in positions.tolist()] for p in positions.tolist()]
+
+
+def test_hugging_face_llama_head_tail_cp4_exact_and_even():
+    """transformers' Llama on head-tail reordered tokens (fxshard.head_tail_order: ids and position ids permuted,
+    fxshard.causal_mask of the positions as its 4-d attention mask) with Shard(1) on cp=4: the logits are one
+    device's natural-order logits in that order, only K and V move, and every rank's FLOPs are equal (its dense
+    masked kernel computes each row's every score: even, though no fewer than the contiguous shards' busiest)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(13)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (B, S))
+    order = fxshard.head_tail_order(S, 4)
+
+    def logits(ids, positions, mask):
+        return model(input_ids=ids, position_ids=positions, attention_mask=mask).logits
+
+    args = (ids[:, order], order[None].expand(B, -1).contiguous(), fxshard.causal_mask(order))
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),), 1: (Shard(1),)}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[:, order]
+        got = fxshard.simulate(logits, *args, mesh=mesh, placements=placements)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    e = explain(logits, *args, mesh=mesh, placements=placements)
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 4, e.report()
+    assert len(set(e.flops_by_rank)) == 1, e.flops_by_rank
+
+
+def _causal_at(positions: torch.Tensor):
+    """A mask_mod: a key is visible where its position is at most the query's."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return positions[q_idx] >= positions[kv_idx]
+    return mask_mod
+
+
+class FlexPositions(nn.Module):
+    """FlexAttention whose causal mask compares the tokens' positions (a buffer the mask_mod reads), so the same
+    module runs on any token order: natural, or head-tail reordered."""
+
+    def __init__(self, positions: torch.Tensor, block: int = 8):
+        super().__init__()
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.register_buffer("positions", positions, persistent=False)
+        mask = create_block_mask(_causal_at(positions), None, None, S, S, device="cpu", BLOCK_SIZE=block)
+        self.mask_sizes = (mask.seq_lengths, mask.BLOCK_SIZE)
+        for i, t in enumerate(mask.as_tuple()[2:10]):
+            self.register_buffer(f"mask_{i}", t, persistent=False)
+
+    def visible_blocks(self) -> torch.Tensor:
+        """Key blocks each query block reads (partial and full): the kernel's work per query block."""
+        return (self.mask_0 + self.mask_2)[0, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        block_mask = BlockMask(self.mask_sizes[0], *(getattr(self, f"mask_{i}") for i in range(8)),
+                               BLOCK_SIZE=self.mask_sizes[1], mask_mod=_causal_at(self.positions))
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, 8).transpose(1, 2).contiguous() for p in (self.q, self.k, self.v))
+        return self.o(flex_attention(q, k, v, block_mask=block_mask).transpose(1, 2).reshape(b, s, -1))
+
+
+def test_flex_attention_head_tail_cp4_exact_and_balanced():
+    """FlexAttention on head-tail reordered tokens with Shard(1) on cp=4: one device's natural-order result in that
+    order, only K and V move, and its block mask gives every rank the same number of key blocks to read
+    (2 cp + 1 of 8 rows each), where contiguous shards give rank r 4 r + 3."""
+    order = fxshard.head_tail_order(S, 4)
+    torch.manual_seed(14)
+    natural = FlexPositions(torch.arange(S)).requires_grad_(False)
+    reordered = FlexPositions(order).requires_grad_(False)
+    reordered.load_state_dict(natural.state_dict())
+    x = torch.randn(B, S, 32)
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    got = simulate_ranks(reordered, x[:, order], mesh=mesh, placements=placements).full()[0]
+    torch.testing.assert_close(got, natural(x)[:, order], rtol=1e-5, atol=1e-5)
+    e = explain(reordered, x[:, order], mesh=mesh, placements=placements)
+    assert [c.kind for c in e.collectives] == ["all_gather"] * 2, e.report()
+    assert [b.sum().item() for b in natural.visible_blocks().view(4, -1)] == [3, 7, 11, 15]
+    assert [b.sum().item() for b in reordered.visible_blocks().view(4, -1)] == [9, 9, 9, 9]
