@@ -242,6 +242,8 @@ def test_flex_attention_causal_block_mask_cp4_exact():
     e = explain(model, x, mesh=mesh, placements=placements)
     assert [c.kind for c in e.collectives] == ["all_gather"] * 2, e.report()
     assert e.bytes_per_rank == 2 * 3 / 4 * B * S * 32 * 4
+    flops = e.flops_by_rank  # its matmuls and its flex call on the rank's rows (FlopCounterMode: dense)
+    assert len(set(flops)) == 1 and flops[0] > 4 * 2 * B * (S // 4) * 32 * 32, flops
 
 
 def test_flex_attention_rows_not_in_whole_blocks_gather_the_queries():

@@ -54,7 +54,7 @@ def program_flops(gm: fx.GraphModule, registry: Mapping[Any, Callable] | None = 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         counted = causal_rows_flops(node.target, args)
         if counted is None:
-            formula = registry.get(getattr(node.target, "overloadpacket", None))
+            formula = registry.get(getattr(node.target, "overloadpacket", node.target))  # a higher-order op: itself
             counted = formula(*args, **kwargs, out_val=node.meta.get("val")) if formula is not None else 0
         total += int(counted)
     return total
