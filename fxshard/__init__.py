@@ -13,10 +13,10 @@ from .planner import plan_redistribute
 from .plans import Plan, Step
 from .policies import TrainingSplit
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan", "compile",
-           "causal_mask", "constrain", "explain", "explain_pipeline", "head_tail_order", "layout_from_placements", "load_sharded", "lower_bound_bytes",
-           "placements_from_layout", "plan_redistribute", "register_transform", "simulate", "simulate_plan",
-           "TrainingSplit"]
+__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan",
+           "compile", "causal_mask", "constrain", "explain", "explain_pipeline", "head_tail_order",
+           "layout_from_placements", "load_sharded", "lower_bound_bytes", "placements_from_layout",
+           "plan_redistribute", "register_transform", "simulate", "simulate_plan", "TrainingSplit"]
 
 
 def __getattr__(name: str) -> Any:

@@ -90,7 +90,8 @@ class GlobalIndices:
     """Subgraphs the op calls with indices into the dims of its tensor argument ``of`` (flex attention's
     score_mod and mask_mod get each score's batch and head index): the rank calls a copy of each whose
     index arguments are shifted by the rank's first index of their dim, so it computes on global indices,
-    as one device does; ``lengths`` and ``blocks`` name the ints that say the dim's length and block size. ``subgraphs``: per subgraph, its path in the arguments (positions) and its
+    as one device does; ``lengths`` and ``blocks`` name the ints that say the dim's length and block size.
+    ``subgraphs``: per subgraph, its path in the arguments (positions) and its
     (placeholder position, dim of ``of``) pairs."""
 
     of: int

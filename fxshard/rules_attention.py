@@ -132,11 +132,11 @@ def attention_backward(node: Any) -> Signature | None:
     where the forward's are (``_queries_independent``); key rows and head dims whole.
 
     Sharded query rows give grad_key and grad_value each rank's rows' share: a Partial(sum) over
-    the sequence's axes (``Signature.summed``). grad_query, grad_key, grad_value (and the efficient kernel's grad_bias) are laid out as their
-    inputs: grouped-query k/v heads share q's heads factor and keep its major part (strategies.fit),
-    so their gradients sum over the q heads the other ranks of their group hold (multi-query: all of
-    them), a Partial(sum) there (``Signature.group_sums``); so does a broadcast bias's gradient over
-    the batch or heads it was broadcast along.
+    the sequence's axes (``Signature.summed``). grad_query, grad_key, grad_value (and the efficient
+    kernel's grad_bias) are laid out as their inputs: grouped-query k/v heads share q's heads factor
+    and keep its major part (strategies.fit), so their gradients sum over the q heads the other ranks
+    of their group hold (multi-query: all of them), a Partial(sum) there (``Signature.group_sums``);
+    so does a broadcast bias's gradient over the batch or heads it was broadcast along.
     """
     tensors = _named_tensors(node)
     shapes = dict(tensors)

@@ -16,7 +16,8 @@ def loss_error(loss: torch.Tensor, reference: torch.Tensor) -> float:
     return abs(_full(loss).item() - reference.item()) / abs(reference.item())
 
 
-def update_errors(model: torch.nn.Module, reference: torch.nn.Module, before: Sequence[torch.Tensor]) -> dict[str, float]:
+def update_errors(model: torch.nn.Module, reference: torch.nn.Module,
+                  before: Sequence[torch.Tensor]) -> dict[str, float]:
     """Each parameter's update against one device's, relative to one device's update (a gradient lost or wrong is
     an error of about 1; a parameter neither side moved, 0)."""
     return {name: (_full(p) - q).abs().max().item() / max((q - q0).abs().max().item(), 1e-30)
