@@ -175,6 +175,16 @@ def test_examples_llama_cp4_exact():
     assert len(queries) <= 3 * 2, queries  # per layer: K, V and the normed input for the backward's weight grads
 
 
+def _exact_at_cp4(model: nn.Module, ids: torch.Tensor):
+    """``model(ids)`` with the ids Shard(1) on cp=4 equals one device's (logits); its explanation."""
+    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
+    with torch.no_grad():
+        want = model(ids)
+        got = fxshard.simulate(model, ids, mesh=mesh, placements=placements)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return explain(model, ids, mesh=mesh, placements=placements)
+
+
 def test_hugging_face_llama_cp4_exact():
     """transformers' LlamaForCausalLM (its SDPA attention, causal mask from the cache positions) with the ids
     Shard(1) on cp=4: logits equal one device's, and attention moves only K and V (gathered)."""
@@ -186,13 +196,7 @@ def test_hugging_face_llama_cp4_exact():
                                    attn_implementation="sdpa")
     torch.manual_seed(6)
     model = Logits(transformers.LlamaForCausalLM(cfg).eval())
-    ids = torch.randint(0, 256, (B, S))
-    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
-    with torch.no_grad():
-        want = model(ids)
-        got = fxshard.simulate(model, ids, mesh=mesh, placements=placements)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    e = explain(model, ids, mesh=mesh, placements=placements)
+    e = _exact_at_cp4(model, torch.randint(0, 256, (B, S)))
     kv = B * S * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # one K or V
     assert e.bytes_per_rank <= 1.1 * (2 * 2 * 3 / 4 * kv) + 4096, e.report()  # 2 layers x (K, V) x (cp-1)/cp
 
@@ -298,13 +302,7 @@ def test_torchtitan_llama3_cp4_exact():
     import titan_programs as titan
 
     model = titan.build(titan.llama3_config())
-    tokens = torch.randint(0, titan.VOCAB, (B, S), generator=torch.Generator().manual_seed(11))
-    mesh, placements = fxshard.MeshSpec(cp=4), {0: (Shard(1),)}
-    with torch.no_grad():
-        want = model(tokens)
-        got = fxshard.simulate(model, tokens, mesh=mesh, placements=placements)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    e = explain(model, tokens, mesh=mesh, placements=placements)
+    e = _exact_at_cp4(model, torch.randint(0, titan.VOCAB, (B, S), generator=torch.Generator().manual_seed(11)))
     assert [c.kind for c in e.collectives] == ["all_gather"] * 4, e.report()
 
 
