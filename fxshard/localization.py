@@ -117,9 +117,11 @@ class QueryRows:
     whole: each contiguous run of the rank's rows sees the keys before it whole and its own block
     causally, so the rank calls the kernel once per (run, block) and combines: the outputs weighted by
     their logsumexps (``backward`` False), or the query gradients summed and the key gradients placed at
-    their keys (a Partial(sum) over the sequence's axes). lowering/query_rows.py writes it."""
+    their keys (a Partial(sum) over the sequence's axes). ``kernel``: the kernel's name in
+    fxshard/causal_rows.py's tables. lowering/query_rows.py writes it."""
 
     backward: bool = False
+    kernel: str = "cpu_flash"
 
 
 Recipe = (LocalShape | LocalArange | SliceRange | SelectIndex | SplitSizes | MaskedLookup | MaskedAccumulate

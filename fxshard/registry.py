@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import routing, rules, rules_attention, rules_moe
+from .causal_rows import KERNEL_OF
 from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, QueryRows, Recipe, SelectIndex,
                            SliceRange, SplitSizes)
@@ -72,7 +73,7 @@ def signature_op(rule: Any, localize: Recipe | None = None, **traits: Any) -> Op
 
 def _query_rows(op: Any, backward: bool = False) -> QueryRows | None:
     """The recipe of an attention kernel whose causal calls stage 4 cuts into the rank's query rows."""
-    return QueryRows(backward) if op in rules_attention.QUERY_ROWS_OPS else None
+    return QueryRows(backward, KERNEL_OF[op.default]) if op in rules_attention.QUERY_ROWS_OPS else None
 
 
 _view = Op(VIEW, LocalShape(1), relabels=True)

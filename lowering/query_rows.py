@@ -1,8 +1,9 @@
 """Stage 4 for a causal attention kernel whose query rows are sharded (``fxshard.localization.QueryRows``).
 
 The call becomes fxshard's op of the same arguments (``fxshard/causal_rows.py``) given the global
-positions of the rank's rows, in runs: the rank computes its rows over the keys before them and its
-own causal block, not one device's top-left causal mask on its local rows.
+positions of the rank's rows, in runs, and the kernel the recipe names: the rank computes its rows over
+the keys before them and its own causal block, not one device's top-left causal mask on its local rows.
+Arguments are read by their schema names, never by which op the node calls.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.causal_rows import CAUSAL_ROWS_OPS, KERNEL_OF, runs_of
+from fxshard.causal_rows import CAUSAL_ROWS_OPS, runs_of
 from fxshard.graph import LAYOUT
 from fxshard.layout import Layout
 from fxshard.localization import QueryRows
@@ -45,10 +46,9 @@ def localize_query_rows(node: fx.Node, recipe: QueryRows, coordinate: Coordinate
         raise QueryRowsError(f"{node.format_node()}: the rank at {coordinate} holds no query rows of {q_layout}; "
                              "shard the sequence evenly over its axes")
     names = _BACKWARD if recipe.backward else _FORWARD
-    kernel = KERNEL_OF[node.target]
     op = CAUSAL_ROWS_OPS[1 if recipe.backward else 0]
     node.target = op
-    node.args = tuple(values[n] for n in names) + (runs_of(rows), kernel, values.get("scale"))
+    node.args = tuple(values[n] for n in names) + (runs_of(rows), recipe.kernel, values.get("scale"))
     node.kwargs = {}
     _stand_in_for_extras(node, len(op._schema.returns), q.meta["val"].device)
 
