@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .causal_rows import KERNEL_OF
 from .rules import Signature, _shape
 
 aten = torch.ops.aten
@@ -187,18 +188,9 @@ ATTENTION_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_attention_math", None),
 ) if op is not None)
 
-# kernels whose causal calls stage 4 rewrites for a rank's query rows (lowering/query_rows.py): their calls
-# without mask or dropout take (q, k, v, is_causal) and give (out, logsumexp [b, h, s]) first, and their
-# backward reads the logsumexp and the output it is given (so a row's gradient over a block of keys is the
-# same kernel called on those keys with the whole row's logsumexp)
-QUERY_ROWS_OPS = tuple(op for op in (
-    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
-    getattr(aten, "_scaled_dot_product_flash_attention", None),
-    getattr(aten, "_scaled_dot_product_flash_attention_backward", None),
-    getattr(aten, "_scaled_dot_product_efficient_attention", None),
-    getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
-) if op is not None)
+# kernels whose causal calls stage 4 rewrites for a rank's query rows (lowering/query_rows.py): those
+# fxshard/causal_rows.py knows how to call on a block of keys (its ``KERNEL_OF``)
+QUERY_ROWS_OPS = tuple(dict.fromkeys(op.overloadpacket for op in KERNEL_OF))
 
 ATTENTION_BACKWARD_OPS = tuple(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
