@@ -90,6 +90,7 @@ OPS: dict[Any, Op] = {
     aten.bmm.default: einsum_op("b m k, b k n -> b m n", partial_groups=[(0,), (1,)]),
     aten.addmm.default: signature_op(rules.addmm),
     aten.baddbmm.default: signature_op(rules.baddbmm),
+    aten._scaled_mm.default: signature_op(rules.scaled_mm),  # float8 (torchao's Float8Linear)
     aten.convolution.default: signature_op(rules.convolution),
     # permutes
     aten.t.default: _transpose,
@@ -102,6 +103,8 @@ OPS: dict[Any, Op] = {
     aten.mean.default: signature_op(rules.reduce_all("avg")),
     aten.amax.default: signature_op(rules.reduce_dims("max")),
     aten.amin.default: signature_op(rules.reduce_dims("min")),
+    aten.max.default: signature_op(rules.reduce_all("max")),  # float8 scales' amax (torchao: max(abs(x)))
+    aten.min.default: signature_op(rules.reduce_all("min")),
     aten.var_mean.correction: signature_op(rules.var_mean),
     aten._softmax.default: signature_op(rules.softmax),
     aten._log_softmax.default: signature_op(rules.softmax),

@@ -161,6 +161,33 @@ def addmm(node: Any) -> Signature:
     return Signature((bias_f, ("m", "k"), ("k", "n")), ("m", "n"), "sum", ((0, 1), (0, 2)), addends=(0,))
 
 
+def scaled_mm(node: Any) -> Signature:
+    """``_scaled_mm(a, b, scale_a, scale_b, bias, scale_result)`` (float8 matmuls, torchao's Float8Linear): mm
+    whose output is scaled by ``scale_a`` (one value, or one per row of a: [m, 1]) and ``scale_b`` (one, or one per
+    column of b: [1, n]). Scaling commutes with the sum over k, so a sharded k gives a Partial(sum) output, the
+    bias an addend; a Partial operand does not pass (a float8 value sums no partial)."""
+    m, n = _out_shape(node)
+
+    def scale(x: Any, rows: bool) -> tuple[str | None, ...]:
+        shape = _shape(x) or ()
+        if len(shape) != 2:
+            return tuple(None for _ in shape)
+        return ("m", None) if rows and shape[0] == m != 1 else (None, "n") if not rows and shape[1] == n != 1 \
+            else (None, None)
+
+    args = list(node.args) + [None] * (6 - len(node.args))
+    bias = args[4] if args[4] is not None else node.kwargs.get("bias")
+    scale_result = args[5] if args[5] is not None else node.kwargs.get("scale_result")
+    ins: list[tuple[str | None, ...]] = [("m", "k"), ("k", "n"), scale(args[2], True), scale(args[3], False)]
+    addends: tuple[int, ...] = ()
+    if _shape(bias) is not None:
+        addends = (len(ins),)
+        ins.append(broadcast_into(_shape(bias), (m, n), ("m", "n")))
+    if _shape(scale_result) is not None:
+        ins.append(tuple(None for _ in _shape(scale_result)))
+    return Signature(tuple(ins), ("m", "n"), "sum", addends=addends)
+
+
 def baddbmm(node: Any) -> Signature:
     """beta * self + alpha * (b1 @ b2), batched (ALiBi attention scores): bmm with self as an addend."""
     bias_f = broadcast_into(_shape(node.args[0]), _out_shape(node), ("b", "m", "n"))
@@ -437,11 +464,14 @@ def triangle(node: Any) -> Signature:
 
 
 def to_copy(node: Any) -> Signature:
-    """A dtype/device copy: Partial values stay Partial between floating dtypes."""
+    """A dtype/device copy: Partial values stay Partial between floating dtypes, float8 aside (a cast to float8
+    is a quantization of the whole value: a partial sum of float8 values is not one). Into a narrower dtype only
+    a max or min passes (rounding keeps order): partial sums rounded before they are summed would round on every
+    rank what one device rounds once, so they are summed in the wider dtype first."""
     src = node.args[0].meta["val"].dtype
     dst = node.meta["val"].dtype
-    groups = [(0,)] if src.is_floating_point and dst.is_floating_point else []
-    return pointwise(lambda n: groups, ALL_OPS)(node)
+    groups = [(0,)] if src.is_floating_point and dst.is_floating_point and dst.itemsize > 1 else []
+    return pointwise(lambda n: groups, ALL_OPS if dst.itemsize >= src.itemsize else ("max", "min"))(node)
 
 
 def scatter(node: Any) -> Signature | None:

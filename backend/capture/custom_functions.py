@@ -25,6 +25,15 @@ def is_autograd_function(target: Any) -> bool:
     return target is torch.ops.higher_order.autograd_function_apply
 
 
+def is_unlifted_function(target: Any) -> bool:
+    """Dynamo's call of a Function it did not lift into ``autograd_function_apply``: one written the old way,
+    ``forward(ctx, ...)`` with no ``setup_context`` (torchao's float8 matmul and casts), left as its ``apply``
+    (Dynamo's ``trampoline_autograd_apply``)."""
+    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
+
+    return getattr(target, "_origin", None) is produce_trampoline_autograd_apply
+
+
 def mutates_inputs(kwargs: dict) -> bool:
     """Whether the Function modifies its inputs in place (``ctx.mark_dirty``): not a functional program."""
     return bool(kwargs.get("dirty_idx"))
@@ -43,6 +52,19 @@ def apply_autograd_function(fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any
     inner = tree_map(unwrap_functional, args)
     with interpreter.lower():
         out = _function(fwd, bwd, non_differentiable).apply(*inner)
+    return tree_map(lambda t: wrap_functional(t, level), out)
+
+
+def apply_unlifted_function(apply: Any, *args: Any, **kwargs: Any) -> Any:
+    """``apply(*args)`` (``is_unlifted_function``) inside ``torch.func.functionalize``, which refuses a Function
+    without ``setup_context``: run one level below functionalization, as ``apply_autograd_function`` runs its
+    bodies, so autograd records the Function's own backward. Its forward's ops are traced as it writes them
+    (the Functions torchao writes are functional)."""
+    interpreter = functional_interpreter()
+    level = interpreter.level()
+    inner, inner_kwargs = tree_map(unwrap_functional, (args, kwargs))
+    with interpreter.lower():
+        out = apply(*inner, **inner_kwargs)
     return tree_map(lambda t: wrap_functional(t, level), out)
 
 

@@ -28,7 +28,8 @@ from fxshard.placements import as_mesh_spec, layout_from_placements, placements_
 
 from fxshard.backend.capture import inputs, routed_experts
 from fxshard.backend.capture.block_joint import Templates, stamp
-from fxshard.backend.capture.custom_functions import apply_autograd_function, is_autograd_function, mutates_inputs
+from fxshard.backend.capture.custom_functions import (apply_autograd_function, apply_unlifted_function,
+                                                     is_autograd_function, is_unlifted_function, mutates_inputs)
 from fxshard.backend.capture.dtensor_reads import eager_dtensor, read_kind
 from fxshard.backend.capture.functional_copy import copy_into, is_copy_, needs_own_copy
 from fxshard.backend.capture.dynamo_compat import dtensor_prim, prim_arguments
@@ -166,6 +167,8 @@ class _GlobalInterpreter(fx.Interpreter):
                                  "(ctx.mark_dirty), which fxshard cannot trace as a functional program; "
                                  "return new tensors instead")
             return self._run_local_aware(lambda: apply_autograd_function(*args, **kwargs), args, kwargs)
+        if is_unlifted_function(target):
+            return self._run_local_aware(lambda: apply_unlifted_function(target, *args, **kwargs), args, kwargs)
         if is_copy_(target) and needs_own_copy(args, kwargs):  # a joint trace's copy_ (functional_copy.py)
             return self._run_local_aware(lambda: copy_into(*args, **kwargs), args, kwargs)
         if target is torch.ops.higher_order.flex_attention and any(args[7:9]):
