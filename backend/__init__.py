@@ -65,6 +65,13 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     from fxshard.backend.programs.sizes import per_size
     from fxshard.backend.reports.report import StageReporter
 
+    if (options or {}).get("mixed_precision") is not None:
+        raise ValueError(
+            "torch.compile(..., options={'mixed_precision': ...}): Dynamo captured this graph with the parameters in "
+            "their own dtype before the backend ran, and the model's code may have read that dtype (x.dtype) into "
+            "it. Give the policy to the model instead, where it is captured: "
+            "torch.compile(fxshard.with_mixed_precision(model, policy), backend='fxshard'); fxshard.compile(model, "
+            "mixed_precision=policy), fxshard.explain and fxshard.simulate take mixed_precision= themselves")
     given = Options.from_backend(options)
     if find_device_mesh(example_inputs, gm) is None:
         return _plain_program(gm, example_inputs, given.inductor, mode)

@@ -25,10 +25,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxshard.costs import CostModel
 from fxshard.placements import as_mesh_spec
-from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, MixedPrecision, TrainingSplit
 
 from fxshard.backend.layers.block_regions import captured_with_regions, repeated_blocks
 from fxshard.backend.capture.capture import capture, fake_stand_in
+from fxshard.backend.capture.mixed_precision import under_policy
 from fxshard.backend.driver import compile_program
 from fxshard.backend.inductor.compile_local import start_compile_workers
 from fxshard.backend.options import Options
@@ -91,11 +92,11 @@ class CompiledFunction:
                 # tie_weights: a tied alias (a head sharing the embedding's weight) is one parameter that
                 # named_parameters() lists once; its other names get the same stand-in, or Dynamo would meet the
                 # real DTensor there among the fakes (aten.mm got mixed torch.Tensor and DTensor)
+                fn = under_policy(self.fn, options.mixed_precision, [self.module])
                 with _reparametrize_module(self.module, stand_ins, tie_weights=True):
-                    captured = captured_with_regions(lambda: capture(self.fn, arg_stand_ins),
-                                                     repeated_blocks(self.module))
+                    captured = captured_with_regions(lambda: capture(fn, arg_stand_ins), repeated_blocks(self.module))
             else:
-                captured = capture(self.fn, arg_stand_ins)
+                captured = capture(under_policy(self.fn, options.mixed_precision), arg_stand_ins)
         by_id: dict[int, tuple[str, Any]] = {id(t): ("state", n) for n, t in stand_ins.items()}
         by_id.update({id(a): ("arg", i) for i, a in enumerate(arg_stand_ins) if isinstance(a, torch.Tensor)})
         sources: list[tuple[str, Any]] = []
@@ -137,7 +138,7 @@ def _one_graph_needed(label: str) -> Iterator[None]:
 def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None, inductor: bool = True,
             bucketing: bool = True, regional: bool = True,
-            training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT,
+            training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT, mixed_precision: MixedPrecision | None = None,
             on_graph: Callable[[str, Any], None] | None = None, debug_dir: str | None = None) -> CompiledFunction:
     """Compile ``fn`` (a module, or a method of one, or a function) for the mesh of its DTensor
     parameters and arguments; plain tensor arguments are replicated unless ``placements`` (by
@@ -145,5 +146,5 @@ def compile(fn: Callable, device_mesh: Any = None, placements: Mapping[int, Any]
     arguments are the backend options (``backend/__init__.py``; all of them: ``backend/options.py``)."""
     return CompiledFunction(fn, device_mesh, placements, dict(
         strict=strict, cost_model=cost_model, inductor=inductor, bucketing=bucketing, regional=regional,
-        training_split=training_split, on_graph=on_graph, debug_dir=debug_dir))
+        training_split=training_split, mixed_precision=mixed_precision, on_graph=on_graph, debug_dir=debug_dir))
 

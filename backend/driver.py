@@ -23,11 +23,12 @@ from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import shard_graph
 from fxshard.placements import as_mesh_spec
-from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, MixedPrecision, TrainingSplit
 from fxshard.timing import stage
 
 from fxshard.backend.capture import outputs as outputs_
 from fxshard.backend.capture.capture import Captured, capture
+from fxshard.backend.capture.mixed_precision import under_policy
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.programs.fold import Shortened, shorten, unfolder
 from fxshard.backend.programs.fold_lowered import FoldedLowering, lower_folded
@@ -292,12 +293,13 @@ def plan_function(fn: Callable, args: Sequence[Any], *, mesh: Any = None, placem
                   training: bool = False, strict: bool = False, cost_model: CostModel | None = None,
                   reporter: StageReporter | None = None,
                   training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT,
-                  fold: bool = False) -> tuple[Captured, PlannedProgram]:
+                  fold: bool = False, mixed_precision: MixedPrecision | None = None) -> tuple[Captured, PlannedProgram]:
     """Capture ``fn(*args)`` with Dynamo and plan it: ``mesh`` (a MeshSpec, DeviceMesh or {axis: size};
     default: the DTensor arguments' and parameters') and ``placements`` (argument index or parameter
-    name -> placements) say how it is sharded; ``training_split`` and ``fold`` as ``plan_program``'s."""
+    name -> placements) say how it is sharded; ``training_split`` and ``fold`` as ``plan_program``'s;
+    ``mixed_precision``: ``fn`` run under that policy (``backend/capture/mixed_precision.py``)."""
     reporter = reporter or StageReporter(label=label_of(fn))
-    captured = capture(fn, args)
+    captured = capture(under_policy(fn, mixed_precision), args)
     if mesh is None:
         device_mesh = find_device_mesh(captured.example_inputs)
         if device_mesh is None:

@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.costs import CostModel
+from fxshard.policies import MixedPrecision
+from fxshard.backend.capture.mixed_precision import under_policy
 from fxshard.graph import PLAN, output_layouts
 from fxshard.hints import assumptions, describe, size_hints
 from fxshard.layout import Layout
@@ -199,18 +201,20 @@ def collectives_of(gm: fx.GraphModule) -> list[Collective]:
 
 def explain(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
             strict: bool = False, cost_model: CostModel | None = None,
-            hints: Mapping[str, int] | None = None) -> Explanation | Explanations:
+            hints: Mapping[str, int] | None = None,
+            mixed_precision: MixedPrecision | None = None) -> Explanation | Explanations:
     """Shard ``fn(*args)`` over ``mesh`` (a MeshSpec, DeviceMesh or {axis: size}; default: the DTensor
     arguments' and parameters') and explain the result.
 
     ``placements`` maps an argument index or a parameter/buffer name to DTensor placements or a
     Layout; DTensor arguments bring their own; everything else is replicated. ``hints`` gives
     symbolic mesh sizes a number where a decision needs one (default 8; fxshard/hints.py).
+    ``mixed_precision`` (``fxshard.MixedPrecision``): the program as it runs under that policy.
     A function Dynamo splits into several graphs gives ``Explanations``, one per graph run.
     """
     with size_hints(hints), assumptions() as assumed:
         planner = RunPlanner(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model)
-        explanations = _explain_runs(fn, args, planner)
+        explanations = _explain_runs(under_policy(fn, mixed_precision), args, planner)
         planner.check_placements()
         for e in explanations:
             e.assumptions, e.hints = sorted(assumed), describe()

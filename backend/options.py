@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fxshard.costs import CostModel
-from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, MixedPrecision, TrainingSplit
 
 __all__ = ["Options", "DEFAULTS", "in_force", "BACKEND_OPTIONS"]
 
@@ -39,6 +39,7 @@ class Options:
     regional: bool = True  # each distinct layer compiled once, not the whole local program (layers/regions.py)
     cost_model: CostModel | None = None  # the planner's costs (None: fxshard.CostModel())
     training_split: TrainingSplit = DEFAULT_TRAINING_SPLIT  # which gathered values the forward keeps for the backward
+    mixed_precision: MixedPrecision | None = None  # the dtypes parameters compute and gradients sum in
     on_graph: Callable[[str, Any], None] | None = None  # called with (stage, GraphModule) for each stage's graph
     debug_dir: str | None = None  # each stage's graph written there as text
     # the environment's switches (``with_environment``)
@@ -81,6 +82,10 @@ class Options:
         if not isinstance(split, TrainingSplit):
             raise TypeError(f"fxshard option training_split={split!r}: expected a fxshard.TrainingSplit, e.g. "
                             "fxshard.TrainingSplit(keep_gathered_activations=False)")
+        policy = given.get("mixed_precision")
+        if policy is not None and not isinstance(policy, MixedPrecision):
+            raise TypeError(f"fxshard option mixed_precision={policy!r}: expected a fxshard.MixedPrecision, e.g. "
+                            "fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
         return dataclasses.replace(in_force(), **given)
 
     def with_environment(self) -> Options:
@@ -97,8 +102,8 @@ class Options:
 
 
 # the options ``torch.compile(..., options={...})`` takes: the backend's own, not the switches and thresholds
-BACKEND_OPTIONS = frozenset({"strict", "inductor", "bucketing", "regional", "cost_model", "training_split", "on_graph",
-                             "debug_dir"})
+BACKEND_OPTIONS = frozenset({"strict", "inductor", "bucketing", "regional", "cost_model", "training_split",
+                             "mixed_precision", "on_graph", "debug_dir"})
 
 # the process-wide options: what a compile starts from, and what the modules deep in stage 6 read (``in_force``)
 DEFAULTS = Options()

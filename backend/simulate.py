@@ -31,10 +31,11 @@ from fxshard.lowering.groups import MeshGroups
 from fxshard.lowering.localize import own_shard_indexing
 from fxshard.mesh import MeshSpec
 from fxshard.placements import layout_as_dtensor
-from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
+from fxshard.policies import DEFAULT_TRAINING_SPLIT, MixedPrecision, TrainingSplit
 from fxshard.routing import PYTHON_FORMS
 
 from fxshard.backend.capture.capture import Captured, capture_graphs
+from fxshard.backend.capture.mixed_precision import under_policy
 from fxshard.backend.driver import PlannedProgram, plan_function
 from fxshard.backend.graph_runs import RunPlanner
 from fxshard.backend.capture.inputs import named_inputs
@@ -331,7 +332,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
                    strict: bool = False, cost_model: CostModel | None = None,
                    local_inputs: Callable[[Any, torch.Tensor], Mapping] | None = None, grad: bool = False,
                    grad_outputs: Sequence[torch.Tensor] | None = None, regional: bool = False,
-                   fold: bool = False) -> SimulatedRun:
+                   fold: bool = False, mixed_precision: MixedPrecision | None = None) -> SimulatedRun:
     """Like ``simulate`` but keeps each rank's local outputs.
 
     ``local_inputs(layout, global_value) -> {coordinate: block}`` overrides how inputs are split
@@ -344,7 +345,7 @@ def simulate_ranks(fn: Callable, *args: Any, mesh: Any = None, placements: Mappi
     as ``fxshard.compile`` plans it (backend/programs/fold.py); each rank's programs are lowered from the unfolded plan.
     """
     captured, planned = plan_function(fn, args, mesh=mesh, placements=placements, training=grad, strict=strict,
-                                      cost_model=cost_model, fold=fold)
+                                      cost_model=cost_model, fold=fold, mixed_precision=mixed_precision)
     program, gm, training = planned.program, planned.forward, planned.training
     spec = program.mesh
     objects = [captured.objects[p] for p in program.tensor_positions]
@@ -511,7 +512,8 @@ def _value(blocks: Mapping, layout: Layout, example: Any, device_mesh: Any) -> t
 
 
 def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any, Any] | None = None,
-             strict: bool = False, cost_model: CostModel | None = None, grad: bool = False) -> Any:
+             strict: bool = False, cost_model: CostModel | None = None, grad: bool = False,
+             mixed_precision: MixedPrecision | None = None) -> Any:
     """Run ``fn(*args)`` sharded over ``mesh`` on simulated ranks; return the outputs as full tensors.
 
     Arguments are global tensors; ``placements`` says how to shard them (argument index or
@@ -527,15 +529,16 @@ def simulate(fn: Callable, *args: Any, mesh: Any = None, placements: Mapping[Any
     With ``grad=True`` the training program runs (forward, then backward seeded with ones) and
     the result is ``(outputs, grads)``: ``grads`` maps each input that requires grad (argument
     index or parameter name) to its full gradient. Training needs the function as one graph.
+    ``mixed_precision`` (``fxshard.MixedPrecision``): the program as it runs under that policy.
     """
     if grad:
         run = simulate_ranks(fn, *args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model,
-                             grad=True)
+                             grad=True, mixed_precision=mixed_precision)
         outs = run.full()
         return (outs[0] if len(outs) == 1 else tuple(outs)), run.full_grads()
     planner = RunPlanner(fn, args, mesh=mesh, placements=placements, strict=strict, cost_model=cost_model)
     with contextlib.ExitStack() as stack:
         ranks = SimulatedGraphs(planner, stack)
-        _, result = capture_graphs(fn, args, ranks)
+        _, result = capture_graphs(under_policy(fn, mixed_precision), args, ranks)
     planner.check_placements()
     return pytree.tree_map(ranks.full, result)

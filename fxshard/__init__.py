@@ -11,12 +11,12 @@ from .ops import constrain
 from .placements import layout_from_placements, placements_from_layout
 from .planner import plan_redistribute
 from .plans import Plan, Step
-from .policies import TrainingSplit
+from .policies import MixedPrecision, TrainingSplit
 
 __all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan",
            "compile", "causal_mask", "constrain", "explain", "explain_pipeline", "head_tail_order",
-           "layout_from_placements", "load_sharded", "lower_bound_bytes", "placements_from_layout",
-           "plan_redistribute", "register_transform", "simulate", "simulate_plan", "TrainingSplit"]
+           "layout_from_placements", "load_sharded", "lower_bound_bytes", "MixedPrecision", "placements_from_layout",
+           "plan_redistribute", "register_transform", "simulate", "simulate_plan", "TrainingSplit", "with_mixed_precision"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from .backend.pipelining import explain_pipeline
 
         return explain_pipeline
+    if name == "with_mixed_precision":
+        from .backend.capture.mixed_precision import with_mixed_precision
+
+        return with_mixed_precision
     if name == "simulate_plan":
         from .backend.simulate_plan import simulate_plan
 

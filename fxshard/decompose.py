@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
 
+from .ops import CAST_FOR_COMPUTE
 from .registry import DECOMPOSED, FORWARD
 
 aten = torch.ops.aten
@@ -84,6 +85,7 @@ def decomposition_table(training: bool = False) -> dict[Any, Any]:
     if training:
         table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten._scaled_mm.default] = _scaled_mm_in_float32
+    table[CAST_FOR_COMPUTE] = lambda x, dtype, summed_in: x.to(dtype)  # its backward is autograd's, above
     table[aten.rand_like.default] = _draw_whole(torch.rand)
     table[aten.randn_like.default] = _draw_whole(torch.randn)
     return table

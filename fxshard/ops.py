@@ -1,13 +1,16 @@
-"""Graph-level marker ops: a layout pin and a planned redistribution.
+"""Graph-level marker ops: a layout pin, a place where partial sums are summed, a mixed-precision cast, and a
+planned redistribution.
 
-Both are real custom ops so that they survive make_fx and print as one readable call.
-``constrain`` exists only in traced global graphs (stage 1-2); ``redistribute`` exists in
-stage 3-4 graphs and is replaced by collectives in stage 5. Neither runs eagerly outside
-a trace: running one means a graph skipped its lowering.
+All are real custom ops so that they survive make_fx and print as one readable call.
+``constrain`` and ``summed`` exist only in traced global graphs (stage 1-2; the planner removes
+them, having placed what they ask for); ``cast_for_compute`` only in the program Dynamo's graph
+is traced from (stage 1 traces it as a cast, its backward as a cast and ``summed``);
+``redistribute`` exists in stage 3-4 graphs and is replaced by collectives in stage 5.
+``redistribute`` never runs eagerly: running one means a graph skipped its lowering.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -31,6 +34,44 @@ def _constrain_backward(ctx: object, grad: torch.Tensor) -> tuple:
 constrain_op.register_autograd(_constrain_backward)
 
 
+@torch.library.custom_op("fxshard::summed", mutates_args=())
+def summed_op(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its partial sums summed here: a value Partial over some axes is reduced before this point, in
+    ``x``'s dtype (a mixed-precision policy's ``reduce_dtype``), not carried on."""
+    return x.clone()
+
+
+@summed_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+summed_op.register_autograd(lambda ctx, grad: grad)
+
+
+@torch.library.custom_op("fxshard::cast_for_compute", mutates_args=())
+def cast_for_compute_op(x: torch.Tensor, dtype: torch.dtype, summed_in: torch.dtype) -> torch.Tensor:
+    """A parameter cast to the dtype the program computes in; its gradient is cast to ``summed_in``, summed over
+    the ranks there (``summed``) and cast back to ``x``'s dtype (``fxshard.MixedPrecision``)."""
+    return x.to(dtype)
+
+
+@cast_for_compute_op.register_fake
+def _(x: torch.Tensor, dtype: torch.dtype, summed_in: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(x, dtype=dtype)
+
+
+def _setup_cast(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.dtype, ctx.summed_in = inputs[0].dtype, inputs[2]
+
+
+def _cast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    return torch.ops.fxshard.summed(grad.to(ctx.summed_in)).to(ctx.dtype), None, None
+
+
+cast_for_compute_op.register_autograd(_cast_backward, setup_context=_setup_cast)
+
+
 @torch.library.custom_op("fxshard::redistribute", mutates_args=())
 def redistribute_op(x: torch.Tensor, src: str, dst: str, out_shape: Sequence[int]) -> torch.Tensor:
     raise RuntimeError(
@@ -45,6 +86,8 @@ def _(x: torch.Tensor, src: str, dst: str, out_shape: Sequence[int]) -> torch.Te
 
 
 CONSTRAIN = torch.ops.fxshard.constrain.default
+SUMMED = torch.ops.fxshard.summed.default
+CAST_FOR_COMPUTE = torch.ops.fxshard.cast_for_compute.default
 REDISTRIBUTE = torch.ops.fxshard.redistribute.default
 
 

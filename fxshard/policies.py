@@ -2,14 +2,17 @@
 
 Propagation (fxshard/propagate.py) is greedy and exact per op; planning the joint graph and
 splitting it (backend/programs/joint.py) is mechanical. What is a *policy* sits here: which second
-opinions refinement asks for (``Refinement``), and which gathered values the training split
-keeps between forward and backward instead of gathering again (``TrainingSplit``). A pass takes
+opinions refinement asks for (``Refinement``), which gathered values the training split
+keeps between forward and backward instead of gathering again (``TrainingSplit``), and in which
+dtypes parameters are computed with and gradients summed (``MixedPrecision``). A pass takes
 its policy as an argument; the defaults are the strategies the tests and benchmarks measure.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+import torch
 
 
 class Pin(str, enum.Enum):
@@ -72,6 +75,38 @@ class TrainingSplit:
     keep_first_backward_gather: bool = True
     keep_gathered_activations: bool = True
     recompute_pointwise: bool = True
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2's ``MixedPrecisionPolicy``, for every parallelism: the parameters stay what they are (fp32, sharded),
+    the program computes with them cast to ``param_dtype``, and their gradients are summed in ``reduce_dtype``.
+
+    Each floating parameter is cast where the program reads it (``backend/capture/trace.py``), on the rank's
+    shard: the planner then gathers the cast values (an FSDP gather of bf16 bytes, half the fp32 ones, as FSDP2
+    casts before its all-gather). A parameter's gradient is the cast's backward: cast to ``reduce_dtype`` and
+    summed over the ranks there (an FSDP reduce-scatter, a replicated weight's all-reduce), then cast to the
+    parameter's dtype, so the fp32 parameters receive fp32 gradients; ``reduce_dtype`` None sums in
+    ``param_dtype``, as FSDP2 does. With ``cast_forward_inputs`` the floating arguments of the function are cast
+    to ``param_dtype`` too (FSDP2's default); ``output_dtype`` casts its floating outputs. Buffers are not cast.
+    The optimizer step is the user's, on the fp32 parameters and gradients."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"MixedPrecision({name}={dtype!r}): expected a floating torch.dtype "
+                                "(torch.bfloat16, torch.float16, torch.float32) or None")
+
+    @property
+    def summed_in(self) -> torch.dtype | None:
+        """The dtype gradients are summed in: ``reduce_dtype``, else ``param_dtype``."""
+        return self.reduce_dtype or self.param_dtype
 
 
 DEFAULT_REFINEMENT = Refinement()

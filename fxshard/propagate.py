@@ -21,6 +21,7 @@ from .graph import ARG_LAYOUTS, LAYOUT, dtype_of, metadata, required_layouts, se
 from .layout import Layout, LayoutError
 from .mesh import MeshSpec
 from .op_kinds import Context, UnsupportedOpError
+from .ops import SUMMED
 from .placements import dtensor_spec_of, layout_from_placements
 from .planner import redistribute_cost
 from .policies import Pin
@@ -229,14 +230,21 @@ def propagate(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, La
 
 def wanted_at_output(gm: fx.GraphModule, output_layouts: Sequence[Layout | None]) -> dict[fx.Node, tuple[Layout, ...]]:
     """The layouts the program's output requires of the values it returns (a joint graph's gradients:
-    their parameters' layouts), so the op making one may make it in that layout directly."""
+    their parameters' layouts), so the op making one may make it in that layout directly; so too the value a
+    returned one is a dtype cast of, or summed from (a mixed-precision gradient summed in bf16, then cast to its
+    fp32 parameter's dtype: the reduce_scatter into the shard is made before the cast)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = [a for a in torch.utils._pytree.tree_leaves(out.args)
                 if isinstance(a, fx.Node) and isinstance(value(a), torch.Tensor)]
     wanted: dict[fx.Node, tuple[Layout, ...]] = {}
     for a, want in zip(returned, output_layouts):
-        if want is not None and tuple(want.shape) == tuple(value(a).shape) and want not in wanted.get(a, ()):
+        while want is not None and tuple(want.shape) == tuple(value(a).shape) and want not in wanted.get(a, ()):
             wanted[a] = wanted.get(a, ()) + (want,)
+            cast = a.target is SUMMED or (a.target is torch.ops.aten._to_copy.default and set(a.kwargs) <= {"dtype"})
+            if not (cast and len(a.users) == 1 and isinstance(a.args[0], fx.Node)
+                    and isinstance(value(a.args[0]), torch.Tensor)):
+                break
+            a = a.args[0]
     return wanted
 
 

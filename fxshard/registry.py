@@ -26,7 +26,7 @@ from .flex_attention import FLEX_ATTENTION, FORWARD_INDICES, flex_attention
 from .localization import (LocalArange, LocalShape, MaskedAccumulate, MaskedLookup, QueryRows, Recipe, SelectIndex,
                            SliceRange, SplitSizes)
 from .op_kinds import FACTORY, LIKE, NEW, PIN, PLAIN_VIEW, VIEW, WRITE_INTO, Declared, Kind, Ranges
-from .ops import CONSTRAIN, REDISTRIBUTE
+from .ops import CAST_FOR_COMPUTE, CONSTRAIN, REDISTRIBUTE, SUMMED
 from .rules import LINEAR_OPS, einsum
 from .slicing import concat_rule, select_rule, slice_rule, split_rule, stack_rule, unbind_rule
 
@@ -217,6 +217,9 @@ OPS: dict[Any, Op] = {
     aten.arange.start_step: _arange,
     # fxshard's own
     CONSTRAIN: Op(PIN),
+    SUMMED: signature_op(rules.summed_here),  # a mixed-precision gradient summed in its reduce dtype
+    # stage 1 traces it as the cast it is (fxshard/decompose.py); the rule is DTensor's, lent for Dynamo's capture
+    CAST_FOR_COMPUTE: signature_op(rules.to_copy),
     REDISTRIBUTE: Op(None, LocalShape(3)),
     routing.ROUTED_OPS[0]: Op(routing.ROUTED, routing.RECIPE),  # a dropless MoE's routed rows, dispatched
     routing.ROUTED_OPS[1]: Op(routing.ROUTED, routing.RECIPE),

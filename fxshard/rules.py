@@ -151,6 +151,12 @@ def identity(node: Any) -> Signature:
     return permutation(len(_out_shape(node)), range(len(_out_shape(node))))
 
 
+def summed_here(node: Any) -> Signature:
+    """``fxshard.summed``: the identity no Partial passes (it is reduced before, in the value's dtype)."""
+    names = tuple(_letters(len(_out_shape(node))))
+    return Signature((names,), names, partial_ops=())
+
+
 def broadcast_into(shape: Sequence[int], target: Sequence[int], names: Sequence[str]) -> tuple[str | None, ...]:
     """The factors of a tensor of ``shape`` broadcast into ``target``, whose dims are ``names``."""
     return tuple(names[int(f[1:])] if f else None for f in broadcast([shape], target).inputs[0])

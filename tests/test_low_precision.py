@@ -201,3 +201,146 @@ def test_float8_training_matches_one_device(recipe, parallelism):
     assert relative(out, loss) <= 1e-5
     errors = {n: relative(sharded_grads[n], g) for n, g in zip(names, grads)}
     assert max(errors.values()) <= bound, (bound, errors)
+
+
+# ---- a mixed-precision policy (fxshard.MixedPrecision): FSDP2's, for every door --------------------------------
+BF16_FP32 = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16 = fxshard.MixedPrecision(param_dtype=torch.bfloat16)  # gradients summed in bf16, as FSDP2 without reduce_dtype
+
+
+def by_hand(model: Llama, x, y, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One device running the policy by hand: the loss of the model with its parameters cast to ``dtype`` (torch's
+    own reparametrization, no fxshard op), and the fp32 parameters' gradients."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    params = dict(model.named_parameters())
+    with _reparametrize_module(model, {n: p.to(dtype) for n, p in params.items()}, tie_weights=True):
+        loss = model.loss(x, y)
+    return loss.detach(), dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+
+def fsdp_step(model: Llama, x, y, policy: fxshard.MixedPrecision | None):
+    """The FSDP training step on dp=4 under ``policy``: (loss, gradients, rank 0's forward calls, backward calls)."""
+    from fxshard.backend.reports.traffic import collective_calls
+
+    mesh = fxshard.MeshSpec(dp=4)
+    placements = {**fsdp_placements(model), 0: (Shard(0),), 1: (Shard(0),)}
+    with fake_world(mesh):
+        run = simulate_ranks(model.loss, x, y, mesh=mesh, placements=placements, grad=True, mixed_precision=policy)
+        fwd, bwd = run.lowered[(0,)]
+        return run.full()[0], run.full_grads(), collective_calls(fwd), collective_calls(bwd)
+
+
+def moved(calls, kind: str) -> int:
+    return sum(c.input_bytes for c in calls if c.kind == kind)
+
+
+@pytest.mark.parametrize("policy", [BF16_FP32, BF16], ids=["reduce_fp32", "reduce_bf16"])
+def test_mixed_precision_fsdp_gathers_bf16_and_sums_in_the_reduce_dtype(policy):
+    """FSDP on dp=4 under the policy: each parameter cast on its shard and gathered in bf16, half the fp32 plan's
+    bytes forward and backward (the backward gathers again, as FSDP2 does), the same collectives; every gradient
+    reduce-scattered into its fp32 shard, in fp32 (the fp32 plan's bytes) or in bf16 (half of them, but the
+    embedding's, whose backward accumulates in fp32 and is summed so: a sum is never rounded before it is made).
+
+    Numerics against one device running the policy by hand: the loss within 1e-5, each gradient within 2e-2 of
+    its largest value. Why 2e-2: each rank's bf16 matmul rounds its share of a gradient (a bf16 ulp, 2**-8 =
+    3.9e-3 relative) before the ranks sum, where one device rounds the whole sum once; measured 4.5e-3 to 7.9e-3
+    over two draws, and one device's own bf16-vs-fp32 error is 1.0e-2 to 1.1e-2, so the sharded gradients are
+    held to no more than one device's own error in bf16 either (with a quarter's slack)."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    x, y = (torch.randint(0, CFG.vocab_size, (16, 32)) for _ in range(2))
+    loss, grads, fwd, bwd = fsdp_step(model, x, y, policy)
+    _, _, fp32_fwd, fp32_bwd = fsdp_step(model, x, y, None)
+    assert Counter(c.kind for c in fwd) == Counter(c.kind for c in fp32_fwd)
+    assert Counter(c.kind for c in bwd) == Counter(c.kind for c in fp32_bwd)
+    for mine, fp32 in ((fwd, fp32_fwd), (bwd, fp32_bwd)):
+        assert abs(moved(mine, "all_gather") / moved(fp32, "all_gather") - 0.5) <= 0.025
+    if policy.reduce_dtype == torch.float32:
+        assert moved(bwd, "reduce_scatter") == moved(fp32_bwd, "reduce_scatter")
+    else:
+        embedding = model.tok_embeddings.weight.numel() * 4
+        assert moved(bwd, "reduce_scatter") == (moved(fp32_bwd, "reduce_scatter") - embedding) // 2 + embedding
+    hand_loss, hand = by_hand(model, x, y, torch.bfloat16)
+    _, fp32 = by_hand(model, x, y, torch.float32)
+    assert relative(loss, hand_loss) <= 1e-5
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    errors = {n: relative(grads[n], g) for n, g in hand.items()}
+    assert max(errors.values()) <= 2e-2, errors
+    own = max(relative(hand[n], fp32[n]) for n in hand)
+    assert max(relative(grads[n], fp32[n]) for n in hand) <= 1.25 * own
+
+
+def test_mixed_precision_in_explain_and_simulate():
+    """The policy through explain and simulate's forward: the gathers of a FSDP forward move bf16, the output is
+    what one device's policy run gives within bf16's rounding, and output_dtype casts it."""
+    torch.manual_seed(1)
+    model = Llama(CFG)
+    x = torch.randint(0, CFG.vocab_size, (16, 32))
+    mesh = fxshard.MeshSpec(dp=4)
+    placements = {**fsdp_placements(model), 0: (Shard(0),)}
+    plain = fxshard.explain(model, x, mesh=mesh, placements=placements)
+    cast = fxshard.explain(model, x, mesh=mesh, placements=placements, mixed_precision=BF16_FP32)
+    gathered = [sum(c.bytes_per_rank for c in e.collectives if c.kind == "all_gather") for e in (plain, cast)]
+    assert gathered[1] < gathered[0]
+    policy = fxshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    out = fxshard.simulate(model, x, mesh=mesh, placements=placements, mixed_precision=policy)
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with torch.no_grad(), _reparametrize_module(model, {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}):
+        want = model(x).float()
+    assert out.dtype == torch.float32
+    assert relative(out, want) <= 2e-2
+
+
+def test_mixed_precision_errors_name_the_fix():
+    """A policy of a non-floating dtype, a wrong option value, and the torch.compile option itself (Dynamo has
+    captured the model in its own dtype by then) say what to write instead."""
+    with pytest.raises(TypeError, match="floating torch.dtype"):
+        fxshard.MixedPrecision(param_dtype=torch.int8)
+    from fxshard.backend.options import Options
+
+    with pytest.raises(TypeError, match="fxshard.MixedPrecision"):
+        Options.from_backend({"mixed_precision": "bf16"})
+    from fxshard.backend import fxshard_backend
+
+    with pytest.raises(ValueError, match="with_mixed_precision"):
+        fxshard_backend(torch.fx.symbolic_trace(torch.nn.Identity()), [torch.ones(1)],
+                        options={"mixed_precision": BF16_FP32})
+
+
+def test_with_mixed_precision_keeps_the_module_and_runs_the_policy_on_one_device():
+    """The module transform for torch.compile's door: its parameters, their names and state dict unchanged;
+    eagerly on one device it is the policy by hand (bit for bit: the same casts), its gradients fp32."""
+    torch.manual_seed(2)
+    model = Llama(CFG)
+    x, y = (torch.randint(0, CFG.vocab_size, (2, 16)) for _ in range(2))
+    hand_loss, hand = by_hand(model, x, y, torch.bfloat16)
+    names = list(model.state_dict())
+    fxshard.with_mixed_precision(model, BF16_FP32)
+    assert list(model.state_dict()) == names
+    model.loss(x, y).backward()
+    assert torch.equal(model.loss(x, y).detach(), hand_loss)
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, hand[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["float8", "mixed_precision"])
+def test_low_precision_training_through_torch_compile_on_two_gloo_ranks(variant):
+    """Two SGD steps through torch.compile(backend="fxshard") with Inductor on 2 gloo ranks
+    (tests/low_precision_programs.py): torchao's tensorwise float8 under Megatron TP (parallelize_module), and
+    ``with_mixed_precision(model, MixedPrecision(bf16, fp32))`` under FSDP, each against the same steps on one
+    device: the loss within 1e-4; updates within 1e-3 (float8: one draw of fp32 sum orders, the casts agree) or
+    within bf16's 2e-2 (the policy: each rank's bf16 share rounded, as above), the policy's gradients fp32."""
+    from test_e2e_gloo import examples_and_tests_on_path
+
+    with examples_and_tests_on_path():
+        import low_precision_programs
+        from ranks import spawn
+
+        results = spawn(low_precision_programs.sgd_steps, 2, timeout=600.0, variant=variant)
+    for rank, result in results.items():
+        assert result["loss_error"] < 1e-4, (rank, result)
+        assert max(result["update_errors"].values()) < (1e-3 if variant == "float8" else 2e-2), (rank, result)
+        assert variant == "float8" or result["fp32_grads"], (rank, result)

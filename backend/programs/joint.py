@@ -36,7 +36,6 @@ from fxshard.ops import REDISTRIBUTE
 from fxshard.pipeline import shard_graph
 from fxshard.policies import DEFAULT_TRAINING_SPLIT, TrainingSplit
 from fxshard.rebuild import replayable
-from fxshard.refine import input_root
 from fxshard.registry import CHEAP_FOLLOWERS, RELABELS
 from fxshard.timing import stage
 
@@ -150,6 +149,20 @@ def _local_bytes(node: fx.Node) -> int:
     return _local_numel(node.meta[LAYOUT]) * node.meta["val"].element_size()
 
 
+def _is_cast(node: fx.Node) -> bool:
+    """A dtype cast (a mixed-precision parameter cast for compute, ``fxshard.MixedPrecision``)."""
+    return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+
+
+def input_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` is a relabelling or a dtype cast of (a parameter's bf16 copy gathers as the
+    parameter: FSDP gathers it again in the backward), or None."""
+    while node.op == "call_function" and (node.target in RELABELS or _is_cast(node)) and \
+            isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
 def small_gathers(gm: fx.GraphModule, forward: set[fx.Node], keep_below_fraction: int) -> set[fx.Node]:
     """Gathers of parameters (and views of them) so small that the backward reuses them: more than
     ``keep_below_fraction`` times smaller than the largest (a norm's weight beside the matrices),
@@ -165,6 +178,8 @@ def _transposes_from_root(node: fx.Node) -> int | None:
     while node.op == "call_function":
         if node.target is aten.t.default or (node.target is aten.transpose.int and len(node.meta["val"].shape) == 2):
             count += 1
+            node = node.args[0]
+        elif _is_cast(node):
             node = node.args[0]
         else:
             return None
@@ -245,7 +260,8 @@ def recomputed(gm: fx.GraphModule, forward: set[fx.Node], split: TrainingSplit) 
         regathered = grows(node) and node not in keep and \
             (input_root(source) is not None or not split.keep_gathered_activations)
         if regathered or (node.target in CHEAP_FOLLOWERS and source in out) or \
-                (node.target in RELABELS and isinstance(source, fx.Node) and source.op == "placeholder") or \
+                ((node.target in RELABELS or _is_cast(node)) and isinstance(source, fx.Node)
+                 and source.op == "placeholder") or \
                 _checkpointed(node):
             out.add(node)
     return out

@@ -57,7 +57,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope_real(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; the Hugging Face (rotate-half) form."""
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+    # in x's dtype, as Hugging Face's form casts them: bf16 q and k stay bf16 beside v (SDPA wants one dtype)
+    cos, sin = emb.cos()[None, :, None, :].to(x.dtype), emb.sin()[None, :, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
