@@ -20,6 +20,13 @@ Each system is set up the way its best users run it:
   global batch locally, as a data loader feeds them (fxshard: the global batch as ``DTensor.from_local``
   of the rows, nothing sent).
 
+- ``fsdp_bf16`` (``dp``): ``fsdp`` in bf16 with fp32 gradient sums: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` on every ``fully_shard``, fxshard's ``MixedPrecision`` of the same dtypes
+  (``fxshard.compile(..., mixed_precision=)``).
+- ``tp_float8`` (``tp``): ``tp`` with torchao's tensorwise float8 training (every projection but the output one a
+  ``Float8Linear``): fxshard's plain Megatron styles, DTensor's torchao's own float8 styles
+  (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``: casts to float8 before the TP collectives).
+
 ``materialize`` runs once the parameters are sharded: a model built on the meta device gets its
 shards there (bench/memory.py), so no rank ever holds the whole model.
 """
@@ -33,7 +40,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-TP_CASES = ("tp", "tp_sp", "tp_loss")  # on a 1-D tp mesh; DTensor runs torch.compile(model), loss outside
+TP_CASES = ("tp", "tp_sp", "tp_loss", "tp_float8")  # on a 1-D tp mesh; DTensor runs torch.compile(model), loss outside
+MIXED = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # fsdp_bf16's policy, both systems
 IGNORE_INDEX = -100  # cross_entropy's default: targets that count for nothing
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) of the global batch -> loss (a DTensor)
 
@@ -63,7 +71,10 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
             return loss
         return model, fx_tp_step, loss_fn
     if case in TP_CASES:
-        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=case == "tp_sp"))
+        plan = tensor_parallel_plan(model, sequence_parallel=case == "tp_sp")
+        if case == "tp_float8":
+            plan = _float8(model, plan, torchao_styles=system != "fxshard")
+        parallelize_module(model, mesh, plan)
         materialize(model)
         options = {**fxshard_options, **(tp_options or {})} if system == "fxshard" else None
         compiled = torch.compile(model, backend="fxshard" if system == "fxshard" else "inductor", options=options)
@@ -80,10 +91,11 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
     if system == "fxshard":
         import fxshard
 
-        distribute_parameters(model, mesh, fsdp_placements(model) if case == "fsdp" else fsdp_tp_placements(model))
+        distribute_parameters(model, mesh, fsdp_placements(model) if case != "fsdp_tp" else fsdp_tp_placements(model))
         materialize(model)
-        loss_fn = fxshard.compile(model.loss, **fxshard_options)
-        batch = (Shard(0),) if case == "fsdp" else (Shard(0), Replicate())
+        policy = {"mixed_precision": fxshard.MixedPrecision(**MIXED)} if case == "fsdp_bf16" else {}
+        loss_fn = fxshard.compile(model.loss, **fxshard_options, **policy)
+        batch = (Shard(0),) if case != "fsdp_tp" else (Shard(0), Replicate())
 
         def fx_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = loss_fn(DTensor.from_local(mine(tokens), mesh, batch), DTensor.from_local(mine(targets), mesh, batch))
@@ -91,15 +103,16 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
             return loss
         return model, fx_step, loss_fn
     import torch.distributed._functional_collectives as funcol
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if case == "fsdp_tp":
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel=False,
                                                                   loss_parallel=False))
+    mp_policy = MixedPrecisionPolicy(**MIXED) if case == "fsdp_bf16" else MixedPrecisionPolicy()
     for layer in model.layers:
         layer.compile()
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     materialize(model)
 
     for module in model.modules():  # torchtitan: the loss is normalized by the global token count instead
@@ -120,6 +133,27 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
         loss.backward()
         return DTensor.from_local(loss.detach(), dp_mesh, (Partial(),), run_check=False)  # the ranks' sum: the mean
     return model, fsdp2_step, None
+
+
+def _float8(model: nn.Module, plan: dict[str, Any], torchao_styles: bool) -> dict[str, Any]:
+    """``model``'s projections but the output one made torchao's float8 ``Float8Linear`` (tensorwise); the TP
+    ``plan`` as it is (fxshard plans the casts) or with torchao's float8 styles for those projections (DTensor)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda module, fqn: fqn != "output")
+    if not torchao_styles:
+        return plan
+    styles = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    out = {}
+    for name, style in plan.items():
+        cls = styles.get(type(style)) if name not in ("output", "tok_embeddings") else None
+        out[name] = style if cls is None else cls(input_layouts=style.input_layouts[0],
+                                                  output_layouts=style.output_layouts[0],
+                                                  use_local_output=style.use_local_output)
+    return out
 
 
 def alternated(timed: Callable[[str, int], float], pairs: int, warm: int = 2) -> dict:
@@ -178,7 +212,7 @@ def case_mesh(case: str, world_size: int, device: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape, names = ((world_size,), ("tp",)) if case in TP_CASES else \
-        ((world_size,), ("dp",)) if case == "fsdp" else ((2, world_size // 2), ("dp", "tp"))
+        ((world_size,), ("dp",)) if case in ("fsdp", "fsdp_bf16") else ((2, world_size // 2), ("dp", "tp"))
     return init_device_mesh(device, shape, mesh_dim_names=names)
 
 

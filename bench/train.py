@@ -17,6 +17,9 @@ Rows (Llama, ``LLAMA`` below, AdamW, batch ``BATCH`` x ``SEQ`` tokens; set up by
   model with its parameters DTensors of the Megatron plan's shardings and ``fxshard.compile(model.loss)``:
   the vocab-parallel loss planned and compiled with the model rather than run by DTensor's
   ``loss_parallel()`` after it (the same global mean).
+- FSDP in bf16 (``fsdp_bf16``, dp=4): FSDP's row with FSDP2's ``MixedPrecisionPolicy(bf16, fp32)`` and fxshard's
+  ``MixedPrecision(bf16, fp32)``; TP in float8 (``tp_float8``, tp=4): TP's row with torchao's tensorwise float8
+  ``Float8Linear`` projections (DTensor through torchao's float8 TP styles).
 - FSDP (dp=4) and FSDP x TP (2 x 2): DTensor's way is FSDP2 (``fully_shard`` per block and the root,
   on top of the TP plan for 2-D) with each block compiled by Inductor, and torchtitan's loss (the
   rank's loss sum over an all-reduced count of the batch's valid tokens: the global mean, as
@@ -66,7 +69,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 LLAMA = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768)
 BATCH, SEQ, STEPS = 8, 128, 6
 PAIRS = 20  # --paired: pairs of alternated steps, one of each system
-CASES = ("tp", "tp_sp", "tp_loss", "fsdp", "fsdp_tp")
+CASES = ("tp", "tp_sp", "tp_loss", "fsdp", "fsdp_tp", "fsdp_bf16", "tp_float8")
 
 
 def _counts_bytes(calls: list) -> tuple[dict[str, int], int]:

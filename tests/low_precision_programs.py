@@ -23,11 +23,19 @@ def _float8(model: torch.nn.Module) -> torch.nn.Module:
                                       module_filter_fn=lambda module, fqn: fqn != "output")
 
 
+def _autocast(loss):
+    def in_bf16(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss(x, y)
+    return in_bf16
+
+
 def sgd_steps(rank: int, world_size: int, device: str = "cpu", variant: str = "float8", steps: int = 2,
               lr: float = 0.1) -> dict[str, Any]:
     """``steps`` SGD steps of the examples' Llama (one layer) through torch.compile(backend="fxshard") and on one
     device: ``variant`` "float8" (torchao tensorwise, Megatron's plan as parallelize_module styles, the batch
-    replicated) or "mixed_precision" (``fxshard.with_mixed_precision(model, MixedPrecision(bf16, fp32))``, every
+    replicated), "autocast" (the same plan, fp32 parameters, the loss computed in a bf16 ``torch.autocast`` region
+    of the compiled function) or "mixed_precision" (``fxshard.with_mixed_precision(model, MixedPrecision(bf16, fp32))``, every
     parameter Shard(0), the batch Shard(0): FSDP). Returns the worst loss error, each parameter's update error
     relative to one device's update, and whether the gradients are fp32."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -43,7 +51,10 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", variant: str = "f
     if variant == "float8":
         reference = _float8(reference)
     model = copy.deepcopy(reference)
-    if variant == "float8":
+    loss_of = {"reference": reference.loss, "model": model.loss}
+    if variant == "autocast":
+        loss_of = {name: _autocast(loss) for name, loss in loss_of.items()}
+    if variant in ("float8", "autocast"):
         mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, tensor_parallel_plan(model, loss_parallel=False))
         batch = [Replicate()]
@@ -56,7 +67,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", variant: str = "f
         fxshard.with_mixed_precision(model, policy)
         fxshard.with_mixed_precision(reference, policy)
         batch = [Shard(0)]
-    compiled = torch.compile(model.loss, backend="fxshard")
+    compiled = torch.compile(loss_of["model"], backend="fxshard")
     before = [p.detach().clone() for p in reference.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
@@ -70,7 +81,7 @@ def sgd_steps(rank: int, world_size: int, device: str = "cpu", variant: str = "f
         fp32_grads &= all(p.grad.dtype == torch.float32 and isinstance(p.grad, DTensor) for p in model.parameters())
         optimizer.step()
         optimizer.zero_grad()
-        ref_loss = reference.loss(x, y)
+        ref_loss = loss_of["reference"](x, y)
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()

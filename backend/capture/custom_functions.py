@@ -1,4 +1,5 @@
-"""Custom ``torch.autograd.Function``s in a traced program (Dynamo's ``autograd_function_apply``).
+"""Custom ``torch.autograd.Function``s in a traced program (Dynamo's ``autograd_function_apply``, and the old-style
+ones Dynamo leaves as calls of their ``apply``).
 
 Stage 1 traces under functorch's ``functionalize``, which has no rule for a custom Function
 (torch raises "NYI: Functionalize rule for custom_function_call"). This is that rule: the
@@ -15,7 +16,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from fxshard.backend.capture.dynamo_calls import functional_interpreter, unwrap_functional, wrap_functional
+from fxshard.backend.capture.dynamo_calls import (functional_interpreter, is_trampoline_apply, unwrap_functional,
+                                                  wrap_functional)
 
 
 _TENSOR = object()  # where a saved value is a tensor (kept by ctx.save_for_backward)
@@ -27,11 +29,8 @@ def is_autograd_function(target: Any) -> bool:
 
 def is_unlifted_function(target: Any) -> bool:
     """Dynamo's call of a Function it did not lift into ``autograd_function_apply``: one written the old way,
-    ``forward(ctx, ...)`` with no ``setup_context`` (torchao's float8 matmul and casts), left as its ``apply``
-    (Dynamo's ``trampoline_autograd_apply``)."""
-    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
-
-    return getattr(target, "_origin", None) is produce_trampoline_autograd_apply
+    ``forward(ctx, ...)`` with no ``setup_context`` (torchao's float8 matmul and casts), left as its ``apply``."""
+    return is_trampoline_apply(target)
 
 
 def mutates_inputs(kwargs: dict) -> bool:

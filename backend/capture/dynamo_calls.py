@@ -72,6 +72,14 @@ def guard_global_shapes(gm: fx.GraphModule) -> None:
         install_guard(AttrSource(grapharg.source, "shape").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
+def is_trampoline_apply(target: Any) -> bool:
+    """Whether a Dynamo graph's call target is Dynamo's ``trampoline_autograd_apply``: the ``apply`` of a custom
+    autograd.Function it did not lift into ``autograd_function_apply`` (one with no ``setup_context``)."""
+    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
+
+    return getattr(target, "_origin", None) is produce_trampoline_autograd_apply
+
+
 # ---- functorch: a joint trace runs under ``functionalize``, autograd one level below it -------------------
 def functional_interpreter() -> Any:
     """functorch's innermost interpreter (``functionalize``'s, in a joint trace): its ``level()``, and
