@@ -39,7 +39,9 @@ LENT = [aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_fused_attention_overrideable_backward.default,
         aten._unsafe_masked_index_put_accumulate.default, aten.all.dims, aten.copy.default,
         aten.floor_divide.default, aten.index_add.default, aten.index_copy.default, aten.lift_fresh_copy.default,
-        aten.polar.default]
+        aten.polar.default,
+        # fxshard's own mixed-precision ops, for Dynamo's capture of DTensor programs (fxshard/ops.py)
+        torch.ops.fxshard.cast_for_compute.default, torch.ops.fxshard.summed.default]
 OWN = [aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
        aten._scaled_dot_product_efficient_attention.default, aten.mm.default, aten._softmax.default,
        aten.sum.dim_IntList]
