@@ -129,7 +129,8 @@ def build(case: str, system: str, mesh: Any, model: nn.Module, fxshard_options: 
         # one all_reduce a step, so the gradients FSDP sums are the global mean's (fxshard's loss) whatever
         # the ignored tokens; FSDP's own division by the dp size is off (above)
         valid = funcol.all_reduce((labels != IGNORE_INDEX).sum(), "sum", dp_mesh)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels, reduction="sum") / valid
+        # upcast as model.loss does (a no-op in fp32; FSDP2 hands bf16 logits in fsdp_bf16)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels, reduction="sum") / valid
         loss.backward()
         return DTensor.from_local(loss.detach(), dp_mesh, (Partial(),), run_check=False)  # the ranks' sum: the mean
     return model, fsdp2_step, None
