@@ -13,7 +13,8 @@ values the forward keeps for the backward; ``TrainingSplit(keep_gathered_activat
 sequence-parallel block's input again in the backward, as Megatron-LM: less memory, one all_gather more
 per block), ``on_graph`` (a callback receiving each stage's graph
 as ``(stage_name, GraphModule)``, for inspection), ``debug_dir`` (writes each stage's graph there
-as text: ``<graph>_<n>_<stage>.txt``). Every option, with the environment's switches (``FXSHARD_FOLD``,
+as text: ``<graph>_<n>_<stage>.txt``), ``placements="auto"`` with ``memory_budget`` (bytes per rank) and
+``mesh`` (a DeviceMesh): a plain module placed by ``fxshard.auto_placements`` (``backend/auto_placements.py``). Every option, with the environment's switches (``FXSHARD_FOLD``,
 ``FXSHARD_LOWERED_CACHE``, ``FXSHARD_CPU_WRAPPER``) and the tuned thresholds, is a field of
 ``backend/options.py``'s ``Options``.
 
@@ -73,6 +74,12 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
             "torch.compile(fxshard.with_mixed_precision(model, policy), backend='fxshard'); fxshard.compile(model, "
             "mixed_precision=policy), fxshard.explain and fxshard.simulate take mixed_precision= themselves")
     given = Options.from_backend(options)
+    if given.placements == "auto":
+        from fxshard.backend.auto_placements import backend_program
+
+        reporter = StageReporter(given.on_graph, given.debug_dir)
+        return per_size(gm, example_inputs, lambda inputs: backend_program(gm, inputs, given, reporter, _trains(inputs)),
+                        reporter.graph_id)
     if find_device_mesh(example_inputs, gm) is None:
         return _plain_program(gm, example_inputs, given.inductor, mode)
     reporter = StageReporter(given.on_graph, given.debug_dir)

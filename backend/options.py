@@ -42,6 +42,11 @@ class Options:
     mixed_precision: MixedPrecision | None = None  # the dtypes parameters compute and gradients sum in
     on_graph: Callable[[str, Any], None] | None = None  # called with (stage, GraphModule) for each stage's graph
     debug_dir: str | None = None  # each stage's graph written there as text
+    # "auto": a plain module's parameters and arguments placed by fxshard.auto_placements on ``mesh`` (a
+    # DeviceMesh) within ``memory_budget`` bytes per rank (backend/auto_placements.py)
+    placements: str | None = None
+    memory_budget: float | None = None
+    mesh: Any = None
     # the environment's switches (``with_environment``)
     fold: bool = True  # FXSHARD_FOLD: a training step's repeated layers planned once (programs/fold.py)
     lowered_cache: bool = True  # FXSHARD_LOWERED_CACHE: each rank's lowered programs kept on disk (lowered_cache.py)
@@ -86,6 +91,13 @@ class Options:
         if policy is not None and not isinstance(policy, MixedPrecision):
             raise TypeError(f"fxshard option mixed_precision={policy!r}: expected a fxshard.MixedPrecision, e.g. "
                             "fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+        if given.get("placements") not in (None, "auto"):
+            raise ValueError(f"fxshard option placements={given['placements']!r}: the backend takes \"auto\" (with "
+                             "memory_budget= and mesh=); give placements of your own as DTensors "
+                             "(distribute_tensor, parallelize_module) or to fxshard.explain/simulate")
+        if given.get("placements") == "auto" and (given.get("memory_budget") is None or given.get("mesh") is None):
+            raise ValueError("fxshard option placements=\"auto\" needs memory_budget= (bytes per rank) and mesh= (the "
+                             "DeviceMesh to place the module on)")
         return dataclasses.replace(in_force(), **given)
 
     def with_environment(self) -> Options:
@@ -103,7 +115,7 @@ class Options:
 
 # the options ``torch.compile(..., options={...})`` takes: the backend's own, not the switches and thresholds
 BACKEND_OPTIONS = frozenset({"strict", "inductor", "bucketing", "regional", "cost_model", "training_split",
-                             "mixed_precision", "on_graph", "debug_dir"})
+                             "mixed_precision", "on_graph", "debug_dir", "placements", "memory_budget", "mesh"})
 
 # the process-wide options: what a compile starts from, and what the modules deep in stage 6 read (``in_force``)
 DEFAULTS = Options()

@@ -13,7 +13,7 @@ from .planner import plan_redistribute
 from .plans import Plan, Step
 from .policies import MixedPrecision, TrainingSplit
 
-__all__ = ["CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan",
+__all__ = ["auto_placements", "CostModel", "Layout", "LayoutError", "MeshAxis", "MeshSpec", "Piece", "Plan", "Step", "ShardPlan",
            "compile", "causal_mask", "constrain", "explain", "explain_pipeline", "head_tail_order",
            "layout_from_placements", "load_sharded", "lower_bound_bytes", "MixedPrecision", "placements_from_layout",
            "plan_redistribute", "register_transform", "simulate", "simulate_plan", "TrainingSplit", "with_mixed_precision"]
@@ -41,6 +41,10 @@ def __getattr__(name: str) -> Any:
         from .backend.capture.mixed_precision import with_mixed_precision
 
         return with_mixed_precision
+    if name == "auto_placements":
+        from .backend.auto_placements import auto_placements
+
+        return auto_placements
     if name == "simulate_plan":
         from .backend.simulate_plan import simulate_plan
 

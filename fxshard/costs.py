@@ -24,12 +24,15 @@ class CostModel:
     ``bandwidth`` and ``latency`` map axis names to bytes/s and seconds; other axes use the
     defaults (one node). A collective over several axes (a flattened group) runs at the
     slowest bandwidth and the largest latency among them. ``copy_bandwidth`` prices local
-    copies (slicing, permutes, packing).
+    copies (slicing, permutes, packing); ``compute_rate`` (FLOP/s) the matmuls a rank does, where
+    a step's cost counts compute too (``fxshard.auto_placements``: a replicated matmul every rank
+    repeats costs its whole time on each).
     """
 
     default_bandwidth: float = 100e9
     default_latency: float = 10e-6
     copy_bandwidth: float = 1000e9
+    compute_rate: float = 100e12
     bandwidth: tuple[tuple[str, float], ...] = ()
     latency: tuple[tuple[str, float], ...] = ()
 

@@ -15,7 +15,7 @@ from typing import Iterable
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["ROOT", "block_of", "layer_index", "common_layer", "renumbered", "within_layer", "unnumbered",
+__all__ = ["ROOT", "block_of", "layer_index", "common_layer", "renumbered", "within_layer", "unnumbered", "any_layer",
            "layer_of_inputs", "layer_members"]
 
 ROOT = "root"  # the block of every name outside an indexed module
@@ -54,6 +54,13 @@ def within_layer(name: str) -> str:
     m = _INDEXED.match(name)
     assert m is not None, f"{name} is not an indexed module's input"
     return name[m.end():]
+
+
+def any_layer(name: str) -> str:
+    """A name for every layer at once: ``layers.1.attention.wq.weight`` -> ``layers.*.attention.wq.weight``
+    (a name of no layer is itself)."""
+    m = _INDEXED.match(name)
+    return name if m is None else name[:m.start(2)] + "*" + name[m.end(2):]
 
 
 def unnumbered(name: str) -> str:

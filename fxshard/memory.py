@@ -9,12 +9,13 @@ what the local program holds, before Inductor fuses anything away (fusion only l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 
-from .graph import LAYOUT
+from .graph import LAYOUT, requirements
 from .layout import Layout
 from .mesh import Size, as_size
 from .registry import SHARES_STORAGE
@@ -100,6 +101,54 @@ def memory_report(gm: fx.GraphModule) -> MemoryReport:
                 del live[root]
     report.peak_activations = as_size(_max(*peaks))
     return report
+
+
+def propagated_peak(gm: fx.GraphModule) -> Size:
+    """``memory_report``'s peak activations of a graph propagated only (stage 2, no redistribution in it yet),
+    with a buffer for every move its consumers ask for (a value wanted in another layout than its own: stage
+    3's copy of it), alive from its first such consumer to its last: what ``fxshard.auto_placements`` prices
+    a candidate's memory by without planning it."""
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    moves: dict[tuple[fx.Node, Layout], list[int]] = {}
+    for i, node in enumerate(nodes):
+        for a in node.all_input_nodes:
+            last_use[_storage(a)] = i
+        if node.op != "placeholder":
+            for a, want in requirements(node):
+                if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
+                    moves.setdefault((a, want), []).append(i)
+    starting: dict[int, list[tuple[tuple[fx.Node, Layout], Size]]] = {}
+    for (a, want), uses in moves.items():
+        val = a.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            nbytes = as_size(_numel(want.max_local_shape()) * val.element_size())
+            starting.setdefault(uses[0], []).append(((a, want), nbytes))
+    live: dict[Any, Size] = {}
+    ends = {key: uses[-1] for key, uses in moves.items()}
+    peaks: list[Size] = [0]
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            continue
+        for key, nbytes in starting.get(i, ()):
+            live[key] = nbytes
+        if node.op == "call_function" and _storage(node) is node:
+            live[node] = local_bytes(node)
+        peaks.append(as_size(sum(live.values(), 0)))
+        for a in node.all_input_nodes:
+            root = _storage(a)
+            if last_use.get(root) == i and root in live and node.op != "output":
+                del live[root]
+        for key, _ in [(k, None) for k in live if isinstance(k, tuple) and ends[k] == i]:
+            del live[key]
+    return as_size(_max(*peaks))
+
+
+def _numel(shape: Any) -> Size:
+    n: Size = 1
+    for s in shape:
+        n = n * s
+    return n
 
 
 def _storage(node: fx.Node) -> fx.Node:

@@ -22,27 +22,41 @@ from .registry import recipe_of
 from .timing import stage
 
 
-def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
-                strict: bool = False, cost_model: CostModel | None = None,
-                output_layouts: Sequence[Layout | None] | None = None,
-                refinement: Refinement = DEFAULT_REFINEMENT,
-                output_names: Sequence[str | None] = ()) -> fx.GraphModule:
-    """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``).
-
-    ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do);
-    ``output_names`` says which input each output is the gradient of (None: none), for refinement's
-    prices (``refine.planned_cost``: one block's gradients are reduced in one call).
-    Every node whose arguments stage 4 rewrites gets its localization recipe (``graph.LOCALIZE``).
-    """
+def propagate_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
+                    strict: bool = False, cost_model: CostModel | None = None,
+                    output_layouts: Sequence[Layout | None] | None = None,
+                    refinement: Refinement = DEFAULT_REFINEMENT,
+                    output_names: Sequence[str | None] = (), memo: Decisions | None = None) -> fx.GraphModule:
+    """Stage 2 alone (``shard_graph``'s arguments): every node's layout and the layouts it requires of its
+    arguments, refined, in place, with no redistribution inserted; propagating the same graph again with other
+    input layouts overwrites them (``fxshard.auto_placements`` prices its candidates so)."""
     fallbacks: dict[str, str] = {}
-    memo = Decisions()
+    memo = memo if memo is not None else Decisions()
     propagate_with_pins(lambda pinned, foreseen=None: propagate(
         gm, mesh, input_layouts, strict=strict, cost_model=cost_model, pinned=pinned, output_layouts=output_layouts,
         fallbacks=fallbacks, memo=memo, foreseen=foreseen), gm, cost_model, refinement, output_names)
     for op, seen in fallbacks.items():
         warnings.warn(f"fxshard: no sharding rule for {op} (input layouts: {seen}); it runs replicated (its inputs "
                       "are gathered wherever they are sharded). Give it an entry in fxshard.registry.OPS.",
-                      stacklevel=2)
+                      stacklevel=3)
+    return gm
+
+
+def shard_graph(gm: fx.GraphModule, mesh: MeshSpec, input_layouts: Mapping[str, Layout],
+                strict: bool = False, cost_model: CostModel | None = None,
+                output_layouts: Sequence[Layout | None] | None = None,
+                refinement: Refinement = DEFAULT_REFINEMENT,
+                output_names: Sequence[str | None] = (), memo: Decisions | None = None) -> fx.GraphModule:
+    """Propagate layouts through ``gm`` and insert planned redistributions (in place; returns ``gm``).
+
+    ``output_layouts`` requires layouts of outputs (None where any DTensor-expressible one will do);
+    ``output_names`` says which input each output is the gradient of (None: none), for refinement's
+    prices (``refine.planned_cost``: one block's gradients are reduced in one call).
+    Every node whose arguments stage 4 rewrites gets its localization recipe (``graph.LOCALIZE``).
+    ``memo``: decisions made planning another copy of this program (``Decisions.another_copy``).
+    """
+    propagate_graph(gm, mesh, input_layouts, strict=strict, cost_model=cost_model, output_layouts=output_layouts,
+                    refinement=refinement, output_names=output_names, memo=memo)
     with stage("plan"):
         shard_factories(gm)
         check_local_regions(gm)

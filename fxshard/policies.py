@@ -110,4 +110,7 @@ class MixedPrecision:
 
 
 DEFAULT_REFINEMENT = Refinement()
+# what ``fxshard.auto_placements`` prices each candidate with (placement_search.py): FSDP's pinned activations
+# and the one reduction of shared partial sums, one round; the answer is priced with ``DEFAULT_REFINEMENT``
+QUICK_REFINEMENT = Refinement(max_singles=0, rounds=1, foresee=False)
 DEFAULT_TRAINING_SPLIT = TrainingSplit()

@@ -100,6 +100,13 @@ class Decisions:
         self._inputs: dict[fx.Node, list[fx.Node]] = {}
         self._pins: dict[fx.Node, str | None] = {}
 
+    def another_copy(self) -> "Decisions":
+        """These decisions for another copy of the same program (``fxshard.auto_placements`` plans one trace
+        with many input layouts): what was read of the old copy's nodes is dropped, the decisions (keyed by
+        structure and layouts alone) are kept."""
+        self._structures, self._inputs, self._pins = {}, {}, {}
+        return self
+
     def inputs(self, node: fx.Node) -> list[fx.Node]:
         """``graph.tensor_inputs(node)``, read once per program (the graph does not change between runs)."""
         ins = self._inputs.get(node)

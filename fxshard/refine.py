@@ -263,6 +263,12 @@ def shared_cost(gm: fx.GraphModule, cost_model: CostModel | None = None,
                    cost_model, output_names, arguments)
 
 
+def requested_moves(gm: fx.GraphModule) -> list[tuple[fx.Node, Layout]]:
+    """Every (value, layout) a propagated graph's consumers want a value in other than its own, once each, in
+    program order: the redistributions stage 3 will insert (before it shares any through relabellings)."""
+    return list(_asked(_all_requirements(gm)))
+
+
 def _asked(asked: list[tuple[fx.Node, list]]) -> dict[tuple[fx.Node, Layout], None]:
     """Every (value, layout) the consumers in ``asked`` (``_all_requirements``) want a value in other
     than its own, once each, in program order."""

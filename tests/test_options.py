@@ -50,7 +50,8 @@ CHANGED = {"strict": True, "inductor": False, "bucketing": False, "regional": Fa
            "training_split": fxshard.TrainingSplit(keep_gathered_activations=False), "fold": False,
            "cpu_wrapper": False, "min_layers": 6, "shared_layers": 4, "op_seconds": 1e-6, "bytes_per_second": 1e9,
            "worth_seconds": 0.0, "min_kernels": 3,
-           "mixed_precision": fxshard.MixedPrecision(param_dtype=torch.bfloat16)}
+           "mixed_precision": fxshard.MixedPrecision(param_dtype=torch.bfloat16), "placements": "auto",
+           "memory_budget": 1e6, "mesh": "a DeviceMesh"}
 UNKEYED = {"on_graph": print, "debug_dir": "/tmp/graphs", "lowered_cache": False, "many_sizes": 2}
 
 

@@ -46,8 +46,14 @@ def counting_mode() -> FlopCounterMode:
 
 def program_flops(gm: fx.GraphModule, registry: Mapping[Any, Callable] | None = None) -> int:
     """The FLOPs of one program whose nodes carry their values (``meta["val"]``)."""
+    return sum(flops_by_node(gm, registry).values())
+
+
+def flops_by_node(gm: fx.GraphModule, registry: Mapping[Any, Callable] | None = None) -> dict[str, int]:
+    """Each node's FLOPs (by name; nodes that compute none left out) in a program whose nodes carry their
+    values: a global graph's are one device's (``fxshard.auto_placements`` prices the share each rank does)."""
     registry = registry if registry is not None else counting_mode().flop_registry
-    total = 0
+    counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -56,8 +62,9 @@ def program_flops(gm: fx.GraphModule, registry: Mapping[Any, Callable] | None = 
         if counted is None:
             formula = registry.get(getattr(node.target, "overloadpacket", node.target))  # a higher-order op: itself
             counted = formula(*args, **kwargs, out_val=node.meta.get("val")) if formula is not None else 0
-        total += int(counted)
-    return total
+        if counted:
+            counts[node.name] = int(counted)
+    return counts
 
 
 def flops_by_rank(gm: fx.GraphModule) -> list[int]:

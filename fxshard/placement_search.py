@@ -1,0 +1,396 @@
+"""Choosing placements: the layouts of a program's parameters and arguments that make its step cheapest
+within a memory budget per rank (``fxshard.auto_placements`` is the door: ``backend/auto_placements.py``).
+
+The unknowns are *roles*, not tensors: a model's repeated layers hold the same parameter in every layer
+(``layers.*.attention.wq.weight``), and a role is decided once for all of them, so the search costs the same
+at 8 layers as at 32 (the door plans a folded program of four layers: ``backend/programs/fold.py``). A
+candidate assignment is priced by planning the whole program with it (``plan``: stages 2-3, the planner's
+own redistributions, refinement included), so the price is the one ``explain`` would show: the
+cost model's time for every collective and local copy (``fxshard/costs.py``), plus the compute the busiest
+rank does (each matmul's FLOPs times the ranks that repeat it, at ``CostModel.compute_rate``), with each of
+the four planned layers' share weighted by the layers it stands for. Memory per rank is the parameters'
+blocks (times gradients and optimizer state when training) plus the planned program's peak activations
+(``fxshard/memory.py``).
+
+The search is coordinate descent over roles, largest first: from a seed (every role replicated if that fits,
+else every large tensor sharded along its first divisible dim on each axis), each role in turn tries every
+placement that differs from its own on one mesh axis and keeps the best; it ends when every role has been
+tried against the final assignment without a change. A plan over the budget is worse than any within it;
+among plans over it, the one with less memory wins. Each role's last tries are its explanation: which
+alternative cost more, or would not fit (``Decision.reason``).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .costs import CostModel, DEFAULT_COST_MODEL, dtype_size, numel, numeric
+from .graph import LAYOUT, PLAN
+from .layer_names import layer_index
+from .layout import Layout
+from .memory import memory_report, propagated_peak
+from .mesh import MeshSpec
+from .planner import plan_redistribute
+from .plans import Plan as Plan_
+from .refine import requested_moves
+from .placements import layout_from_placements, placements_from_layout, placements_to_str
+
+__all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates"]
+
+# a role whose tensors hold less than this share of all the searched bytes is left replicated (its sharding
+# saves little memory and adds a collective) unless the plan is over its budget without it
+SMALL_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Role:
+    """Tensors decided together: one parameter in every repeated layer, or one tensor of its own."""
+
+    name: str  # as the user reads it: ``layers.*.attention.wq.weight``, ``tok_embeddings.weight``, ``argument 0``
+    inputs: tuple[str, ...]  # the planned program's placeholders it decides
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    count: int  # the model's tensors it stands for (every layer's, where the program planned is folded)
+    trainable: bool = False  # gradients and optimizer state are kept for it (training)
+    pinned: Layout | None = None  # decided by the user (``placements=``, a DTensor): not searched
+
+    @property
+    def nbytes(self) -> int:
+        return int(numel(self.shape)) * dtype_size(self.dtype) * self.count
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One assignment's plan, priced."""
+
+    cost: float  # modeled seconds per step: communication (collectives and copies) plus compute
+    communication: float  # of which the collectives and local copies
+    compute: float  # of which the busiest rank's matmuls
+    bytes_per_rank: int  # received per rank per step (the folded layers weighted as the layers they stand for)
+    collectives: int
+    memory: int  # per rank: parameters (gradients, optimizer state) and peak activations
+    parameter_memory: int
+    activation_memory: int
+    error: str | None = None  # the plan failed, or was not made (this assignment is never chosen)
+    planned: bool = True  # False: its parameters alone are over the budget, so it was not planned
+
+    def fits(self, budget: float) -> bool:
+        return self.error is None and self.memory <= budget
+
+
+@dataclass
+class Decision:
+    """What decided one role: its layout, and the alternatives tried against the final assignment."""
+
+    role: Role
+    layout: Layout
+    why: str  # "pinned", "small", "searched"
+    tried: dict[Layout, Priced] = field(default_factory=dict)
+
+    def reason(self, chosen: Priced, budget: float) -> str:
+        if self.why == "pinned":
+            return "pinned (placements= or a DTensor)"
+        if self.why == "small":
+            return (f"small ({self.role.nbytes} B in all): replicated; sharding it saves little memory and adds "
+                    "a collective")
+        cheaper = [(lay, p) for lay, p in self.tried.items() if p.error is None and p.cost < chosen.cost]
+        over = [(lay, p) for lay, p in cheaper if not p.fits(budget)]
+        parts = []
+        if over:
+            lay, p = min(over, key=lambda lp: lp[1].cost)
+            parts.append(f"memory: {_text(lay)} would be {_percent(p.cost, chosen.cost)} cheaper but needs "
+                         f"{p.memory} B/rank, over the budget of {int(budget)}")
+        rest = [(lay, p) for lay, p in self.tried.items() if (lay, p) not in over]
+        for lay, p in sorted(rest, key=lambda lp: lp[1].cost):
+            if not p.planned:
+                parts.append(f"{_text(lay)}: {p.error}, over the budget")
+            elif p.error is not None:
+                parts.append(f"{_text(lay)} cannot be planned ({p.error})")
+            elif not p.fits(budget):
+                parts.append(f"{_text(lay)} needs {p.memory} B/rank, over the budget")
+            else:
+                parts.append(f"{_text(lay)} costs {_percent(p.cost, chosen.cost)} more "
+                             f"({p.bytes_per_rank - chosen.bytes_per_rank:+d} B/rank communicated, "
+                             f"{p.memory - chosen.memory:+d} B/rank memory)")
+        return "; ".join(parts) if parts else "the only placement"
+
+
+@dataclass
+class SearchResult:
+    layouts: dict[str, Layout]  # role name -> layout
+    decisions: dict[str, Decision]
+    priced: Priced  # the answer's plan, refined as every door plans it
+    quick: Priced  # the answer priced as the search priced every candidate (what the decisions' tries compare with)
+    budget: float  # what the search held candidates to: the budget, less what quick pricing misses
+    evaluations: int  # plans priced
+    training: bool = False
+    memory_budget: float = 0.0  # the budget asked for
+
+    def reasons(self) -> dict[str, str]:
+        return {name: d.reason(self.quick, self.budget) for name, d in self.decisions.items()}
+
+
+def _text(layout: Layout) -> str:
+    return placements_to_str(_placements(layout))
+
+
+def _placements(layout: Layout) -> tuple[Placement, ...]:
+    found = placements_from_layout(layout)
+    assert found is not None, layout
+    return found
+
+
+def _percent(a: float, b: float) -> str:
+    return f"{abs(a - b) / b:.1%}" if b > 0 else f"{abs(a - b):.3g} s"
+
+
+def candidates(mesh: MeshSpec, shape: Sequence[int]) -> list[tuple[Placement, ...]]:
+    """Every placement of a tensor of ``shape``: on each axis Replicate or Shard(d), evenly divisible
+    (several axes on one dim: by their product)."""
+    out: list[tuple[Placement, ...]] = [()]
+    for axis in mesh.axes():
+        out = [p + (q,) for p in out for q in [Replicate()] + [Shard(d) for d in range(len(shape))]]
+    return [p for p in out if _divides(mesh, shape, p)]
+
+
+def _divides(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    ways = [1] * len(shape)
+    for axis, p in zip(mesh.axes(), placements):
+        if isinstance(p, Shard):
+            ways[p.dim] *= int(axis.size)
+    return all(s % w == 0 and (w == 1 or s >= w) for s, w in zip(shape, ways))
+
+
+def _neighbours(current: tuple[Placement, ...], options: Sequence[tuple[Placement, ...]]) -> list[tuple[Placement, ...]]:
+    """The placements that differ from ``current`` on exactly one mesh axis."""
+    return [p for p in options if sum(a != b for a, b in zip(p, current)) == 1]
+
+
+def _seed(mesh: MeshSpec, shape: Sequence[int], options: Sequence[tuple[Placement, ...]]) -> tuple[Placement, ...]:
+    """Sharded as far as it goes: the innermost axis on the first divisible dim, each outer one on the next."""
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    taken: set[int] = set()
+    for k in reversed(range(mesh.ndim)):
+        for d in range(len(shape)):
+            trial = list(placements)
+            trial[k] = Shard(d)
+            if d not in taken and tuple(trial) in options:
+                placements, taken = trial, taken | {d}
+                break
+    return tuple(placements)
+
+
+def layer_weights(gm: fx.GraphModule, layers: int, backward_roots: Sequence[str] = ()) -> dict[fx.Node, float]:
+    """How many of the model's layers each node of a folded program stands for (``layers``: the model's).
+
+    A node is of the latest layer among the parameters it depends on (the forward); a node that depends
+    on a ``backward_roots`` placeholder (a tangent) is of the earliest layer among its forward operands,
+    the layer whose gradient it computes. The first and last layers planned stand for themselves, the
+    middle ones (the template and its successor) for all the layers between, in equal shares."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    layer_of: dict[fx.Node, int | None] = {p: layer_index(p.name) for p in placeholders}
+    backward = {p for p in placeholders if p.name in set(backward_roots)}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        args = node.all_input_nodes
+        if any(a in backward for a in args):
+            backward.add(node)
+            forward = [layer_of.get(a) for a in args if a not in backward]
+            found = [k for k in forward if k is not None] or [k for a in args if (k := layer_of.get(a)) is not None]
+            layer_of[node] = min(found) if found else None
+        else:
+            found = [k for a in args if (k := layer_of.get(a)) is not None]
+            layer_of[node] = max(found) if found else None
+    used = sorted({k for n, k in layer_of.items() if k is not None and n.op != "placeholder"})
+    if len(used) <= 2 or len(used) >= layers:
+        return {}
+    middle = (layers - 2) / (len(used) - 2)
+    weight = {k: (1.0 if k in (used[0], used[-1]) else middle) for k in used}
+    return {n: weight[k] for n, k in layer_of.items() if k in weight and weight[k] != 1.0}
+
+
+# plans the program with these layouts of its placeholders; ``quick``: as the search prices candidates
+# (``policies.QUICK_REFINEMENT``), else as the doors plan
+Plan = Callable[[Mapping[str, Layout], bool], fx.GraphModule]
+
+
+def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget: float, *,
+                      flops: Mapping[str, int] | None = None, layers: int = 0, backward_roots: Sequence[str] = (),
+                      training: bool = False, optimizer_states: int = 2, activation_scale: float = 1.0,
+                      cost_model: CostModel | None = None, max_evaluations: int = 400) -> SearchResult:
+    """The layouts of ``roles`` that minimize the modeled step cost within ``budget`` bytes per rank.
+
+    ``plan(layouts, quick)`` plans the program with these layouts of its placeholders (stages 2-3, a fresh
+    copy) and returns the planned graph; ``flops``: each traced node's FLOPs on one device (by node name); ``layers``:
+    the model's layers where the program planned is folded to four of them (0: not folded); ``activation_scale``:
+    what the planned program's peak activations are multiplied by to stand for the model's (a folded training
+    step keeps every layer's saved values). ``optimizer_states``: tensors the optimizer keeps per trainable
+    parameter (Adam: two)."""
+    cost_model = cost_model or DEFAULT_COST_MODEL
+    flops = flops or {}
+    options = {r.name: candidates(mesh, r.shape) for r in roles if r.pinned is None}
+    cache: dict[tuple, Priced] = {}
+
+    def layouts_of(assignment: Mapping[str, tuple[Placement, ...]]) -> dict[str, Layout]:
+        out: dict[str, Layout] = {}
+        for r in roles:
+            layout = r.pinned if r.pinned is not None else layout_from_placements(mesh, r.shape, assignment[r.name])
+            out.update({name: layout for name in r.inputs})
+        return out
+
+    def parameter_bytes(assignment: Mapping[str, tuple[Placement, ...]]) -> int:
+        total = 0
+        for r in roles:
+            layout = r.pinned if r.pinned is not None else layout_from_placements(mesh, r.shape, assignment[r.name])
+            local = int(numeric(numel(layout.max_local_shape()))) * dtype_size(r.dtype) * r.count
+            total += local * ((2 + optimizer_states) if training and r.trainable else 1)
+        return total
+
+    planned_count = 0
+    # the budget candidates are held to: the quick pricing misses the buffers stage 3's moves add, so where
+    # the answer's plan is over the budget the search runs again within it less that gap
+    limit = float(budget)
+
+    def price(assignment: Mapping[str, tuple[Placement, ...]], quick: bool = True) -> Priced:
+        nonlocal planned_count
+        key = tuple(assignment[r.name] for r in roles if r.pinned is None)
+        if quick and key in cache:
+            return cache[key]
+        params = parameter_bytes(assignment)
+        if quick and params > limit:  # over the budget whatever its activations: not planned
+            priced = Priced(math.inf, math.inf, math.inf, 0, 0, params, params, 0,
+                            error=f"its parameters alone need {params} B/rank", planned=False)
+        else:
+            planned_count += 1
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    planned = plan(layouts_of(assignment), quick)
+            except Exception as error:  # noqa: BLE001 (an assignment the planner refuses is never chosen)
+                first = str(error).splitlines()[0][:200] if str(error) else ""
+                priced = Priced(math.inf, math.inf, math.inf, 0, 0, params, params, 0,
+                                error=f"{type(error).__name__}: {first}")
+            else:
+                priced = _priced(planned, params, flops, cost_model, layers, backward_roots, activation_scale, quick)
+        if quick:
+            cache[key] = priced
+        return priced
+
+    def better(a: Priced, b: Priced) -> bool:
+        if a.fits(limit) != b.fits(limit):
+            return a.fits(limit)
+        if not a.fits(limit):
+            return (a.error is None, -a.memory, -a.cost) > (b.error is None, -b.memory, -b.cost)
+        return a.cost < b.cost * (1 - 1e-9)
+
+    total = sum(r.nbytes for r in roles if r.pinned is None) or 1
+    searched = sorted((r for r in roles if r.pinned is None), key=lambda r: -r.nbytes)
+    small = {r.name for r in searched if r.nbytes < SMALL_SHARE * total}
+    replicated = {r.name: (Replicate(),) * mesh.ndim for r in searched}
+    seeded = {r.name: (_seed(mesh, r.shape, options[r.name]) if r.name not in small else replicated[r.name])
+              for r in searched}
+    state = min([replicated, seeded], key=lambda s: (not price(s).fits(limit), price(s).memory
+                                                      if not price(s).fits(limit) else price(s).cost))
+    best = price(state)
+    decisions = {r.name: Decision(r, r.pinned, "pinned") for r in roles if r.pinned is not None}
+
+    def descend(order: Sequence[Role]) -> None:
+        nonlocal state, best
+        unchanged = 0
+        k = 0
+        while unchanged < len(order) and planned_count < max_evaluations:
+            role = order[k % len(order)]
+            k += 1
+            tried: dict[tuple[Placement, ...], Priced] = {}
+            for alternative in _neighbours(state[role.name], options[role.name]):
+                tried[alternative] = price({**state, role.name: alternative})
+            winner = None
+            for alternative, p in tried.items():
+                if better(p, best if winner is None else tried[winner]):
+                    winner = alternative
+            if winner is not None:
+                state = {**state, role.name: winner}
+                best = price(state)
+                unchanged = 0
+            else:
+                unchanged += 1
+            decisions[role.name] = Decision(role, layout_from_placements(mesh, role.shape, state[role.name]),
+                                            "searched",
+                                            {layout_from_placements(mesh, role.shape, a): p for a, p in tried.items()
+                                             if a != state[role.name]})
+        if unchanged < len(order):  # the budget of plans ran out: the last tries may be against another state
+            for role in order:
+                decisions[role.name].layout = layout_from_placements(mesh, role.shape, state[role.name])
+
+    large = [r for r in searched if r.name not in small]
+    final = None
+    for _ in range(4):
+        if large:
+            descend(large)
+        if not best.fits(limit) and small:
+            descend(searched)
+        final = price(state, quick=False)
+        gap = final.memory - best.memory
+        if final.fits(budget) or final.error is not None or not best.fits(limit) or gap <= 0 or limit - gap <= 0:
+            break
+        limit -= gap
+        best = price(state)
+    for r in searched:
+        if r.name not in decisions:
+            decisions[r.name] = Decision(r, layout_from_placements(mesh, r.shape, state[r.name]), "small")
+    layouts = {r.name: decisions[r.name].layout for r in roles}
+    return SearchResult(layouts, {r.name: decisions[r.name] for r in roles}, final, best, limit, planned_count,
+                        training, float(budget))
+
+
+def _priced(planned: fx.GraphModule, parameters: int, flops: Mapping[str, int], cost_model: CostModel,
+            layers: int, backward_roots: Sequence[str], activation_scale: float, quick: bool) -> Priced:
+    """A plan's price. ``quick``: ``planned`` is propagated only (stage 2: ``pipeline.propagate_graph``), each
+    move its consumers ask for priced as the planner plans it; else planned (stage 3's PLAN on every move)."""
+    weights = layer_weights(planned, layers, backward_roots) if layers else {}
+    communication = compute = received = collectives = 0.0
+    moves: list[tuple[fx.Node, Plan_]] = []
+    if quick:
+        for a, want in requested_moves(planned):
+            moves.append((a, plan_redistribute(a.meta[LAYOUT], want, dtype=a.meta["val"].dtype,
+                                               cost_model=cost_model)))
+    for node in planned.graph.nodes:
+        plan = node.meta.get(PLAN)
+        if plan is not None and not quick:
+            moves.append((node.args[0] if node.args and isinstance(node.args[0], fx.Node) else node, plan))
+        count = flops.get(node.name)
+        layout = node.meta.get(LAYOUT)
+        if count and isinstance(layout, Layout):
+            compute += weights.get(node, 1.0) * count * _share(layout) / cost_model.compute_rate
+    for source, plan in moves:
+        w = weights.get(source, 1.0)
+        communication += w * plan.cost
+        received += w * sum(numeric(s.bytes_per_rank) for s in plan.collectives)
+        collectives += w * len(plan.collectives)
+    peak = propagated_peak(planned) if quick else memory_report(planned).peak_activations
+    activations = int(numeric(peak) * activation_scale)
+    return Priced(communication + compute, communication, compute, int(received), round(collectives),
+                  parameters + activations, parameters, activations)
+
+
+def _share(layout: Layout) -> float:
+    """The share of an op's work one rank does, from its output's ``layout``: one over the sizes of the mesh
+    axes (and sub-axes) it is sharded or a partial sum over; the other axes' ranks repeat the same work."""
+    used = set(layout.sharded_axes()) | {axis for axis, _ in layout.partial}
+    n = 1.0
+    for axis in used:
+        n *= numeric(axis.size)
+    return 1.0 / n
+
+
+def with_placements(result: SearchResult) -> dict[str, tuple[Placement, ...]]:
+    """Each role's layout as DTensor placements."""
+    return {name: _placements(layout) for name, layout in result.layouts.items()}
+

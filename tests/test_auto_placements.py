@@ -1,0 +1,203 @@
+"""``fxshard.auto_placements``: the placements of a program's parameters and arguments that make its step
+cheapest within a memory budget per rank (backend/auto_placements.py, fxshard/placement_search.py).
+
+The oracle is the planner itself: the answer given back to ``explain`` moves no more bytes than the hand plans
+(Megatron on tp, FSDP x TP on 2-D, FSDP on dp) and fits the budget, and the single-device program is what
+the simulated ranks compute with it, forward and gradients, on fresh random data.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fxshard
+from fxshard.backend.driver import plan_function
+from fxshard.backend.explain import collectives_of
+from fxshard.backend.simulate import simulate_ranks
+from fxshard.placement_search import candidates, layer_weights
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.llama import Llama, LlamaConfig, fsdp_placements, fsdp_tp_placements, megatron_placements  # noqa: E402
+
+BYTES = fxshard.CostModel(default_latency=0.0)  # bytes decide (latency would trade bytes for fewer calls)
+
+
+def _llama(layers: int = 4, seed: int = 0, **overrides) -> Llama:
+    config = dict(vocab_size=256, dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, ffn_dim=192)
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig(**{**config, **overrides}))
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _tokens(batch: int = 2, seq: int = 32, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq))
+
+
+def test_tp4_within_a_tight_budget_moves_no_more_than_megatron_and_is_exact():
+    model = _llama().eval()
+    tokens = _tokens()
+    budget = 0.4 * _parameter_bytes(model)
+    auto = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=budget)
+    chosen = fxshard.explain(model, tokens, mesh={"tp": 4}, placements=dict(auto))
+    megatron = fxshard.explain(model, tokens, mesh={"tp": 4}, placements=megatron_placements(model))
+    assert chosen.bytes_per_rank <= megatron.bytes_per_rank
+    assert chosen.memory.input_bytes <= budget  # the parameters (and the tokens) each rank holds
+    assert chosen.memory.total <= budget and auto.priced.memory <= budget
+    assert auto.priced.bytes_per_rank == chosen.bytes_per_rank  # the search prices what explain shows
+    with torch.no_grad():
+        tokens = _tokens()  # fresh data
+        expected = model(tokens)
+        got = fxshard.simulate(model, tokens, mesh={"tp": 4}, placements=dict(auto))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cost_model", [BYTES, None], ids=["bytes-decide", "default"])
+def test_2d_with_the_batch_pinned_on_dp_beats_the_hand_plan(cost_model):
+    model = _llama().eval()
+    tokens = _tokens(batch=4)
+    mesh = {"dp": 2, "tp": 4}
+    batch_on_dp = {0: (Shard(0), Replicate())}
+    hand = {**fsdp_tp_placements(model), **batch_on_dp}
+    budget = 0.25 * _parameter_bytes(model)
+    hand_plan = fxshard.explain(model, tokens, mesh=mesh, placements=hand, cost_model=cost_model)
+    assert hand_plan.memory.total <= budget  # the hand plan fits too
+    auto = fxshard.auto_placements(model, tokens, mesh=mesh, memory_budget=budget, placements=batch_on_dp,
+                                   cost_model=cost_model)
+    assert auto[0] == (Shard(0), Replicate())  # pinned: kept
+    assert "pinned" in auto.reasons[0]
+    chosen = fxshard.explain(model, tokens, mesh=mesh, placements=dict(auto), cost_model=cost_model)
+    assert chosen.memory.total <= budget
+    if cost_model is BYTES:
+        assert chosen.bytes_per_rank <= hand_plan.bytes_per_rank
+    else:  # latency counts: fewer calls may move a little more, and the modeled step is what is minimized
+        priced_hand = fxshard.auto_placements(model, tokens, mesh=mesh, memory_budget=float("inf"), placements=hand)
+        assert auto.priced.cost <= priced_hand.priced.cost
+    with torch.no_grad():
+        tokens = _tokens(batch=4)
+        torch.testing.assert_close(fxshard.simulate(model, tokens, mesh=mesh, placements=dict(auto)), model(tokens),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_search_decides_each_layer_once_so_depth_does_not_grow_it():
+    found = {}
+    for layers in (8, 32):
+        model = _llama(layers).eval()
+        budget = 0.4 * _parameter_bytes(model)
+        auto = fxshard.auto_placements(model, _tokens(), mesh={"tp": 4}, memory_budget=budget)
+        assert auto.priced.memory <= budget
+        found[layers] = auto
+        roles = auto.roles
+        assert roles["layers.*.attention.wq.weight"] == [f"layers.{k}.attention.wq.weight" for k in range(layers)]
+        assert len({auto[f"layers.{k}.feed_forward.w2.weight"] for k in range(layers)}) == 1
+    assert found[32].evaluations <= 1.5 * found[8].evaluations
+    # the priced bytes are the whole model's: the four planned layers weighted by the layers they stand for
+    model = _llama(32).eval()
+    explained = fxshard.explain(model, _tokens(), mesh={"tp": 4}, placements=dict(found[32]))
+    assert found[32].priced.bytes_per_rank == explained.bytes_per_rank
+
+
+def _training_bytes(model: Llama, args: tuple, mesh: dict, placements: dict) -> int:
+    _, planned = plan_function(model.loss, args, mesh=mesh, placements=placements, training=True)
+    return sum(c.bytes_per_rank for c in collectives_of(planned.graph))
+
+
+def test_training_on_dp_replicates_when_it_fits_and_shards_under_a_tight_budget():
+    model = _llama()
+    tokens, targets = _tokens(batch=4), _tokens(batch=4)
+    mesh = {"dp": 4}
+    batch = {0: (Shard(0),), 1: (Shard(0),)}
+    states = 4 * _parameter_bytes(model)  # parameters, gradients, Adam's two moments
+    loose = fxshard.auto_placements(model.loss, tokens, targets, mesh=mesh, memory_budget=2 * states, training=True,
+                                    placements=batch)
+    assert all(p == (Replicate(),) for k, p in loose.items() if isinstance(k, str))  # data parallel
+    budget = 0.6 * loose.priced.memory  # the replicated parameters and their state no longer fit
+    assert loose.priced.parameter_memory > budget
+    tight = fxshard.auto_placements(model.loss, tokens, targets, mesh=mesh, memory_budget=budget, training=True,
+                                    placements=batch)
+    assert tight.priced.memory <= budget and tight.priced.parameter_memory <= budget
+    fsdp = {**fsdp_placements(model), **batch}
+    assert _training_bytes(model, (tokens, targets), mesh, dict(tight)) <= _training_bytes(
+        model, (tokens, targets), mesh, fsdp)
+    tokens, targets = _tokens(batch=4), _tokens(batch=4)  # fresh data
+    run = simulate_ranks(model.loss, tokens, targets, mesh=mesh, placements=dict(tight), grad=True)
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-5)
+    grads = run.full_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_every_choice_says_why():
+    model = _llama().eval()
+    auto = fxshard.auto_placements(model, _tokens(), mesh={"tp": 4}, memory_budget=0.4 * _parameter_bytes(model))
+    assert set(auto.reasons) == set(auto)
+    assert "small" in auto.reasons["norm.weight"]
+    report = auto.report()
+    assert "layers.*.feed_forward.w1.weight: S(0)" in report and "over the budget" in report
+    assert "modeled step" in report and "plans priced" in report
+
+
+def test_a_budget_nothing_fits_says_the_least_memory_found():
+    model = _llama().eval()
+    with pytest.raises(ValueError, match=r"no placements found within memory_budget=1000 B per rank.*least memory"):
+        fxshard.auto_placements(model, _tokens(), mesh={"tp": 4}, memory_budget=1000)
+    with pytest.raises(ValueError, match="memory_budget=-1: give the bytes each rank may hold"):
+        fxshard.auto_placements(model, _tokens(), mesh={"tp": 4}, memory_budget=-1)
+    with pytest.raises(ValueError, match=r"training=True\) prices a training step of a function that returns its loss"):
+        fxshard.auto_placements(_llama(), _tokens(), mesh={"tp": 4}, memory_budget=1e9, training=True)
+
+
+def test_candidates_divide_evenly_and_weights_count_the_folded_layers():
+    mesh = fxshard.MeshSpec(dp=2, tp=4)
+    found = candidates(mesh, (8, 6))
+    assert (Shard(0), Shard(0)) in found and (Replicate(), Shard(1)) not in found  # 6 is not a multiple of 4
+    assert (Shard(1), Shard(0)) in found and len(found) == 6
+    assert layer_weights(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), 8) == {}  # no layers: all count once
+
+
+def test_distribute_makes_the_parameters_dtensors_that_explain_reads(fake_mesh_4):
+    model = _llama().eval()
+    tokens = _tokens()
+    auto = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=0.4 * _parameter_bytes(model))
+    expected = fxshard.explain(model, tokens, mesh={"tp": 4}, placements=dict(auto))
+    auto.distribute(model, fake_mesh_4)
+    assert isinstance(model.layers[0].attention.wq.weight, DTensor)
+    assert model.layers[0].attention.wq.weight.placements == auto["layers.0.attention.wq.weight"]
+    assert model.layers[0].attention.wq.weight.to_local().shape == (16, 64)  # each rank holds its shard only
+    graphs: dict = {}
+    with torch.no_grad():
+        out = fxshard.compile(model, inductor=False, on_graph=graphs.__setitem__)(tokens)
+    assert isinstance(out, DTensor) and out.shape == (2, 32, 256)
+    assert len(_collectives(graphs["lower"])) == len(expected.collectives)
+
+
+def test_the_backend_places_a_plain_module_itself(fake_mesh_4):
+    model = _llama().eval()
+    tokens = _tokens()
+    budget = 0.4 * _parameter_bytes(model)
+    graphs = {}
+    compiled = torch.compile(model, backend="fxshard", options={
+        "placements": "auto", "memory_budget": budget, "mesh": fake_mesh_4, "inductor": False,
+        "on_graph": graphs.__setitem__})
+    with torch.no_grad():
+        out = compiled(tokens)
+    assert isinstance(out, DTensor) and out.shape == (2, 32, 256)
+    auto = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=budget)
+    explained = fxshard.explain(model, tokens, mesh={"tp": 4}, placements=dict(auto))
+    assert len(_collectives(graphs["lower"])) == len(explained.collectives) > 0
+    with pytest.raises(Exception, match="needs memory_budget="):  # Dynamo wraps the backend's ValueError
+        torch.compile(model, backend="fxshard", options={"placements": "auto"})(tokens)
+
+
+def _collectives(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.target.__name__ for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
+            and not n.target.__name__.startswith("wait")]
