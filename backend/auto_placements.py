@@ -149,9 +149,12 @@ def search_program(gm: fx.GraphModule, example_inputs: Sequence[Any], objects: S
         plan = _planner(program, out_layouts, cost_model)
         flops = flops_by_node(program.gm)
         layers = short.layers if short is not None else 0
+        joint = program.joint
         result = search_placements(
             roles, program.mesh, plan, memory_budget, flops=flops, layers=layers,
-            backward_roots=program.joint.tangent_names if program.joint is not None else (), training=training,
+            backward_roots=joint.tangent_names if joint is not None else (),
+            output_names=([None] * len(out_layouts) + [program.input_names[k] for k in joint.grad_inputs]
+                          if joint is not None else ()), training=training,
             optimizer_states=optimizer_states, activation_scale=(layers / 4 if training and layers else 1.0),
             cost_model=cost_model)
     if not result.priced.fits(memory_budget):

@@ -139,7 +139,7 @@ def propagated_peak(gm: fx.GraphModule) -> Size:
             root = _storage(a)
             if last_use.get(root) == i and root in live and node.op != "output":
                 del live[root]
-        for key, _ in [(k, None) for k in live if isinstance(k, tuple) and ends[k] == i]:
+        for key in [k for k in live if isinstance(k, tuple) and ends[k] == i]:
             del live[key]
     return as_size(_max(*peaks))
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .costs import CostModel, DEFAULT_COST_MODEL, dtype_size, numel, numeric
-from .graph import LAYOUT, PLAN
+from .graph import LAYOUT, PLAN, outputs
 from .layer_names import layer_index
 from .layout import Layout
 from .memory import memory_report, propagated_peak
@@ -43,8 +43,8 @@ from .placements import layout_from_placements, placements_from_layout, placemen
 
 __all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates"]
 
-# a role whose tensors hold less than this share of all the searched bytes is left replicated (its sharding
-# saves little memory and adds a collective) unless the plan is over its budget without it
+# a role whose tensors hold less than this share of all the searched bytes starts replicated (its sharding
+# saves little memory and adds a collective); the search tries it sharded last
 SMALL_SHARE = 0.01
 
 
@@ -90,15 +90,12 @@ class Decision:
 
     role: Role
     layout: Layout
-    why: str  # "pinned", "small", "searched"
+    why: str  # "pinned" or "searched"
     tried: dict[Layout, Priced] = field(default_factory=dict)
 
     def reason(self, chosen: Priced, budget: float) -> str:
         if self.why == "pinned":
             return "pinned (placements= or a DTensor)"
-        if self.why == "small":
-            return (f"small ({self.role.nbytes} B in all): replicated; sharding it saves little memory and adds "
-                    "a collective")
         cheaper = [(lay, p) for lay, p in self.tried.items() if p.error is None and p.cost < chosen.cost]
         over = [(lay, p) for lay, p in cheaper if not p.fits(budget)]
         parts = []
@@ -186,29 +183,47 @@ def _seed(mesh: MeshSpec, shape: Sequence[int], options: Sequence[tuple[Placemen
     return tuple(placements)
 
 
-def layer_weights(gm: fx.GraphModule, layers: int, backward_roots: Sequence[str] = ()) -> dict[fx.Node, float]:
+def layer_weights(gm: fx.GraphModule, layers: int, backward_roots: Sequence[str] = (),
+                  output_names: Sequence[str | None] = ()) -> dict[fx.Node, float]:
     """How many of the model's layers each node of a folded program stands for (``layers``: the model's).
 
-    A node is of the latest layer among the parameters it depends on (the forward); a node that depends
-    on a ``backward_roots`` placeholder (a tangent) is of the earliest layer among its forward operands,
-    the layer whose gradient it computes. The first and last layers planned stand for themselves, the
-    middle ones (the template and its successor) for all the layers between, in equal shares."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    layer_of: dict[fx.Node, int | None] = {p: layer_index(p.name) for p in placeholders}
-    backward = {p for p in placeholders if p.name in set(backward_roots)}
-    for node in gm.graph.nodes:
+    A forward node is of the latest layer among the parameters it depends on; a node that depends on a
+    ``backward_roots`` placeholder (a tangent) is of the latest layer among the gradients it flows into
+    (``output_names``: per output, the input it is the gradient of), the layer whose backward it is. The
+    first and last layers planned stand for themselves, the middle ones (the template and its successor) for
+    all the layers between, in equal shares."""
+    nodes = list(gm.graph.nodes)
+    roots = set(backward_roots)
+    layer_of: dict[fx.Node, int | None] = {}
+    backward: set[fx.Node] = set()
+    for node in nodes:
         if node.op == "placeholder":
+            layer_of[node] = layer_index(node.name)
+            if node.name in roots:
+                backward.add(node)
             continue
         args = node.all_input_nodes
         if any(a in backward for a in args):
             backward.add(node)
-            forward = [layer_of.get(a) for a in args if a not in backward]
-            found = [k for k in forward if k is not None] or [k for a in args if (k := layer_of.get(a)) is not None]
-            layer_of[node] = min(found) if found else None
-        else:
-            found = [k for a in args if (k := layer_of.get(a)) is not None]
-            layer_of[node] = max(found) if found else None
-    used = sorted({k for n, k in layer_of.items() if k is not None and n.op != "placeholder"})
+            continue
+        found = [k for a in args if (k := layer_of.get(a)) is not None]
+        layer_of[node] = max(found) if found else None
+    reach: dict[fx.Node, int] = {}
+    for value, name in zip(outputs(gm), output_names):
+        k = layer_index(name) if name is not None else None
+        if isinstance(value, fx.Node) and k is not None:
+            reach[value] = max(reach.get(value, k), k)
+    for node in reversed(nodes):
+        if node in reach:
+            for a in node.all_input_nodes:
+                if a in backward:
+                    reach[a] = max(reach.get(a, reach[node]), reach[node])
+    for node in backward:
+        layer_of[node] = reach.get(node)
+    # the layers planned: those of nodes computed from computed values (a dropped layer's parameters are
+    # still inputs, and the joint program's zero gradients for them read nothing else)
+    used = sorted({k for n, k in layer_of.items() if k is not None and n.op != "placeholder"
+                   and any(a.op != "placeholder" for a in n.all_input_nodes)})
     if len(used) <= 2 or len(used) >= layers:
         return {}
     middle = (layers - 2) / (len(used) - 2)
@@ -223,6 +238,7 @@ Plan = Callable[[Mapping[str, Layout], bool], fx.GraphModule]
 
 def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget: float, *,
                       flops: Mapping[str, int] | None = None, layers: int = 0, backward_roots: Sequence[str] = (),
+                      output_names: Sequence[str | None] = (),
                       training: bool = False, optimizer_states: int = 2, activation_scale: float = 1.0,
                       cost_model: CostModel | None = None, max_evaluations: int = 400) -> SearchResult:
     """The layouts of ``roles`` that minimize the modeled step cost within ``budget`` bytes per rank.
@@ -278,7 +294,8 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
                 priced = Priced(math.inf, math.inf, math.inf, 0, 0, params, params, 0,
                                 error=f"{type(error).__name__}: {first}")
             else:
-                priced = _priced(planned, params, flops, cost_model, layers, backward_roots, activation_scale, quick)
+                priced = _priced(planned, params, flops, cost_model, layers, backward_roots, output_names,
+                                 activation_scale, quick)
         if quick:
             cache[key] = priced
         return priced
@@ -329,12 +346,9 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             for role in order:
                 decisions[role.name].layout = layout_from_placements(mesh, role.shape, state[role.name])
 
-    large = [r for r in searched if r.name not in small]
     final = None
     for _ in range(4):
-        if large:
-            descend(large)
-        if not best.fits(limit) and small:
+        if searched:
             descend(searched)
         final = price(state, quick=False)
         gap = final.memory - best.memory
@@ -342,19 +356,17 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             break
         limit -= gap
         best = price(state)
-    for r in searched:
-        if r.name not in decisions:
-            decisions[r.name] = Decision(r, layout_from_placements(mesh, r.shape, state[r.name]), "small")
     layouts = {r.name: decisions[r.name].layout for r in roles}
     return SearchResult(layouts, {r.name: decisions[r.name] for r in roles}, final, best, limit, planned_count,
                         training, float(budget))
 
 
 def _priced(planned: fx.GraphModule, parameters: int, flops: Mapping[str, int], cost_model: CostModel,
-            layers: int, backward_roots: Sequence[str], activation_scale: float, quick: bool) -> Priced:
+            layers: int, backward_roots: Sequence[str], output_names: Sequence[str | None], activation_scale: float,
+            quick: bool) -> Priced:
     """A plan's price. ``quick``: ``planned`` is propagated only (stage 2: ``pipeline.propagate_graph``), each
     move its consumers ask for priced as the planner plans it; else planned (stage 3's PLAN on every move)."""
-    weights = layer_weights(planned, layers, backward_roots) if layers else {}
+    weights = layer_weights(planned, layers, backward_roots, output_names) if layers else {}
     communication = compute = received = collectives = 0.0
     moves: list[tuple[fx.Node, Plan_]] = []
     if quick:

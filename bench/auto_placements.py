@@ -1,0 +1,152 @@
+"""Automatic placements against the hand plans: ``fxshard.auto_placements`` vs Megatron / FSDP x TP.
+
+For each model and mesh below, one row:
+
+    case | mesh | budget | hand B/rank | auto B/rank | auto/hand | hand us | auto us | auto mem | solve s | explain s | ratio | plans
+
+* hand: the plan its authors use (Megatron on tp: column q/k/v/gate/up, row o/down, vocab-parallel embedding and
+  head; on (dp, tp): FSDP x TP with the batch on dp), as ``explain`` plans it.
+* auto: ``fxshard.auto_placements`` with the same pinned inputs (the batch on dp), within a budget of the memory
+  per rank the hand plan needs (``budget``: parameters and peak activations, as fxshard's memory report
+  counts them), or 0.4x the parameters on tp=4 for the acceptance row; its answer given back to ``explain``.
+* B/rank: bytes the busiest rank receives per step (``explain``'s total); us: the modeled step (the cost model's
+  collectives and copies plus compute at ``CostModel.compute_rate``), both plans priced alike.
+* solve s / explain s: the search against one ``explain`` of the hand plan, warm, in the same process (medians of
+  three); ratio = solve / explain; plans: the candidates the search planned.
+
+The 8- and 32-layer rows are the depth check: the search plans four layers either way (folded), so its
+time grows with the capture alone. Fake meshes, no process group, no communication. Run from the
+repository root::
+
+    python bench/auto_placements.py            # about two minutes on this project's machine
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import fxshard  # noqa: E402
+from models.llama import Llama, LlamaConfig, fsdp_tp_placements, megatron_placements  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], tuple[Callable, tuple, torch.nn.Module]]  # -> (fn, args, module)
+    hand: Callable[[torch.nn.Module], dict]  # the module -> its hand placements (parameters)
+    mesh: dict
+    pinned: dict  # what auto keeps (the batch on dp), part of the hand plan too
+    budget_of_params: float | None = None  # the budget as a share of the parameters (None: the hand plan's memory)
+
+
+def _examples_llama(layers: int = 4, kv_heads: int = 4) -> Callable[[], tuple]:
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=1024, dim=256, n_layers=layers, n_heads=8, n_kv_heads=kv_heads,
+                                  ffn_dim=768)).eval()
+        return model, (torch.randint(0, 1024, (4, 64)),), model
+    return build
+
+
+def _zoo(name: str) -> Callable[[], tuple]:
+    def build() -> tuple:
+        from zoo import ZOO
+
+        torch.manual_seed(0)
+        arch = ZOO[name]
+        model = arch.build()
+        return arch.call(model), arch.example(4, 32), model
+    return build
+
+
+def _zoo_plan(name: str) -> Callable[[torch.nn.Module], dict]:
+    def plan(model: torch.nn.Module) -> dict:
+        from zoo import ZOO
+
+        return ZOO[name].plan(model)
+    return plan
+
+
+def _fsdp_tp(model: torch.nn.Module) -> dict:
+    return fsdp_tp_placements(model)
+
+
+DP_BATCH = {0: (Shard(0), Replicate())}
+CASES = [
+    Case("examples' Llama, 4 layers (acceptance)", _examples_llama(), megatron_placements, {"tp": 4}, {}, 0.4),
+    Case("examples' Llama, 4 layers", _examples_llama(), megatron_placements, {"tp": 4}, {}),
+    Case("examples' Llama, 8 layers", _examples_llama(8), megatron_placements, {"tp": 4}, {}),
+    Case("examples' Llama, 32 layers", _examples_llama(32), megatron_placements, {"tp": 4}, {}),
+    Case("examples' Llama MQA (1 kv head)", _examples_llama(kv_heads=1), megatron_placements, {"tp": 4}, {}),
+    Case("examples' Llama, FSDP x TP", _examples_llama(), _fsdp_tp, {"dp": 2, "tp": 4}, DP_BATCH),
+    Case("HF Llama", _zoo("llama"), _zoo_plan("llama"), {"tp": 4}, {}),
+    Case("HF Qwen2", _zoo("qwen2"), _zoo_plan("qwen2"), {"tp": 4}, {}),
+    Case("HF Mixtral (MoE)", _zoo("mixtral"), _zoo_plan("mixtral"), {"tp": 4}, {}),
+    Case("HF GPT-NeoX (parallel residual)", _zoo("gpt_neox"), _zoo_plan("gpt_neox"), {"tp": 4}, {}),
+]
+
+
+def _median_time(run: Callable[[], Any], repeats: int = 3) -> tuple[float, Any]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def row(case: Case) -> list[str]:
+    fn, args, module = case.build()
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    hand = {**case.hand(module), **case.pinned}
+    every = {name: hand.get(name, (Replicate(),) * len(case.mesh)) for name, _ in module.named_parameters()}
+    priced_hand = fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=math.inf,
+                                          placements={**every, **case.pinned}).priced
+    budget = case.budget_of_params * params if case.budget_of_params else priced_hand.memory
+    fxshard.explain(fn, *args, mesh=case.mesh, placements=hand)  # warm
+    explain_s, hand_plan = _median_time(lambda: fxshard.explain(fn, *args, mesh=case.mesh, placements=hand))
+    solve_s, auto = _median_time(lambda: fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=budget,
+                                                                 placements=case.pinned))
+    chosen = fxshard.explain(fn, *args, mesh=case.mesh, placements=dict(auto))
+    hand_bytes, auto_bytes = hand_plan.bytes_per_rank, chosen.bytes_per_rank
+    mesh = "x".join(f"{k}={v}" for k, v in case.mesh.items())
+    return [case.name, mesh, f"{budget / 1e6:.2f} MB", f"{hand_bytes}", f"{auto_bytes}",
+            f"{auto_bytes / hand_bytes:.2f}" if hand_bytes else "-", f"{priced_hand.cost * 1e6:.1f}",
+            f"{auto.priced.cost * 1e6:.1f}", f"{auto.priced.memory / 1e6:.2f} MB", f"{solve_s:.2f}",
+            f"{explain_s:.2f}", f"{solve_s / explain_s:.1f}", f"{auto.evaluations}"]
+
+
+HEADER = ["case", "mesh", "budget", "hand B/rank", "auto B/rank", "auto/hand", "hand us", "auto us", "auto mem",
+          "solve s", "explain s", "ratio", "plans"]
+
+
+def main() -> None:
+    rows = []
+    for case in CASES:
+        try:
+            rows.append(row(case))
+        except Exception as error:  # noqa: BLE001 (a row that fails says so; the others still print)
+            rows.append([case.name, "x".join(f"{k}={v}" for k, v in case.mesh.items()),
+                         f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:120]}"] + [""] * 10)
+        print(" | ".join(rows[-1]), flush=True)
+    print()
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
