@@ -12,7 +12,9 @@ on Dynamo's graph (``plan_backend_inputs``).
 """
 from __future__ import annotations
 
+import collections
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -32,7 +34,7 @@ from fxshard.policies import QUICK_REFINEMENT
 from fxshard.propagate import Decisions
 
 from fxshard.backend.capture.capture import capture
-from fxshard.backend.capture.inputs import input_layouts, named_inputs
+from fxshard.backend.capture.inputs import input_layouts, modules_of, named_inputs
 from fxshard.backend.capture.trace import TracedProgram, trace_global
 from fxshard.backend.inductor.collector import collector_paused
 from fxshard.backend.layers.block_regions import captured_with_regions, repeated_blocks
@@ -114,10 +116,11 @@ def auto_placements(fn: Callable, *args: Any, mesh: Any, memory_budget: float, t
     forward and backward. A ValueError says when nothing fits the budget, and the least memory found."""
     spec = as_mesh_spec(mesh)
     _check_budget(memory_budget)
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    blocks = repeated_blocks(module) if isinstance(module, torch.nn.Module) else []
+    held = modules_of(fn)
+    module = held[0] if len(held) == 1 else None
+    blocks = repeated_blocks(module) if module is not None else []
     with collector_paused():
-        captured = captured_with_regions(lambda: capture(fn, args), blocks)
+        captured, left_out = _captured_short(fn, args, module, blocks, placements)
     names = named_inputs(fn, args, captured.objects)
     keys = [key for _, key in names]
     layouts = input_layouts(captured.objects, spec, keys, placements)
@@ -125,8 +128,60 @@ def auto_placements(fn: Callable, *args: Any, mesh: Any, memory_budget: float, t
               if isinstance(obj, DTensor) or (key is not None and key in (placements or {}))}
     result, by_role = search_program(captured.gm, captured.example_inputs, captured.objects, keys,
                                      [n for n, _ in names], spec, layouts, pinned, memory_budget, training=training,
-                                     cost_model=cost_model, optimizer_states=optimizer_states)
-    return _answer(result, by_role, captured.objects, keys)
+                                     cost_model=cost_model, optimizer_states=optimizer_states, left_out=left_out)
+    return _answer(result, by_role, captured.objects, keys, left_out)
+
+
+@dataclass
+class LeftOut:
+    """The layers a capture of four of them left out (``_four_layers``): the model's count, and their tensors."""
+
+    layers: int
+    tensors: list[tuple[str, torch.Tensor]]  # (parameter or buffer name, value)
+
+
+def _captured_short(fn: Callable, args: Sequence[Any], module: torch.nn.Module | None, blocks: Sequence[Any],
+                    placements: Mapping[Any, Any] | None) -> tuple[Any, LeftOut | None]:
+    """``fn`` captured with its repeated layers cut to four (0, 1, L-2, L-1: what ``fold.shorten`` keeps), so
+    that Dynamo's capture, which grows with the parameters it lifts and guards, costs the same at any depth;
+    the whole model where it has no such layers, where ``placements`` or a DTensor names a layer left out, or
+    where the cut model does not capture (its code reads how many layers there are)."""
+    whole = lambda: captured_with_regions(lambda: capture(fn, args), blocks)  # noqa: E731
+    cut = _four_layers(module, blocks) if module is not None else None
+    if cut is None:
+        return whole(), None
+    container, kept, left_out = cut
+    given = set(placements or {})
+    if any(name in given or isinstance(t, DTensor) for name, t in left_out.tensors):
+        return whole(), None
+    everything = container._modules
+    container._modules = kept
+    try:
+        return captured_with_regions(lambda: capture(fn, args), blocks), left_out
+    except Exception:  # noqa: BLE001 (a model that needs all its layers to run: captured whole)
+        pass
+    finally:
+        container._modules = everything
+    return whole(), None
+
+
+def _four_layers(module: torch.nn.Module, blocks: Sequence[Any]) -> tuple[torch.nn.Module, dict, LeftOut] | None:
+    """The one container of ``Options.min_layers`` or more alike blocks in ``module``, its members 0, 1, L-2 and
+    L-1 (under their own indices), and what the others hold; None where there is not exactly one."""
+    alike = {id(b) for b in blocks}
+    found = [c for c in module.modules() if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential))
+             and len(c) >= in_force().min_layers and all(id(m) in alike for m in c)
+             and len({type(m) for m in c}) == 1]
+    if len(found) != 1:
+        return None
+    container = found[0]
+    prefix = next(name for name, m in module.named_modules() if m is container)
+    indices = list(container._modules)
+    keep = {indices[0], indices[1], indices[-2], indices[-1]}
+    kept = {k: m for k, m in container._modules.items() if k in keep}
+    tensors = [(f"{prefix}.{k}.{name}", t) for k, m in container._modules.items() if k not in keep
+               for name, t in list(m.named_parameters()) + list(m.named_buffers())]
+    return container, kept, LeftOut(len(indices), tensors)
 
 
 def _check_budget(memory_budget: Any) -> None:
@@ -138,17 +193,19 @@ def _check_budget(memory_budget: Any) -> None:
 def search_program(gm: fx.GraphModule, example_inputs: Sequence[Any], objects: Sequence[Any], keys: Sequence[Any],
                    names: Sequence[str], mesh: MeshSpec, layouts: Mapping[int, Layout], pinned: set[int],
                    memory_budget: float, *, training: bool, cost_model: CostModel | None,
-                   optimizer_states: int = 2) -> tuple[SearchResult, dict[str, list[int]]]:
+                   optimizer_states: int = 2,
+                   left_out: LeftOut | None = None) -> tuple[SearchResult, dict[str, list[int]]]:
     """The search on a captured graph (Dynamo's): ``layouts`` by input position, ``pinned`` the positions
-    not searched; returns the result and, per role, the input positions it decided."""
+    not searched, ``left_out``: the layers a capture of four left out (their tensors join their roles); returns
+    the result and, per role, the input positions it decided."""
     with code_on_demand(), collector_paused():
         short = shorten(gm) if in_force().fold else None
         program, out_layouts = _trace(short.gm if short is not None else gm, example_inputs, mesh, layouts, names,
                                       training)
-        roles, by_role = _roles(program, objects, keys, layouts, pinned, training)
+        roles, by_role = _roles(program, objects, keys, layouts, pinned, training, left_out)
         plan = _planner(program, out_layouts, cost_model)
         flops = flops_by_node(program.gm)
-        layers = short.layers if short is not None else 0
+        layers = short.layers if short is not None else left_out.layers if left_out is not None else 0
         joint = program.joint
         result = search_placements(
             roles, program.mesh, plan, memory_budget, flops=flops, layers=layers,
@@ -186,18 +243,18 @@ def _trace(gm: fx.GraphModule, example_inputs: Sequence[Any], mesh: MeshSpec, la
 
 
 def _roles(program: TracedProgram, objects: Sequence[Any], keys: Sequence[Any], layouts: Mapping[int, Layout],
-           pinned: set[int], training: bool) -> tuple[list[Role], dict[str, list[int]]]:
-    """The unknowns: a parameter of every repeated layer is one role (``layers.*.wq.weight``), each other
-    tensor input its own; pinned ones are roles with their layout."""
+           pinned: set[int], training: bool, left_out: LeftOut | None = None) -> tuple[list[Role], dict[str, list[int]]]:
+    """The unknowns: a parameter of every repeated layer is one role (``layers.*.wq.weight``; the layers a short
+    capture left out count in it), each other tensor input its own; pinned ones are roles with their layout."""
     members: dict[tuple, list[tuple[str, int]]] = {}
     for name, pos in zip(program.input_names, program.tensor_positions):
         obj, key = objects[pos], keys[pos]
         if pos in pinned:
             group: tuple = (f"{_describe(key, name)}", "pinned")
         else:
-            group = (any_layer(key) if isinstance(key, str) else _describe(key, name), tuple(obj.shape), obj.dtype,
-                     bool(training and obj.requires_grad))
+            group = _group(key if isinstance(key, str) else _describe(key, name), obj, training)
         members.setdefault(group, []).append((name, pos))
+    absent = collections.Counter(_group(name, t, training) for name, t in (left_out.tensors if left_out else ()))
     roles, by_role = [], {}
     for group, found in members.items():
         obj = objects[found[0][1]]
@@ -206,9 +263,15 @@ def _roles(program: TracedProgram, objects: Sequence[Any], keys: Sequence[Any], 
             role_name = f"{role_name} {tuple(obj.shape)}"
         pinned_layout = layouts[found[0][1]] if group[-1] == "pinned" else None
         roles.append(Role(role_name, tuple(n for n, _ in found), tuple(int(s) for s in obj.shape), obj.dtype,
-                          len(found), trainable=bool(training and obj.requires_grad), pinned=pinned_layout))
+                          len(found) + absent.get(group, 0), trainable=bool(training and obj.requires_grad),
+                          pinned=pinned_layout))
         by_role[role_name] = [pos for _, pos in found]
     return roles, by_role
+
+
+def _group(name: str, obj: torch.Tensor, training: bool) -> tuple:
+    """What a role is: the name in every layer (``layers.*.wq.weight``), shape, dtype, and whether it trains."""
+    return (any_layer(name), tuple(obj.shape), obj.dtype, bool(training and obj.requires_grad))
 
 
 def _describe(key: Any, name: str) -> str:
@@ -241,23 +304,37 @@ def _planner(program: TracedProgram, out_layouts: Sequence[Layout],
 
 
 def _answer(result: SearchResult, by_role: Mapping[str, list[int]], objects: Sequence[Any],
-            keys: Sequence[Any]) -> AutoPlacements:
-    """The result by the user's keys (DTensors left out: they bring their own placements)."""
+            keys: Sequence[Any], left_out: LeftOut | None = None) -> AutoPlacements:
+    """The result by the user's keys (DTensors left out: they bring their own placements), the layers a short
+    capture left out included."""
     placements: dict[Any, Any] = {}
     reasons: dict[Any, str] = {}
     roles: dict[str, list[Any]] = {}
     all_reasons = result.reasons()
+    named = {any_layer(key): role for role, positions in by_role.items() for key in [keys[positions[0]]]
+             if isinstance(key, str)}
+    absent: dict[str, list[str]] = {}
+    for name, _ in (left_out.tensors if left_out else ()):
+        role = named.get(any_layer(name))
+        if role is not None:
+            absent.setdefault(role, []).append(name)
     for role, positions in by_role.items():
         layout = result.layouts[role]
-        for pos in positions:
-            key = keys[pos]
+        users = [keys[pos] for pos in positions if not isinstance(objects[pos], DTensor)]
+        for key in sorted(users + absent.get(role, []), key=_natural):
             roles.setdefault(role, []).append(key)
-            if isinstance(objects[pos], DTensor) or key is None:
+            if key is None:
                 continue
             placements[key] = placements_from_layout(layout)
             reasons[key] = all_reasons[role]
     return AutoPlacements(placements, reasons, result, roles)
 
+
+def _natural(key: Any) -> tuple:
+    """Argument indices first, then names with their numbers compared as numbers (``layers.2`` before ``layers.10``)."""
+    if not isinstance(key, str):
+        return (0, key if isinstance(key, int) else -1, ())
+    return (1, 0, tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)))
 
 
 def backend_program(gm: fx.GraphModule, inputs: Sequence[Any], options: Any, reporter: Any, training: bool) -> Any:
