@@ -15,6 +15,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .costs import numel
 from .graph import LAYOUT, requirements
 from .layout import Layout
 from .mesh import Size, as_size
@@ -81,25 +82,9 @@ def local_bytes(node: fx.Node) -> Size:
 
 def memory_report(gm: fx.GraphModule) -> MemoryReport:
     report = MemoryReport()
-    nodes = list(gm.graph.nodes)
-    last_use = {}
-    for i, node in enumerate(nodes):
-        for a in node.all_input_nodes:
-            last_use[_storage(a)] = i
-    live: dict[fx.Node, Size] = {}
-    peaks: list[Size] = [0]  # the live bytes after each allocation: the peak is their maximum
-    for i, node in enumerate(nodes):
-        if node.op == "placeholder":
-            report.inputs[node.name] = local_bytes(node)
-            continue
-        if node.op == "call_function" and _storage(node) is node:
-            live[node] = local_bytes(node)
-            peaks.append(as_size(sum(live.values(), 0)))
-        for a in node.all_input_nodes:
-            root = _storage(a)
-            if last_use.get(root) == i and root in live and node.op != "output":
-                del live[root]
-    report.peak_activations = as_size(_max(*peaks))
+    for node in gm.graph.find_nodes(op="placeholder"):
+        report.inputs[node.name] = local_bytes(node)
+    report.peak_activations = _peak(gm, with_moves=False)
     return report
 
 
@@ -108,13 +93,18 @@ def propagated_peak(gm: fx.GraphModule) -> Size:
     with a buffer for every move its consumers ask for (a value wanted in another layout than its own: stage
     3's copy of it), alive from its first such consumer to its last: what ``fxshard.auto_placements`` prices
     a candidate's memory by without planning it."""
+    return _peak(gm, with_moves=True)
+
+
+def _peak(gm: fx.GraphModule, with_moves: bool) -> Size:
+    """The most bytes of values alive at once, in program order (``with_moves``: and of the moves asked for)."""
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
     moves: dict[tuple[fx.Node, Layout], list[int]] = {}
     for i, node in enumerate(nodes):
         for a in node.all_input_nodes:
             last_use[_storage(a)] = i
-        if node.op != "placeholder":
+        if with_moves and node.op != "placeholder":
             for a, want in requirements(node):
                 if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
                     moves.setdefault((a, want), []).append(i)
@@ -122,33 +112,27 @@ def propagated_peak(gm: fx.GraphModule) -> Size:
     for (a, want), uses in moves.items():
         val = a.meta.get("val")
         if isinstance(val, torch.Tensor):
-            nbytes = as_size(_numel(want.max_local_shape()) * val.element_size())
-            starting.setdefault(uses[0], []).append(((a, want), nbytes))
+            starting.setdefault(uses[0], []).append(((a, want), as_size(numel(want.max_local_shape())
+                                                                        * val.element_size())))
     live: dict[Any, Size] = {}
-    ends = {key: uses[-1] for key, uses in moves.items()}
-    peaks: list[Size] = [0]
+    peaks: list[Size] = [0]  # the live bytes after each allocation: the peak is their maximum
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             continue
-        for key, nbytes in starting.get(i, ()):
-            live[key] = nbytes
+        allocated = starting.get(i, [])
+        live.update(allocated)
         if node.op == "call_function" and _storage(node) is node:
             live[node] = local_bytes(node)
-        peaks.append(as_size(sum(live.values(), 0)))
+            allocated = True
+        if allocated:
+            peaks.append(as_size(sum(live.values(), 0)))
         for a in node.all_input_nodes:
             root = _storage(a)
             if last_use.get(root) == i and root in live and node.op != "output":
                 del live[root]
-        for key in [k for k in live if isinstance(k, tuple) and ends[k] == i]:
+        for key in [k for k in live if isinstance(k, tuple) and moves[k][-1] == i]:
             del live[key]
     return as_size(_max(*peaks))
-
-
-def _numel(shape: Any) -> Size:
-    n: Size = 1
-    for s in shape:
-        n = n * s
-    return n
 
 
 def _storage(node: fx.Node) -> fx.Node:
