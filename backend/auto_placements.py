@@ -48,7 +48,7 @@ __all__ = ["AutoPlacements", "auto_placements"]
 class AutoPlacements(dict):
     """``{parameter name or argument index: placements}``, as ``placements=`` takes it, and why.
 
-    ``reasons``: the same keys, each with what decided its placement (pinned, small, or the alternatives
+    ``reasons``: the same keys, each with what decided its placement (pinned, or the alternatives
     tried against the final plan: which cost more, which would not fit the budget); ``priced``: the
     plan's modeled step cost, bytes per rank and memory per rank; ``report()`` says all of it by role."""
 
