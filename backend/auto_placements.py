@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -28,7 +29,7 @@ from fxshard.layer_names import any_layer
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import propagate_graph, shard_graph
-from fxshard.placement_search import Priced, Role, SearchResult, search_placements
+from fxshard.placement_search import Priced, Role, SearchResult, fused_factors, search_placements
 from fxshard.placements import as_mesh_spec, placements_from_layout, placements_to_str
 from fxshard.policies import QUICK_REFINEMENT
 from fxshard.propagate import Decisions
@@ -78,8 +79,11 @@ class AutoPlacements(dict):
         lines.append(f"modeled step: {p.cost * 1e6:.1f} us ({p.communication * 1e6:.1f} us communication and "
                      f"copies, {p.compute * 1e6:.1f} us compute), {p.collectives} collectives, "
                      f"{p.bytes_per_rank} B/rank received")
-        lines.append(f"memory per rank: {p.memory} B of the budget {int(self.result.memory_budget)} (parameters{' and their training state' if self.result.training else ''} "
-                     f"{p.parameter_memory} B, peak activations {p.activation_memory} B); {self.evaluations} plans priced")
+        asked = self.result.memory_budget
+        of_budget = f"of the budget {int(asked)}" if math.isfinite(asked) else "(no budget)"
+        state = " and their training state" if self.result.training else ""
+        lines.append(f"memory per rank: {p.memory} B {of_budget} (parameters{state} {p.parameter_memory} B, peak "
+                     f"activations {p.activation_memory} B); {self.evaluations} plans priced")
         return "\n".join(lines)
 
     def distribute(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
@@ -264,7 +268,7 @@ def _roles(program: TracedProgram, objects: Sequence[Any], keys: Sequence[Any], 
         pinned_layout = layouts[found[0][1]] if group[-1] == "pinned" else None
         roles.append(Role(role_name, tuple(n for n, _ in found), tuple(int(s) for s in obj.shape), obj.dtype,
                           len(found) + absent.get(group, 0), trainable=bool(training and obj.requires_grad),
-                          pinned=pinned_layout))
+                          pinned=pinned_layout, fused=fused_factors(program.gm, found[0][0])))
         by_role[role_name] = [pos for _, pos in found]
     return roles, by_role
 

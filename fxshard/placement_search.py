@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .costs import CostModel, DEFAULT_COST_MODEL, dtype_size, numel, numeric
 from .graph import LAYOUT, PLAN, outputs
@@ -39,9 +40,11 @@ from .mesh import MeshSpec
 from .planner import plan_redistribute
 from .plans import Plan as Plan_
 from .refine import requested_moves
+from .routing import ROUTED_OPS, uniform_dispatches
 from .placements import layout_from_placements, placements_from_layout, placements_to_str
 
-__all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates"]
+__all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates",
+           "fused_factors"]
 
 # a role whose tensors hold less than this share of all the searched bytes starts replicated (its sharding
 # saves little memory and adds a collective); the search tries it sharded last
@@ -59,6 +62,7 @@ class Role:
     count: int  # the model's tensors it stands for (every layer's, where the program planned is folded)
     trainable: bool = False  # gradients and optimizer state are kept for it (training)
     pinned: Layout | None = None  # decided by the user (``placements=``, a DTensor): not searched
+    fused: tuple[int, ...] = ()  # its matmul's output is split into this many equal parts (``fused_factors``)
 
     @property
     def nbytes(self) -> int:
@@ -147,21 +151,100 @@ def _percent(a: float, b: float) -> str:
     return f"{abs(a - b) / b:.1%}" if b > 0 else f"{abs(a - b):.3g} s"
 
 
-def candidates(mesh: MeshSpec, shape: Sequence[int]) -> list[tuple[Placement, ...]]:
+def candidates(mesh: MeshSpec, shape: Sequence[int], fused: Sequence[int] = ()) -> list[tuple[Placement, ...]]:
     """Every placement of a tensor of ``shape``: on each axis Replicate or Shard(d), evenly divisible
-    (several axes on one dim: by their product)."""
+    (several axes on one dim: by their product); with ``fused`` factors ``k``, also ``_StridedShard(d, k)``
+    (each of ``k`` equal parts of dim ``d`` split over the axis: a fused q/k/v or gate/up weight, each rank
+    holding its share of every part), on one axis of a dim, each part divisible."""
     out: list[tuple[Placement, ...]] = [()]
+    kinds: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    kinds += [_StridedShard(d, split_factor=k) for k in fused for d in range(len(shape))]
     for axis in mesh.axes():
-        out = [p + (q,) for p in out for q in [Replicate()] + [Shard(d) for d in range(len(shape))]]
+        out = [p + (q,) for p in out for q in kinds]
     return [p for p in out if _divides(mesh, shape, p)]
 
 
 def _divides(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Placement]) -> bool:
     ways = [1] * len(shape)
+    strided: dict[int, int] = {}
     for axis, p in zip(mesh.axes(), placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             ways[p.dim] *= int(axis.size)
-    return all(s % w == 0 and (w == 1 or s >= w) for s, w in zip(shape, ways))
+        if isinstance(p, _StridedShard):
+            strided[p.dim] = int(p.split_factor)
+    return all(s % (w * strided.get(d, 1)) == 0 and (w == 1 or s >= w) for d, (s, w) in enumerate(zip(shape, ways))) \
+        and all(sum(1 for q in placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) == 1
+                for d in strided)
+
+
+# what a weight reaches its matmul through, and the matmul's output its split through, without moving data
+# across its last dim: rules as data for ``fused_factors``
+_PASSING = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "_to_copy", "alias", "detach",
+                      "clone", "contiguous", "expand", "unsqueeze", "add"})
+_MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+
+
+def _op(node: fx.Node) -> str:
+    return getattr(node.target, "_opname", "") if node.op == "call_function" else ""
+
+
+def fused_factors(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
+    """Into how many equal parts the outputs of the matmuls reading placeholder ``name`` are split along their last
+    dim (``split``, ``split_with_sizes``, or slices tiling it): a fused projection (q/k/v: 3, gate/up: 2), whose
+    weight a rank should hold a share of every part of (``_StridedShard``). Empty where none is."""
+    start = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    if start is None:
+        return ()
+    found: set[int] = set()
+    seen: set[fx.Node] = set()
+    frontier = [(start, False)]  # (node, past the matmul)
+    while frontier:
+        node, past = frontier.pop()
+        for user in node.users:
+            op = _op(user)
+            if (user, past) in seen:
+                continue
+            seen.add((user, past))
+            if op in _PASSING:
+                frontier.append((user, past))
+            elif op in _MATMULS and not past and _right_operand(user) is node:
+                frontier.append((user, True))
+        if past and (k := _parts(node)) > 1:
+            found.add(k)
+    return tuple(sorted(found))
+
+
+def _right_operand(matmul: fx.Node) -> object:
+    """The operand whose dim becomes the matmul's last: the weight of ``x @ w`` (``addmm``: its third argument)."""
+    index = 2 if _op(matmul) == "addmm" else 1
+    return matmul.args[index] if len(matmul.args) > index else None
+
+
+def _parts(node: fx.Node) -> int:
+    """The equal parts ``node``'s users cut its last dim into (1: none)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return 1
+    last, size = value.dim() - 1, value.shape[-1]
+    slices: list[tuple[int, int]] = []
+    for user in node.users:
+        op, args = _op(user), user.args
+        dim = args[2] if len(args) > 2 else user.kwargs.get("dim", 0)
+        if op not in ("split", "split_with_sizes", "slice") or not isinstance(dim, int) or dim % value.dim() != last:
+            continue
+        if op == "split" and isinstance(args[1], int) and size % args[1] == 0 and size // args[1] > 1:
+            return int(size // args[1])
+        if op == "split_with_sizes" and len(set(args[1])) == 1 and len(args[1]) > 1:
+            return len(args[1])
+        if op == "slice" and (len(args) < 6 or args[5] == 1):
+            begin = args[3] if len(args) > 3 else 0
+            end = min(args[4] if len(args) > 4 else size, size)
+            slices.append((int(begin or 0), int(end)))
+    slices.sort()
+    lengths = {b - a for a, b in slices}
+    tiled = slices and slices[0][0] == 0 and slices[-1][1] == size and all(
+        slices[i][1] == slices[i + 1][0] for i in range(len(slices) - 1))
+    return len(slices) if tiled and len(slices) > 1 and len(lengths) == 1 else 1
 
 
 def _neighbours(current: tuple[Placement, ...], options: Sequence[tuple[Placement, ...]]) -> list[tuple[Placement, ...]]:
@@ -251,7 +334,7 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
     parameter (Adam: two)."""
     cost_model = cost_model or DEFAULT_COST_MODEL
     flops = flops or {}
-    options = {r.name: candidates(mesh, r.shape) for r in roles if r.pinned is None}
+    options = {r.name: candidates(mesh, r.shape, r.fused) for r in roles if r.pinned is None}
     cache: dict[tuple, Priced] = {}
 
     def layouts_of(assignment: Mapping[str, tuple[Placement, ...]]) -> dict[str, Layout]:
@@ -386,6 +469,13 @@ def _priced(planned: fx.GraphModule, parameters: int, flops: Mapping[str, int], 
         communication += w * plan.cost
         received += w * sum(numeric(s.bytes_per_rank) for s in plan.collectives)
         collectives += w * len(plan.collectives)
+    for node in planned.graph.nodes:  # routed experts' all_to_alls, at a uniform routing
+        if node.target in ROUTED_OPS:
+            w = weights.get(node, 1.0)
+            for dispatch, nbytes in uniform_dispatches(node):
+                communication += w * cost_model.collective_cost(dispatch.axes, nbytes)
+                received += w * nbytes
+                collectives += w
     peak = propagated_peak(planned) if quick else memory_report(planned).peak_activations
     activations = int(numeric(peak) * activation_scale)
     return Priced(communication + compute, communication, compute, int(received), round(collectives),

@@ -390,6 +390,29 @@ def dispatches(node: fx.Node) -> list[Dispatch]:
             Dispatch(axes, returned * _row_bytes(back), "the results of this rank's pairs its peers' experts ran")]
 
 
+def uniform_dispatches(node: fx.Node) -> list[tuple[Dispatch, float]]:
+    """``dispatches(node)``, each with its bytes per rank where every pair is as likely to meet any expert (the
+    routing a load-balanced router aims at): a rank sends ``(n - 1) / n`` of its pairs to its peers and gets as
+    many back. What the placement search prices a dispatch at before the routing is known."""
+    import sympy
+
+    from .costs import numel, numeric
+    from .graph import ARG_LAYOUTS
+
+    found = dispatches(node)
+    if not found:
+        return []
+    rows = _arguments(node)[0]
+    pairs = numeric(numel(node.meta[ARG_LAYOUTS][len(rows)].max_local_shape()))  # the keys: a rank's pairs
+    n = _size(found[0].axes)
+    expected = pairs * (n - 1) / n
+    out = []
+    for d in found:
+        value = sympy.sympify(d.bytes_per_rank)
+        out.append((d, float(value.subs({s: expected for s in value.free_symbols}))))
+    return out
+
+
 def group_axes(node: fx.Node) -> tuple[MeshAxis, ...]:
     """The mesh axes a planned routed op dispatches over: those its first stack is required in blocks on."""
     from .graph import ARG_LAYOUTS

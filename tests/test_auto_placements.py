@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxshard
 from fxshard.backend.driver import plan_function
@@ -160,6 +161,39 @@ def test_candidates_divide_evenly():
     found = candidates(mesh, (8, 6))
     assert (Shard(0), Shard(0)) in found and (Replicate(), Shard(1)) not in found  # 6 is not a multiple of 4
     assert (Shard(1), Shard(0)) in found and len(found) == 6
+    fused = candidates(fxshard.MeshSpec(tp=4), (4, 256, 64), fused=(2,))
+    assert (_StridedShard(1, split_factor=2),) in fused and (_StridedShard(0, split_factor=2),) not in fused
+
+
+class _FusedMLP(torch.nn.Module):
+    """A SwiGLU MLP with gate and up in one weight (Phi-3's ``gate_up_proj``), its output chunked in two."""
+
+    def __init__(self, dim: int = 64, hidden: int = 128):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_a_fused_projection_is_strided_so_each_rank_holds_its_share_of_both_parts():
+    """gate/up fused in one weight: ``Shard(0)`` would give rank 0 gate rows only (the chunk then moves data);
+    ``_StridedShard(0, 2)`` gives each rank a quarter of gate and of up, so the MLP runs column/row parallel with
+    nothing moved (the output a partial sum), as Megatron stores it. Exact under simulate on fresh data."""
+    torch.manual_seed(0)
+    model = _FusedMLP().eval()
+    x = torch.randn(4, 16, 64)
+    auto = fxshard.auto_placements(model, x, mesh={"tp": 4}, memory_budget=float("inf"))
+    assert {d.role.name: d.role.fused for d in auto.result.decisions.values()} == {
+        "argument 0": (), "gate_up.weight": (2,), "down.weight": ()}
+    assert auto["gate_up.weight"] == (_StridedShard(0, split_factor=2),) and auto["down.weight"] == (Shard(1),)
+    assert "S(0) costs" in auto.reasons["gate_up.weight"]
+    assert fxshard.explain(model, x, mesh={"tp": 4}, placements=dict(auto)).collectives == []
+    x = torch.randn(4, 16, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fxshard.simulate(model, x, mesh={"tp": 4}, placements=dict(auto)), model(x))
 
 
 def test_distribute_makes_the_parameters_dtensors_that_explain_reads(fake_mesh_4):
@@ -209,3 +243,41 @@ def test_a_folded_training_step_is_priced_as_the_whole_model_plans_it():
     auto = fxshard.auto_placements(model.loss, tokens, targets, mesh={"dp": 4}, memory_budget=1e12, training=True,
                                    placements=batch)
     assert auto.priced.bytes_per_rank == _training_bytes(model, (tokens, targets), {"dp": 4}, dict(auto))
+
+
+def test_moe_experts_go_on_the_ep_axis_where_their_gradients_outweigh_the_routed_rows():
+    """Training with the tokens on an ep axis of 4, no budget: the routed rows' all_to_alls are priced at a
+    uniform routing, so large experts and few tokens give expert parallelism (every stack ``Shard(0)``: the
+    rows move instead of the experts' gradients), small experts and many tokens give data parallelism (the
+    stacks replicated); the EP answer is one device's, loss and gradients, on fresh data."""
+    from moe_programs import DroplessMoE
+
+    def choose(dim: int, hidden: int, tokens: int) -> tuple[DroplessMoE, dict]:
+        torch.manual_seed(0)
+        model = DroplessMoE(dim=dim, hidden=hidden, experts=8)
+
+        def loss(x, y):
+            return ((model(x) - y) ** 2).mean()
+        x, y = torch.randn(tokens, dim), torch.randn(tokens, dim)
+        return model, fxshard.auto_placements(loss, x, y, mesh={"ep": 4}, memory_budget=float("inf"), training=True,
+                                              placements={0: (Shard(0),), 1: (Shard(0),)})
+
+    _, data_parallel = choose(32, 48, 2048)
+    assert [data_parallel[w] for w in ("w1", "w2", "w3")] == [(Replicate(),)] * 3
+    model, expert_parallel = choose(128, 256, 64)
+    assert [expert_parallel[w] for w in ("w1", "w2", "w3")] == [(Shard(0),)] * 3
+    assert "R costs" in expert_parallel.reasons["w1"]  # replicated was tried, and priced higher
+
+    def loss(x, y):
+        return ((model(x) - y) ** 2).mean()
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(64, 128, generator=g), torch.randn(64, 128, generator=g)
+    run = simulate_ranks(loss, x, y, mesh=fxshard.MeshSpec(ep=4), placements=dict(expert_parallel), grad=True)
+    assert any(c.kind == "all_to_all" for c in fxshard.explain(loss, x, y, mesh={"ep": 4},
+                                                                  placements=dict(expert_parallel)).dispatches)
+    want = loss(x, y)
+    want.backward()
+    torch.testing.assert_close(run.full()[0], want.detach(), rtol=1e-2, atol=1e-3)
+    grads = run.full_grads()
+    for name, p in model.named_parameters():  # bf16 experts: to bf16's rounding of the largest entry
+        assert (grads[name] - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
