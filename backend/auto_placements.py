@@ -33,6 +33,7 @@ from fxshard.placement_search import Priced, Role, SearchResult, fused_factors, 
 from fxshard.placements import as_mesh_spec, placements_from_layout, placements_to_str
 from fxshard.policies import QUICK_REFINEMENT
 from fxshard.propagate import Decisions
+from fxshard.routing import ROUTED_OPS, stack_sources
 
 from fxshard.backend.capture.capture import capture
 from fxshard.backend.capture.inputs import input_layouts, modules_of, named_inputs
@@ -217,7 +218,7 @@ def search_program(gm: fx.GraphModule, example_inputs: Sequence[Any], objects: S
             output_names=([None] * len(out_layouts) + [program.input_names[k] for k in joint.grad_inputs]
                           if joint is not None else ()), training=training,
             optimizer_states=optimizer_states, activation_scale=(layers / 4 if training and layers else 1.0),
-            cost_model=cost_model)
+            cost_model=cost_model, tied=_tied(program.gm, roles))
     if not result.priced.fits(memory_budget):
         p = result.priced
         raise ValueError(f"no placements found within memory_budget={int(memory_budget)} B per rank on {mesh}: the "
@@ -271,6 +272,18 @@ def _roles(program: TracedProgram, objects: Sequence[Any], keys: Sequence[Any], 
                           pinned=pinned_layout, fused=fused_factors(program.gm, found[0][0])))
         by_role[role_name] = [pos for _, pos in found]
     return roles, by_role
+
+
+def _tied(gm: fx.GraphModule, roles: Sequence[Role]) -> list[list[str]]:
+    """The roles that move together: each routed-experts op's weight stacks."""
+    role_of = {name: r.name for r in roles for name in r.inputs}
+    groups = []
+    for node in gm.graph.nodes:
+        if node.target in ROUTED_OPS:
+            names = list(dict.fromkeys(role_of[p.name] for p in stack_sources(node) if p.name in role_of))
+            if len(names) > 1 and names not in groups:
+                groups.append(names)
+    return groups
 
 
 def _group(name: str, obj: torch.Tensor, training: bool) -> tuple:

@@ -13,6 +13,9 @@ For each model and mesh below, one row:
   collectives and copies plus compute at ``CostModel.compute_rate``), both plans priced alike.
 * solve s / explain s: the search against one ``explain`` of the hand plan, warm, in the same process (medians of
   three); ratio = solve / explain; plans: the candidates the search planned.
+* MoE training rows (tests/moe_programs.py's dropless MoE, the tokens on an ep axis): the hand plan is expert
+  parallelism (every stack ``Shard(0)``); a training step's bytes are priced by the search's own model for both
+  plans (the step's collectives plus the routed all_to_alls at a uniform routing); explain s is of the forward.
 
 The 8- and 32-layer rows are the depth check: the search plans four layers either way (folded), so its
 time grows with the capture alone. Fake meshes, no process group, no communication. Run from the
@@ -49,6 +52,7 @@ class Case:
     mesh: dict
     pinned: dict  # what auto keeps (the batch on dp), part of the hand plan too
     budget_of_params: float | None = None  # the budget as a share of the parameters (None: the hand plan's memory)
+    training: bool = False  # a training step (fn returns the loss): both plans priced by the search's own model
 
 
 def _examples_llama(layers: int = 4, kv_heads: int = 4) -> Callable[[], tuple]:
@@ -79,6 +83,24 @@ def _zoo_plan(name: str) -> Callable[[torch.nn.Module], dict]:
     return plan
 
 
+def _moe(dim: int, hidden: int, tokens: int) -> Callable[[], tuple]:
+    """tests/moe_programs.py's dropless MoE (torchtitan's form, 8 experts, top-2), its loss for a training step."""
+    def build() -> tuple:
+        from moe_programs import DroplessMoE
+
+        torch.manual_seed(0)
+        model = DroplessMoE(dim=dim, hidden=hidden, experts=8)
+
+        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return ((model(x) - y) ** 2).mean()
+        return loss, (torch.randn(tokens, dim), torch.randn(tokens, dim)), model
+    return build
+
+
+def _expert_parallel(model: torch.nn.Module) -> dict:
+    return {name: (Shard(0),) for name in ("w1", "w2", "w3")}
+
+
 def _fsdp_tp(model: torch.nn.Module) -> dict:
     return fsdp_tp_placements(model)
 
@@ -95,6 +117,11 @@ CASES = [
     Case("HF Qwen2", _zoo("qwen2"), _zoo_plan("qwen2"), {"tp": 4}, {}),
     Case("HF Mixtral (MoE)", _zoo("mixtral"), _zoo_plan("mixtral"), {"tp": 4}, {}),
     Case("HF GPT-NeoX (parallel residual)", _zoo("gpt_neox"), _zoo_plan("gpt_neox"), {"tp": 4}, {}),
+    Case("HF Phi-3 (fused q/k/v, gate/up)", _zoo("phi3"), _zoo_plan("phi3"), {"tp": 4}, {}),
+    Case("MoE training, experts 8x128x256, 64 tokens", _moe(128, 256, 64), _expert_parallel, {"ep": 4},
+         {0: (Shard(0),), 1: (Shard(0),)}, training=True),
+    Case("MoE training, experts 8x32x48, 2048 tokens", _moe(32, 48, 2048), _expert_parallel, {"ep": 4},
+         {0: (Shard(0),), 1: (Shard(0),)}, training=True),
 ]
 
 
@@ -112,15 +139,18 @@ def row(case: Case) -> list[str]:
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     hand = {**case.hand(module), **case.pinned}
     every = {name: hand.get(name, (Replicate(),) * len(case.mesh)) for name, _ in module.named_parameters()}
-    priced_hand = fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=math.inf,
+    priced_hand = fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=math.inf, training=case.training,
                                           placements={**every, **case.pinned}).priced
     budget = case.budget_of_params * params if case.budget_of_params else priced_hand.memory
     fxshard.explain(fn, *args, mesh=case.mesh, placements=hand)  # warm
     explain_s, hand_plan = _median_time(lambda: fxshard.explain(fn, *args, mesh=case.mesh, placements=hand))
     solve_s, auto = _median_time(lambda: fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=budget,
-                                                                 placements=case.pinned))
-    chosen = fxshard.explain(fn, *args, mesh=case.mesh, placements=dict(auto))
-    hand_bytes, auto_bytes = hand_plan.bytes_per_rank, chosen.bytes_per_rank
+                                                                 training=case.training, placements=case.pinned))
+    if case.training:  # the step's collectives and the routed all_to_alls, as the search prices them
+        hand_bytes, auto_bytes = priced_hand.bytes_per_rank, auto.priced.bytes_per_rank
+    else:
+        chosen = fxshard.explain(fn, *args, mesh=case.mesh, placements=dict(auto))
+        hand_bytes, auto_bytes = hand_plan.bytes_per_rank, chosen.bytes_per_rank
     mesh = "x".join(f"{k}={v}" for k, v in case.mesh.items())
     return [case.name, mesh, f"{budget / 1e6:.2f} MB", f"{hand_bytes}", f"{auto_bytes}",
             f"{auto_bytes / hand_bytes:.2f}" if hand_bytes else "-", f"{priced_hand.cost * 1e6:.1f}",

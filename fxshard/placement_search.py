@@ -12,15 +12,21 @@ the four planned layers' share weighted by the layers it stands for. Memory per 
 blocks (times gradients and optimizer state when training) plus the planned program's peak activations
 (``fxshard/memory.py``).
 
-The search is coordinate descent over roles, largest first: from a seed (every role replicated if that fits,
-else every large tensor sharded along its first divisible dim on each axis), each role in turn tries every
-placement that differs from its own on one mesh axis and keeps the best; it ends when every role has been
+The search is coordinate descent over roles, largest first: from every role replicated, each role in turn
+tries every placement that differs from its own on one mesh axis, and its own with two axes' placements
+exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been
 tried against the final assignment without a change. A plan over the budget is worse than any within it;
-among plans over it, the one with less memory wins. Each role's last tries are its explanation: which
+among plans over it, the one with less memory wins (so from replicated, over the budget, each step first
+takes memory off). Where no plan found that way fits, the search starts again from every large tensor
+sharded along its first divisible dim on each axis. The candidates are ``Replicate`` and even ``Shard`` on
+each axis, and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a
+fused q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a
+uniform routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which
 alternative cost more, or would not fit (``Decision.reason``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -36,7 +42,7 @@ from .graph import LAYOUT, PLAN, outputs
 from .layer_names import layer_index
 from .layout import Layout
 from .memory import memory_report, propagated_peak
-from .mesh import MeshSpec
+from .mesh import MeshSpec, is_static
 from .planner import plan_redistribute
 from .plans import Plan as Plan_
 from .refine import requested_moves
@@ -196,22 +202,28 @@ def fused_factors(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
     if start is None:
         return ()
     found: set[int] = set()
-    seen: set[fx.Node] = set()
-    frontier = [(start, False)]  # (node, past the matmul)
+    seen: set[tuple[fx.Node, int | None]] = set()
+    frontier: list[tuple[fx.Node, int | None]] = [(start, None)]  # (node, the matmul output's last size once past it)
     while frontier:
-        node, past = frontier.pop()
+        node, width = frontier.pop()
         for user in node.users:
             op = _op(user)
-            if (user, past) in seen:
+            if (user, width) in seen:
                 continue
-            seen.add((user, past))
-            if op in _PASSING:
-                frontier.append((user, past))
-            elif op in _MATMULS and not past and _right_operand(user) is node:
-                frontier.append((user, True))
-        if past and (k := _parts(node)) > 1:
+            seen.add((user, width))
+            if op in _PASSING and (width is None or _last_size(user) == width):  # past it: the same last dim
+                frontier.append((user, width))
+            elif op in _MATMULS and width is None and _right_operand(user) is node:
+                frontier.append((user, _last_size(user)))
+        if width is not None and (k := _parts(node)) > 1:
             found.add(k)
     return tuple(sorted(found))
+
+
+def _last_size(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    return int(value.shape[-1]) if isinstance(value, torch.Tensor) and value.dim() and is_static(value.shape[-1]) \
+        else None
 
 
 def _right_operand(matmul: fx.Node) -> object:
@@ -229,16 +241,17 @@ def _parts(node: fx.Node) -> int:
     slices: list[tuple[int, int]] = []
     for user in node.users:
         op, args = _op(user), user.args
-        dim = args[2] if len(args) > 2 else user.kwargs.get("dim", 0)
+        at = 1 if op == "slice" else 2  # slice(x, dim, start, end, step); split(x, size, dim)
+        dim = args[at] if len(args) > at else user.kwargs.get("dim", 0)
         if op not in ("split", "split_with_sizes", "slice") or not isinstance(dim, int) or dim % value.dim() != last:
             continue
         if op == "split" and isinstance(args[1], int) and size % args[1] == 0 and size // args[1] > 1:
             return int(size // args[1])
         if op == "split_with_sizes" and len(set(args[1])) == 1 and len(args[1]) > 1:
             return len(args[1])
-        if op == "slice" and (len(args) < 6 or args[5] == 1):
-            begin = args[3] if len(args) > 3 else 0
-            end = min(args[4] if len(args) > 4 else size, size)
+        if op == "slice" and (len(args) < 5 or args[4] == 1):
+            begin = args[2] if len(args) > 2 else 0
+            end = min(args[3] if len(args) > 3 else size, size)
             slices.append((int(begin or 0), int(end)))
     slices.sort()
     lengths = {b - a for a, b in slices}
@@ -248,8 +261,11 @@ def _parts(node: fx.Node) -> int:
 
 
 def _neighbours(current: tuple[Placement, ...], options: Sequence[tuple[Placement, ...]]) -> list[tuple[Placement, ...]]:
-    """The placements that differ from ``current`` on exactly one mesh axis."""
-    return [p for p in options if sum(a != b for a, b in zip(p, current)) == 1]
+    """The placements that differ from ``current`` on exactly one mesh axis, and ``current`` with its axes'
+    placements exchanged (``S(1),S(0)`` -> ``S(0),S(1)``: from a tp-column FSDP layout to a tp-row one, which
+    no single-axis step reaches without passing a worse layout)."""
+    swapped = set(itertools.permutations(current)) - {current}
+    return [p for p in options if sum(a != b for a, b in zip(p, current)) == 1 or p in swapped]
 
 
 def _seed(mesh: MeshSpec, shape: Sequence[int], options: Sequence[tuple[Placement, ...]]) -> tuple[Placement, ...]:
@@ -323,7 +339,8 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
                       flops: Mapping[str, int] | None = None, layers: int = 0, backward_roots: Sequence[str] = (),
                       output_names: Sequence[str | None] = (),
                       training: bool = False, optimizer_states: int = 2, activation_scale: float = 1.0,
-                      cost_model: CostModel | None = None, max_evaluations: int = 400) -> SearchResult:
+                      cost_model: CostModel | None = None, tied: Sequence[Sequence[str]] = (),
+                      max_evaluations: int = 400) -> SearchResult:
     """The layouts of ``roles`` that minimize the modeled step cost within ``budget`` bytes per rank.
 
     ``plan(layouts, quick)`` plans the program with these layouts of its placeholders (stages 2-3, a fresh
@@ -331,7 +348,8 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
     the model's layers where the program planned is folded to four of them (0: not folded); ``activation_scale``:
     what the planned program's peak activations are multiplied by to stand for the model's (a folded training
     step keeps every layer's saved values). ``optimizer_states``: tensors the optimizer keeps per trainable
-    parameter (Adam: two)."""
+    parameter (Adam: two). ``tied``: groups of role names that also move together (a routed op's expert
+    stacks: one sharded by expert alone asks the others for the same, a worse step than all of them at once)."""
     cost_model = cost_model or DEFAULT_COST_MODEL
     flops = flops or {}
     options = {r.name: candidates(mesh, r.shape, r.fused) for r in roles if r.pinned is None}
@@ -396,9 +414,9 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
     replicated = {r.name: (Replicate(),) * mesh.ndim for r in searched}
     seeded = {r.name: (_seed(mesh, r.shape, options[r.name]) if r.name not in small else replicated[r.name])
               for r in searched}
-    state = min([replicated, seeded], key=lambda s: (not price(s).fits(limit), price(s).memory
-                                                      if not price(s).fits(limit) else price(s).cost))
-    best = price(state)
+    state, best = replicated, price(replicated)
+    partners = {name: [m for m in group if m != name and m in options] for group in tied for name in group
+                if name in options}
     decisions = {r.name: Decision(r, r.pinned, "pinned") for r in roles if r.pinned is not None}
 
     def descend(order: Sequence[Role]) -> None:
@@ -409,14 +427,23 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             role = order[k % len(order)]
             k += 1
             tried: dict[tuple[Placement, ...], Priced] = {}
+            together: dict[tuple[Placement, ...], dict[str, tuple[Placement, ...]]] = {}
             for alternative in _neighbours(state[role.name], options[role.name]):
                 tried[alternative] = price({**state, role.name: alternative})
-            winner = None
+                moved = {m: alternative for m in partners.get(role.name, ()) if alternative in options[m]}
+                if moved and any(state[m] != alternative for m in moved):
+                    together[alternative] = {**state, **moved, role.name: alternative}
+            winner, step = None, None
             for alternative, p in tried.items():
                 if better(p, best if winner is None else tried[winner]):
-                    winner = alternative
+                    winner, step = alternative, {**state, role.name: alternative}
+            for alternative, assignment in together.items():  # with its tied roles
+                p = price(assignment)
+                if better(p, best if step is None else price(step)):
+                    winner, step = alternative, assignment
+                    tried[alternative] = p
             if winner is not None:
-                state = {**state, role.name: winner}
+                state = step
                 best = price(state)
                 unchanged = 0
             else:
@@ -429,18 +456,48 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             for role in order:
                 decisions[role.name].layout = layout_from_placements(mesh, role.shape, state[role.name])
 
-    final = None
-    for _ in range(4):
-        if searched:
-            descend(searched)
-        final = price(state, quick=False)
-        gap = final.memory - best.memory
-        if final.fits(budget) or final.error is not None or not best.fits(limit) or gap <= 0 or limit - gap <= 0:
-            break
-        limit -= gap
-        best = price(state)
-    layouts = {r.name: decisions[r.name].layout for r in roles}
-    return SearchResult(layouts, {r.name: decisions[r.name] for r in roles}, final, best, limit, planned_count,
+    def forget_unplanned() -> None:  # their parameters were over the old limit, maybe not over the new
+        for key in [k for k, p in cache.items() if not p.planned]:
+            del cache[key]
+
+    def calibrated(start: dict[str, tuple[Placement, ...]]) -> tuple:
+        """Descent from ``start``, then the answer planned whole. The quick memory differs from the full plan's by
+        the buffers stage 3's moves add or save: where the answer's plan is over the budget, search again within
+        the budget less that gap; where it is under the budget and the quick price said more, search again with
+        that room (the cheaper answer whose plan fits wins)."""
+        nonlocal state, best, limit
+        if limit != budget:
+            limit = float(budget)
+            forget_unplanned()
+        state, best = start, price(start)
+        answer = None
+        for _ in range(4):
+            if searched:
+                descend(searched)
+            final = price(state, quick=False)
+            if answer is None or (final.fits(budget) and (not answer[1].fits(budget) or final.cost < answer[1].cost)):
+                answer = (dict(decisions), final, best, limit)
+            gap = final.memory - best.memory
+            if final.error is not None or gap == 0:
+                break
+            if not final.fits(budget) and best.fits(limit) and gap > 0 and limit - gap > 0:
+                limit -= gap
+            elif final.fits(budget) and gap < 0 and budget - gap > limit:
+                limit = budget - gap
+                forget_unplanned()
+            else:
+                break
+            best = price(state)
+        return answer
+
+    answer = calibrated(replicated)
+    if not answer[1].fits(budget) and seeded != replicated:  # from replicated no plan fit: from sharded
+        other = calibrated(seeded)
+        if other[1].fits(budget) or (other[1].error is None and other[1].memory < answer[1].memory):
+            answer = other
+    decided, final, best, limit = answer
+    layouts = {r.name: decided[r.name].layout for r in roles}
+    return SearchResult(layouts, {r.name: decided[r.name] for r in roles}, final, best, limit, planned_count,
                         training, float(budget))
 
 

@@ -413,6 +413,19 @@ def uniform_dispatches(node: fx.Node) -> list[tuple[Dispatch, float]]:
     return out
 
 
+def stack_sources(node: fx.Node) -> list[fx.Node]:
+    """The placeholders a routed op's expert weight stacks come from (through casts and views): the tensors
+    whose placements decide its dispatch together (one stack ``Shard(0)`` asks the same of the others)."""
+    _, _, extras, _, _, num_stacks = _arguments(node)
+    found = []
+    for stack in extras[:num_stacks]:
+        while isinstance(stack, fx.Node) and stack.op != "placeholder" and len(stack.all_input_nodes) == 1:
+            stack = stack.all_input_nodes[0]
+        if isinstance(stack, fx.Node) and stack.op == "placeholder":
+            found.append(stack)
+    return found
+
+
 def group_axes(node: fx.Node) -> tuple[MeshAxis, ...]:
     """The mesh axes a planned routed op dispatches over: those its first stack is required in blocks on."""
     from .graph import ARG_LAYOUTS

@@ -246,10 +246,11 @@ def test_a_folded_training_step_is_priced_as_the_whole_model_plans_it():
 
 
 def test_moe_experts_go_on_the_ep_axis_where_their_gradients_outweigh_the_routed_rows():
-    """Training with the tokens on an ep axis of 4, no budget: the routed rows' all_to_alls are priced at a
-    uniform routing, so large experts and few tokens give expert parallelism (every stack ``Shard(0)``: the
-    rows move instead of the experts' gradients), small experts and many tokens give data parallelism (the
-    stacks replicated); the EP answer is one device's, loss and gradients, on fresh data."""
+    """Training with the tokens on an ep axis of 4, no budget, bytes deciding: the routed rows' all_to_alls are
+    priced at a uniform routing, so large experts and few tokens give expert parallelism (every stack
+    ``Shard(0)``, the three moved together: the rows move instead of the experts' gradients), small experts and
+    many tokens give data parallelism (the stacks replicated); the EP answer is one device's, loss and
+    gradients, on fresh data."""
     from moe_programs import DroplessMoE
 
     def choose(dim: int, hidden: int, tokens: int) -> tuple[DroplessMoE, dict]:
@@ -260,7 +261,7 @@ def test_moe_experts_go_on_the_ep_axis_where_their_gradients_outweigh_the_routed
             return ((model(x) - y) ** 2).mean()
         x, y = torch.randn(tokens, dim), torch.randn(tokens, dim)
         return model, fxshard.auto_placements(loss, x, y, mesh={"ep": 4}, memory_budget=float("inf"), training=True,
-                                              placements={0: (Shard(0),), 1: (Shard(0),)})
+                                              placements={0: (Shard(0),), 1: (Shard(0),)}, cost_model=BYTES)
 
     _, data_parallel = choose(32, 48, 2048)
     assert [data_parallel[w] for w in ("w1", "w2", "w3")] == [(Replicate(),)] * 3
