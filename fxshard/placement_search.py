@@ -17,10 +17,11 @@ tries every placement that differs from its own on one mesh axis, and its own wi
 exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been
 tried against the final assignment without a change. A plan over the budget is worse than any within it;
 among plans over it, the one with less memory wins (so from replicated, over the budget, each step first
-takes memory off). Where no plan found that way fits, the search starts again from every large tensor
-sharded along its first divisible dim on each axis. The candidates are ``Replicate`` and even ``Shard`` on
-each axis, and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a
-fused q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a
+takes memory off), and again from every large tensor sharded along its first divisible dim on each axis;
+the better of the two answers is kept. The candidates are ``Replicate`` and ``Shard`` on each
+axis (uneven, in ``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)``
+for a weight whose matmul's output is split into ``k`` equal parts (a fused q/k/v or gate/up projection:
+``fused_factors``). A routed-experts op's all_to_alls are priced at a
 uniform routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which
 alternative cost more, or would not fit (``Decision.reason``).
 """
@@ -159,7 +160,7 @@ def _percent(a: float, b: float) -> str:
 
 def candidates(mesh: MeshSpec, shape: Sequence[int], fused: Sequence[int] = ()) -> list[tuple[Placement, ...]]:
     """Every placement of a tensor of ``shape``: on each axis Replicate or Shard(d), evenly divisible
-    (several axes on one dim: by their product); with ``fused`` factors ``k``, also ``_StridedShard(d, k)``
+    (several axes on one dim: by their product), or unevenly where one axis alone cuts the dim; with ``fused`` factors ``k``, also ``_StridedShard(d, k)``
     (each of ``k`` equal parts of dim ``d`` split over the axis: a fused q/k/v or gate/up weight, each rank
     holding its share of every part), on one axis of a dim, each part divisible."""
     out: list[tuple[Placement, ...]] = [()]
@@ -178,9 +179,10 @@ def _divides(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Placemen
             ways[p.dim] *= int(axis.size)
         if isinstance(p, _StridedShard):
             strided[p.dim] = int(p.split_factor)
-    return all(s % (w * strided.get(d, 1)) == 0 and (w == 1 or s >= w) for d, (s, w) in enumerate(zip(shape, ways))) \
-        and all(sum(1 for q in placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) == 1
-                for d in strided)
+    cuts = [sum(1 for q in placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) for d in range(len(shape))]
+    # uneven (``torch.chunk``'s blocks, as DTensor cuts them) where one axis alone cuts a plain dim
+    return all(s % (w * strided.get(d, 1)) == 0 or (cuts[d] == 1 and d not in strided and s >= w)
+               for d, (s, w) in enumerate(zip(shape, ways))) and all(cuts[d] == 1 for d in strided)
 
 
 # what a weight reaches its matmul through, and the matmul's output its split through, without moving data
@@ -490,15 +492,26 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             best = price(state)
         return answer
 
+    # two starts, the better answer kept: from replicated (each step over the budget takes the most memory off,
+    # which can settle in another basin: the residual stream sharded on its hidden dim) and from sharded
     answer = calibrated(replicated)
-    if not answer[1].fits(budget) and seeded != replicated:  # from replicated no plan fit: from sharded
+    if seeded != replicated:
         other = calibrated(seeded)
-        if other[1].fits(budget) or (other[1].error is None and other[1].memory < answer[1].memory):
+        if _preferred(other[1], answer[1], budget):
             answer = other
     decided, final, best, limit = answer
     layouts = {r.name: decided[r.name].layout for r in roles}
     return SearchResult(layouts, {r.name: decided[r.name] for r in roles}, final, best, limit, planned_count,
                         training, float(budget))
+
+
+def _preferred(a: Priced, b: Priced, budget: float) -> bool:
+    """Whether answer ``a`` beats ``b``: within the budget first, then the cheaper step, then less memory."""
+    if a.fits(budget) != b.fits(budget):
+        return a.fits(budget)
+    if a.fits(budget):
+        return a.cost < b.cost * (1 - 1e-9) or (a.cost <= b.cost and a.memory < b.memory)
+    return (a.error is None, -a.memory) > (b.error is None, -b.memory)
 
 
 def _priced(planned: fx.GraphModule, parameters: int, flops: Mapping[str, int], cost_model: CostModel,

@@ -156,11 +156,12 @@ def test_a_budget_nothing_fits_says_the_least_memory_found():
         fxshard.auto_placements(_llama(), _tokens(), mesh={"tp": 4}, memory_budget=1e9, training=True)
 
 
-def test_candidates_divide_evenly():
+def test_candidates_divide_evenly_or_unevenly_on_one_axis():
     mesh = fxshard.MeshSpec(dp=2, tp=4)
     found = candidates(mesh, (8, 6))
-    assert (Shard(0), Shard(0)) in found and (Replicate(), Shard(1)) not in found  # 6 is not a multiple of 4
-    assert (Shard(1), Shard(0)) in found and len(found) == 6
+    assert (Shard(0), Shard(0)) in found and (Replicate(), Shard(1)) in found  # 6 over 4: torch.chunk's 2, 2, 2
+    assert (Shard(1), Shard(1)) not in found  # two axes on one dim: evenly only (6 is not a multiple of 8)
+    assert (Shard(1), Shard(0)) in found and len(found) == 8
     fused = candidates(fxshard.MeshSpec(tp=4), (4, 256, 64), fused=(2,))
     assert (_StridedShard(1, split_factor=2),) in fused and (_StridedShard(0, split_factor=2),) not in fused
 
@@ -282,3 +283,24 @@ def test_moe_experts_go_on_the_ep_axis_where_their_gradients_outweigh_the_routed
     grads = run.full_grads()
     for name, p in model.named_parameters():  # bf16 experts: to bf16's rounding of the largest entry
         assert (grads[name] - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
+
+
+def test_odd_sizes_are_cut_unevenly_and_move_no_more_than_megatron():
+    """A vocabulary (250) and an MLP width (90) that 4 ranks do not divide: the candidates include
+    ``torch.chunk``'s uneven blocks, so within Megatron's own memory the search moves no more bytes than
+    Megatron cut unevenly (as DTensor cuts it); exact under simulate on fresh data."""
+    model = _llama(vocab_size=250, ffn_dim=90).eval()
+    tokens = _tokens(vocab=250)
+    hand = megatron_placements(model)
+    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
+    megatron = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=float("inf"),
+                                       placements=every).priced
+    auto = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=megatron.memory)
+    assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
+    assert any(p == (Shard(0),) for k, p in auto.items() if "w1" in str(k))  # 90 rows over 4: 23, 23, 23, 21
+    assert fxshard.explain(model, tokens, mesh={"tp": 4}, placements=dict(auto)).bytes_per_rank <= \
+        fxshard.explain(model, tokens, mesh={"tp": 4}, placements=hand).bytes_per_rank
+    tokens = _tokens(vocab=250)
+    with torch.no_grad():
+        torch.testing.assert_close(fxshard.simulate(model, tokens, mesh={"tp": 4}, placements=dict(auto)),
+                                   model(tokens), rtol=1e-4, atol=1e-4)
