@@ -55,12 +55,13 @@ class Case:
     training: bool = False  # a training step (fn returns the loss): both plans priced by the search's own model
 
 
-def _examples_llama(layers: int = 4, kv_heads: int = 4) -> Callable[[], tuple]:
+def _examples_llama(layers: int = 4, kv_heads: int = 4, ffn_dim: int = 768) -> Callable[[], tuple]:
     def build() -> tuple:
         torch.manual_seed(0)
-        model = Llama(LlamaConfig(vocab_size=1024, dim=256, n_layers=layers, n_heads=8, n_kv_heads=kv_heads,
-                                  ffn_dim=768)).eval()
-        return model, (torch.randint(0, 1024, (4, 64)),), model
+        vocab = 1024 if ffn_dim == 768 else 1000
+        model = Llama(LlamaConfig(vocab_size=vocab, dim=256, n_layers=layers, n_heads=8, n_kv_heads=kv_heads,
+                                  ffn_dim=ffn_dim)).eval()
+        return model, (torch.randint(0, vocab, (4, 64)),), model
     return build
 
 
@@ -117,6 +118,8 @@ CASES = [
     Case("HF Qwen2", _zoo("qwen2"), _zoo_plan("qwen2"), {"tp": 4}, {}),
     Case("HF Mixtral (MoE)", _zoo("mixtral"), _zoo_plan("mixtral"), {"tp": 4}, {}),
     Case("HF GPT-NeoX (parallel residual)", _zoo("gpt_neox"), _zoo_plan("gpt_neox"), {"tp": 4}, {}),
+    Case("examples' Llama, odd sizes (vocab 1000, ffn 690)", _examples_llama(ffn_dim=690), megatron_placements,
+         {"tp": 4}, {}),
     Case("HF Phi-3 (fused q/k/v, gate/up)", _zoo("phi3"), _zoo_plan("phi3"), {"tp": 4}, {}),
     Case("MoE training, experts 8x128x256, 64 tokens", _moe(128, 256, 64), _expert_parallel, {"ep": 4},
          {0: (Shard(0),), 1: (Shard(0),)}, training=True),

@@ -15,15 +15,16 @@ blocks (times gradients and optimizer state when training) plus the planned prog
 The search is coordinate descent over roles, largest first: from every role replicated, each role in turn
 tries every placement that differs from its own on one mesh axis, and its own with two axes' placements
 exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been
-tried against the final assignment without a change. A plan over the budget is worse than any within it;
-among plans over it, the one with less memory wins (so from replicated, over the budget, each step first
-takes memory off), and again from every large tensor sharded along its first divisible dim on each axis;
-the better of the two answers is kept. The candidates are ``Replicate`` and ``Shard`` on each
-axis (uneven, in ``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)``
-for a weight whose matmul's output is split into ``k`` equal parts (a fused q/k/v or gate/up projection:
-``fused_factors``). A routed-experts op's all_to_alls are priced at a
-uniform routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which
-alternative cost more, or would not fit (``Decision.reason``).
+tried against the final assignment without a change. Tied roles (a routed op's expert stacks) also try each
+move together. A plan over the budget is worse than any within it; among plans over it, the one with less
+memory wins (so from replicated, over the budget, each step first takes memory off), unless the two differ
+by a sliver (``MEMORY_SLIVER``: then the cheaper). Where no plan found that way fits, the search starts again
+from every large tensor sharded along its first divisible dim on each axis. The candidates are
+``Replicate`` and ``Shard`` on each axis (uneven, in ``torch.chunk``'s blocks, where one axis alone cuts a
+dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
+q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a uniform
+routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which alternative
+cost more, or would not fit (``Decision.reason``).
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ __all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "l
 # a role whose tensors hold less than this share of all the searched bytes starts replicated (its sharding
 # saves little memory and adds a collective); the search tries it sharded last
 SMALL_SHARE = 0.01
+
+
+# over the budget, of two plans the one with less memory is better, unless they differ by less than this share of
+# the budget: then the cheaper (a row split padded by uneven blocks should not outweigh the step it makes)
+MEMORY_SLIVER = 0.01
 
 
 @dataclass(frozen=True)
@@ -406,8 +412,11 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
     def better(a: Priced, b: Priced) -> bool:
         if a.fits(limit) != b.fits(limit):
             return a.fits(limit)
-        if not a.fits(limit):
-            return (a.error is None, -a.memory, -a.cost) > (b.error is None, -b.memory, -b.cost)
+        if not a.fits(limit):  # less memory, where it is more than a sliver less (uneven blocks' padding)
+            if (a.error is None) != (b.error is None):
+                return a.error is None
+            if abs(a.memory - b.memory) > MEMORY_SLIVER * limit:
+                return a.memory < b.memory
         return a.cost < b.cost * (1 - 1e-9)
 
     total = sum(r.nbytes for r in roles if r.pinned is None) or 1
@@ -492,10 +501,8 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             best = price(state)
         return answer
 
-    # two starts, the better answer kept: from replicated (each step over the budget takes the most memory off,
-    # which can settle in another basin: the residual stream sharded on its hidden dim) and from sharded
     answer = calibrated(replicated)
-    if seeded != replicated:
+    if not answer[1].fits(budget) and seeded != replicated:  # from replicated nothing fit: from sharded
         other = calibrated(seeded)
         if _preferred(other[1], answer[1], budget):
             answer = other
