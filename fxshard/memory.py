@@ -102,12 +102,18 @@ def _peak(gm: fx.GraphModule, with_moves: bool) -> Size:
     last_use: dict[fx.Node, int] = {}
     moves: dict[tuple[fx.Node, Layout], list[int]] = {}
     for i, node in enumerate(nodes):
-        for a in node.all_input_nodes:
-            last_use[_storage(a)] = i
+        moved: set[fx.Node] = set()
         if with_moves and node.op != "placeholder":
             for a, want in requirements(node):
                 if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
-                    moves.setdefault((a, want), []).append(i)
+                    uses = moves.setdefault((a, want), [])
+                    if not uses:  # the move runs before its first consumer: the value lives until then
+                        last_use[_storage(a)] = max(last_use.get(_storage(a), i), i)
+                    uses.append(i)
+                    moved.add(a)
+        for a in node.all_input_nodes:
+            if a not in moved:  # read as it is (a moved value's later consumers read the move's buffer)
+                last_use[_storage(a)] = i
     starting: dict[int, list[tuple[tuple[fx.Node, Layout], Size]]] = {}
     for (a, want), uses in moves.items():
         val = a.meta.get("val")

@@ -18,8 +18,9 @@ exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends
 tried against the final assignment without a change. Tied roles (a routed op's expert stacks) also try each
 move together. A plan over the budget is worse than any within it; among plans over it, the one with less
 memory wins (so from replicated, over the budget, each step first takes memory off), unless the two differ
-by a sliver (``MEMORY_SLIVER``: then the cheaper). Where no plan found that way fits, the search starts again
-from every large tensor sharded along its first divisible dim on each axis. The candidates are
+by a sliver (``MEMORY_SLIVER``: then the cheaper). The search runs again from every large tensor sharded
+along its first divisible dim on each axis, and keeps the better answer: single moves cannot leave some local
+minima that one start or the other falls into. The candidates are
 ``Replicate`` and ``Shard`` on each axis (uneven, in ``torch.chunk``'s blocks, where one axis alone cuts a
 dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
 q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a uniform
@@ -62,6 +63,9 @@ SMALL_SHARE = 0.01
 # over the budget, of two plans the one with less memory is better, unless they differ by less than this share of
 # the budget: then the cheaper (a row split padded by uneven blocks should not outweigh the step it makes)
 MEMORY_SLIVER = 0.01
+# the second start is given up where, after one sweep over the roles, its step is still this much dearer than
+# the first start's answer (coordinate descent rarely gains that much after its first sweep)
+BEHIND = 1.25
 
 
 @dataclass(frozen=True)
@@ -430,11 +434,16 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
                 if name in options}
     decisions = {r.name: Decision(r, r.pinned, "pinned") for r in roles if r.pinned is not None}
 
-    def descend(order: Sequence[Role]) -> None:
+    def descend(order: Sequence[Role], behind: Priced | None = None) -> bool:
+        """Coordinate descent from ``state``; False where, after a sweep over every role, it is still more than
+        ``BEHIND`` dearer than ``behind`` (another start's answer: this one is given up)."""
         nonlocal state, best
         unchanged = 0
         k = 0
         while unchanged < len(order) and planned_count < max_evaluations:
+            if behind is not None and k == len(order) and best.fits(limit) and behind.fits(limit) \
+                    and best.cost > BEHIND * behind.cost:
+                return False
             role = order[k % len(order)]
             k += 1
             tried: dict[tuple[Placement, ...], Priced] = {}
@@ -466,16 +475,17 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
         if unchanged < len(order):  # the budget of plans ran out: the last tries may be against another state
             for role in order:
                 decisions[role.name].layout = layout_from_placements(mesh, role.shape, state[role.name])
+        return True
 
     def forget_unplanned() -> None:  # their parameters were over the old limit, maybe not over the new
         for key in [k for k, p in cache.items() if not p.planned]:
             del cache[key]
 
-    def calibrated(start: dict[str, tuple[Placement, ...]]) -> tuple:
+    def calibrated(start: dict[str, tuple[Placement, ...]], behind: Priced | None = None) -> tuple | None:
         """Descent from ``start``, then the answer planned whole. The quick memory differs from the full plan's by
         the buffers stage 3's moves add or save: where the answer's plan is over the budget, search again within
         the budget less that gap; where it is under the budget and the quick price said more, search again with
-        that room (the cheaper answer whose plan fits wins)."""
+        that room (the cheaper answer whose plan fits wins). None: given up behind ``behind``."""
         nonlocal state, best, limit
         if limit != budget:
             limit = float(budget)
@@ -483,8 +493,8 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
         state, best = start, price(start)
         answer = None
         for _ in range(4):
-            if searched:
-                descend(searched)
+            if searched and not descend(searched, behind if answer is None else None):
+                return None
             final = price(state, quick=False)
             if answer is None or (final.fits(budget) and (not answer[1].fits(budget) or final.cost < answer[1].cost)):
                 answer = (dict(decisions), final, best, limit)
@@ -501,10 +511,12 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             best = price(state)
         return answer
 
+    # two starts, the better answer kept: single moves cannot leave some local minima (the residual stream
+    # sharded on its hidden dim, reached from replicated while every step takes memory off first)
     answer = calibrated(replicated)
-    if not answer[1].fits(budget) and seeded != replicated:  # from replicated nothing fit: from sharded
-        other = calibrated(seeded)
-        if _preferred(other[1], answer[1], budget):
+    if seeded != replicated:
+        other = calibrated(seeded, behind=answer[2])
+        if other is not None and _preferred(other[1], answer[1], budget):
             answer = other
     decided, final, best, limit = answer
     layouts = {r.name: decided[r.name].layout for r in roles}
