@@ -65,6 +65,15 @@ def _examples_llama(layers: int = 4, kv_heads: int = 4, ffn_dim: int = 768) -> C
     return build
 
 
+def _examples_llama_loss() -> Callable[[], tuple]:
+    """A small Llama's training step (its loss), tests/test_auto_placements.py's size."""
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=192))
+        return model.loss, (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))), model
+    return build
+
+
 def _zoo(name: str) -> Callable[[], tuple]:
     def build() -> tuple:
         from zoo import ZOO
@@ -121,6 +130,8 @@ CASES = [
     Case("examples' Llama, odd sizes (vocab 1000, ffn 690)", _examples_llama(ffn_dim=690), megatron_placements,
          {"tp": 4}, {}),
     Case("HF Phi-3 (fused q/k/v, gate/up)", _zoo("phi3"), _zoo_plan("phi3"), {"tp": 4}, {}),
+    Case("examples' Llama training (small), Megatron", _examples_llama_loss(), megatron_placements, {"tp": 4}, {},
+         training=True),
     Case("MoE training, experts 8x128x256, 64 tokens", _moe(128, 256, 64), _expert_parallel, {"ep": 4},
          {0: (Shard(0),), 1: (Shard(0),)}, training=True),
     Case("MoE training, experts 8x32x48, 2048 tokens", _moe(32, 48, 2048), _expert_parallel, {"ep": 4},
