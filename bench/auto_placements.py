@@ -15,7 +15,8 @@ For each model and mesh below, one row:
   three); ratio = solve / explain; plans: the candidates the search planned.
 * MoE training rows (tests/moe_programs.py's dropless MoE, the tokens on an ep axis): the hand plan is expert
   parallelism (every stack ``Shard(0)``); a training step's bytes are priced by the search's own model for both
-  plans (the step's collectives plus the routed all_to_alls at a uniform routing); explain s is of the forward.
+  plans (the step's collectives plus the routed all_to_alls at a uniform routing); explain s is one plan of the
+  hand plan's training step (``plan_function(..., training=True)``).
 
 The 8- and 32-layer rows are the depth check: the search plans four layers either way (folded), so its
 time grows with the capture alone. Fake meshes, no process group, no communication. Run from the
@@ -158,6 +159,10 @@ def row(case: Case) -> list[str]:
     budget = case.budget_of_params * params if case.budget_of_params else priced_hand.memory
     fxshard.explain(fn, *args, mesh=case.mesh, placements=hand)  # warm
     explain_s, hand_plan = _median_time(lambda: fxshard.explain(fn, *args, mesh=case.mesh, placements=hand))
+    if case.training:  # one plan of the hand plan's training step, as ``explain`` plans the forward
+        from fxshard.backend.driver import plan_function
+
+        explain_s, _ = _median_time(lambda: plan_function(fn, args, mesh=case.mesh, placements=hand, training=True))
     solve_s, auto = _median_time(lambda: fxshard.auto_placements(fn, *args, mesh=case.mesh, memory_budget=budget,
                                                                  training=case.training, placements=case.pinned))
     if case.training:  # the step's collectives and the routed all_to_alls, as the search prices them

@@ -16,13 +16,14 @@ The search is coordinate descent over roles, largest first: from every role repl
 tries every placement that differs from its own on one mesh axis, and its own with two axes' placements
 exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been
 tried against the final assignment without a change. Tied roles (a routed op's expert stacks) also try each
-move together. A plan over the budget is worse than any within it; among plans over it, the one with less
-memory wins (so from replicated, over the budget, each step first takes memory off), unless the two differ
-by a sliver (``MEMORY_SLIVER``: then the cheaper). The search runs again from every large tensor sharded
-along its first divisible dim on each axis, and keeps the better answer: single moves cannot leave some local
-minima that one start or the other falls into. The candidates are
-``Replicate`` and ``Shard`` on each axis (uneven, in ``torch.chunk``'s blocks, where one axis alone cuts a
-dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
+move together. Where either of two plans is over the budget, each is priced at its step plus a price on its
+memory over the limit (``OVERFLOW_PRICE``: a move that takes a little memory off at a great cost loses to one
+that takes less off cheaply); a descent that ends over the budget by more than a sliver (``MEMORY_SLIVER``)
+goes on with memory first (a plan within the budget beats any over it; of two over it, the one with more than
+a sliver less memory). The search runs again from every large tensor sharded along its first divisible
+dim on each axis, and keeps the better answer: single moves cannot leave some local minima that one start or
+the other falls into. The candidates are ``Replicate`` and ``Shard`` on each axis (uneven, in
+``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
 q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a uniform
 routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which alternative
 cost more, or would not fit (``Decision.reason``).
@@ -63,6 +64,8 @@ SMALL_SHARE = 0.01
 # over the budget, of two plans the one with less memory is better, unless they differ by less than this share of
 # the budget: then the cheaper (a row split padded by uneven blocks should not outweigh the step it makes)
 MEMORY_SLIVER = 0.01
+# over the budget, a step's price on memory over the limit: this many steps per whole limit over it
+OVERFLOW_PRICE = 10.0
 # the second start is given up where, after one sweep over the roles, its step is still this much dearer than
 # the first start's answer (coordinate descent rarely gains that much after its first sweep)
 BEHIND = 1.25
@@ -413,13 +416,18 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             cache[key] = priced
         return priced
 
+    strict = False  # over the budget: less memory wins outright (else: the step plus a price on the overflow)
+
     def better(a: Priced, b: Priced) -> bool:
+        if not strict and not (a.fits(limit) and b.fits(limit)) and a.error is None and b.error is None \
+                and math.isfinite(a.cost) and math.isfinite(b.cost):
+            return _overflowed(a, b.cost, limit) < _overflowed(b, b.cost, limit) * (1 - 1e-9)
         if a.fits(limit) != b.fits(limit):
             return a.fits(limit)
-        if not a.fits(limit):  # less memory, where it is more than a sliver less (uneven blocks' padding)
+        if not a.fits(limit):
             if (a.error is None) != (b.error is None):
                 return a.error is None
-            if abs(a.memory - b.memory) > MEMORY_SLIVER * limit:
+            if abs(a.memory - b.memory) > MEMORY_SLIVER * limit:  # more than a sliver (uneven blocks' padding)
                 return a.memory < b.memory
         return a.cost < b.cost * (1 - 1e-9)
 
@@ -492,9 +500,14 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             forget_unplanned()
         state, best = start, price(start)
         answer = None
+        nonlocal strict
         for _ in range(4):
             if searched and not descend(searched, behind if answer is None else None):
                 return None
+            if searched and not best.fits(limit * (1 + MEMORY_SLIVER)):  # left over by the price: memory first
+                strict = True
+                descend(searched)
+                strict = False
             final = price(state, quick=False)
             if answer is None or (final.fits(budget) and (not answer[1].fits(budget) or final.cost < answer[1].cost)):
                 answer = (dict(decisions), final, best, limit)
@@ -522,6 +535,14 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
     layouts = {r.name: decided[r.name].layout for r in roles}
     return SearchResult(layouts, {r.name: decided[r.name] for r in roles}, final, best, limit, planned_count,
                         training, float(budget))
+
+
+def _overflowed(p: Priced, scale: float, limit: float) -> float:
+    """``p``'s step plus a price on its memory over ``limit``: ``OVERFLOW_PRICE`` times ``scale`` (a step) per
+    share of the limit it is over by. Over the budget, a move that takes a little memory off at a great cost
+    then loses to one that takes less off cheaply, and a plan the quick memory puts a sliver over is not left
+    for one the step pays for."""
+    return p.cost + OVERFLOW_PRICE * scale * max(0.0, p.memory - limit) / limit
 
 
 def _preferred(a: Priced, b: Priced, budget: float) -> bool:

@@ -304,3 +304,28 @@ def test_odd_sizes_are_cut_unevenly_and_move_no_more_than_megatron():
     with torch.no_grad():
         torch.testing.assert_close(fxshard.simulate(model, tokens, mesh={"tp": 4}, placements=dict(auto)),
                                    model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_training_on_tp_within_megatrons_memory_finds_megatrons_step():
+    """A training step on tp=4 within the memory Megatron's plan needs (parameters, gradients, Adam's states):
+    every start is over the budget at first, and a step's price on the overflow (not memory first whatever the
+    step costs) keeps the search to Megatron's coordinated column/row pairs; loss and gradients exact."""
+    model = _llama()
+    tokens, targets = _tokens(), _tokens()
+    hand = megatron_placements(model)
+    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
+    megatron = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=float("inf"),
+                                       training=True, placements=every).priced
+    auto = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=megatron.memory,
+                                   training=True)
+    assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
+    assert _training_bytes(model, (tokens, targets), {"tp": 4}, dict(auto)) <= _training_bytes(
+        model, (tokens, targets), {"tp": 4}, hand)
+    tokens, targets = _tokens(), _tokens()
+    run = simulate_ranks(model.loss, tokens, targets, mesh={"tp": 4}, placements=dict(auto), grad=True)
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-5)
+    grads = run.full_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
