@@ -109,6 +109,18 @@ def _training_bytes(model: Llama, args: tuple, mesh: dict, placements: dict) -> 
     return sum(c.bytes_per_rank for c in collectives_of(planned.graph))
 
 
+def _assert_training_exact(model: Llama, mesh: dict, placements: dict, batch: int = 2) -> None:
+    """The loss and every gradient of a training step with ``placements``, on fresh data, against one device."""
+    tokens, targets = _tokens(batch=batch), _tokens(batch=batch)
+    run = simulate_ranks(model.loss, tokens, targets, mesh=mesh, placements=placements, grad=True)
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-5)
+    grads = run.full_grads()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_training_on_dp_replicates_when_it_fits_and_shards_under_a_tight_budget():
     model = _llama()
     tokens, targets = _tokens(batch=4), _tokens(batch=4)
@@ -126,14 +138,7 @@ def test_training_on_dp_replicates_when_it_fits_and_shards_under_a_tight_budget(
     fsdp = {**fsdp_placements(model), **batch}
     assert _training_bytes(model, (tokens, targets), mesh, dict(tight)) <= _training_bytes(
         model, (tokens, targets), mesh, fsdp)
-    tokens, targets = _tokens(batch=4), _tokens(batch=4)  # fresh data
-    run = simulate_ranks(model.loss, tokens, targets, mesh=mesh, placements=dict(tight), grad=True)
-    loss = model.loss(tokens, targets)
-    loss.backward()
-    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-5)
-    grads = run.full_grads()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_training_exact(model, mesh, dict(tight), batch=4)
 
 
 def test_every_choice_says_why():
@@ -321,11 +326,4 @@ def test_training_on_tp_within_megatrons_memory_finds_megatrons_step():
     assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
     assert _training_bytes(model, (tokens, targets), {"tp": 4}, dict(auto)) <= _training_bytes(
         model, (tokens, targets), {"tp": 4}, hand)
-    tokens, targets = _tokens(), _tokens()
-    run = simulate_ranks(model.loss, tokens, targets, mesh={"tp": 4}, placements=dict(auto), grad=True)
-    loss = model.loss(tokens, targets)
-    loss.backward()
-    torch.testing.assert_close(run.full()[0], loss.detach(), rtol=1e-5, atol=1e-5)
-    grads = run.full_grads()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_training_exact(model, {"tp": 4}, dict(auto))
