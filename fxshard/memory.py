@@ -91,8 +91,9 @@ def memory_report(gm: fx.GraphModule) -> MemoryReport:
 def propagated_peak(gm: fx.GraphModule) -> Size:
     """``memory_report``'s peak activations of a graph propagated only (stage 2, no redistribution in it yet),
     with a buffer for every move its consumers ask for (a value wanted in another layout than its own: stage
-    3's copy of it), alive from its first such consumer to its last: what ``fxshard.auto_placements`` prices
-    a candidate's memory by without planning it."""
+    3's copy of it), alive from its first such consumer to its last, the value moved freed at its last move
+    where no later consumer reads it as it is: what ``fxshard.auto_placements`` prices a candidate's memory by
+    without planning it."""
     return _peak(gm, with_moves=True)
 
 
@@ -108,7 +109,7 @@ def _peak(gm: fx.GraphModule, with_moves: bool) -> Size:
                 if isinstance(want, Layout) and a.meta.get(LAYOUT) != want:
                     uses = moves.setdefault((a, want), [])
                     if not uses:  # the move runs before its first consumer: the value lives until then
-                        last_use[_storage(a)] = max(last_use.get(_storage(a), i), i)
+                        last_use[_storage(a)] = i
                     uses.append(i)
                     moved.add(a)
         for a in node.all_input_nodes:

@@ -494,13 +494,12 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
         the buffers stage 3's moves add or save: where the answer's plan is over the budget, search again within
         the budget less that gap; where it is under the budget and the quick price said more, search again with
         that room (the cheaper answer whose plan fits wins). None: given up behind ``behind``."""
-        nonlocal state, best, limit
+        nonlocal state, best, limit, strict
         if limit != budget:
             limit = float(budget)
             forget_unplanned()
         state, best = start, price(start)
         answer = None
-        nonlocal strict
         for _ in range(4):
             if searched and not descend(searched, behind if answer is None else None):
                 return None
@@ -525,7 +524,7 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
         return answer
 
     # two starts, the better answer kept: single moves cannot leave some local minima (the residual stream
-    # sharded on its hidden dim, reached from replicated while every step takes memory off first)
+    # sharded on its hidden dim, which one start or the other can fall into)
     answer = calibrated(replicated)
     if seeded != replicated:
         other = calibrated(seeded, behind=answer[2])
