@@ -109,6 +109,14 @@ def _training_bytes(model: Llama, args: tuple, mesh: dict, placements: dict) -> 
     return sum(c.bytes_per_rank for c in collectives_of(planned.graph))
 
 
+def _as_planned(model: torch.nn.Module, fn, args: tuple, hand: dict, training: bool = False):
+    """The search's own pricing of a hand plan on tp=4: every parameter pinned (those ``hand`` leaves out
+    replicated), no budget."""
+    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
+    return fxshard.auto_placements(fn, *args, mesh={"tp": 4}, memory_budget=float("inf"), training=training,
+                                   placements=every)
+
+
 def _assert_training_exact(model: Llama, mesh: dict, placements: dict, batch: int = 2) -> None:
     """The loss and every gradient of a training step with ``placements``, on fresh data, against one device."""
     tokens, targets = _tokens(batch=batch), _tokens(batch=batch)
@@ -297,9 +305,7 @@ def test_odd_sizes_are_cut_unevenly_and_move_no_more_than_megatron():
     model = _llama(vocab_size=250, ffn_dim=90).eval()
     tokens = _tokens(vocab=250)
     hand = megatron_placements(model)
-    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
-    megatron = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=float("inf"),
-                                       placements=every).priced
+    megatron = _as_planned(model, model, (tokens,), hand).priced
     auto = fxshard.auto_placements(model, tokens, mesh={"tp": 4}, memory_budget=megatron.memory)
     assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
     assert any(p == (Shard(0),) for k, p in auto.items() if "w1" in str(k))  # 90 rows over 4: 23, 23, 23, 21
@@ -318,9 +324,7 @@ def test_training_on_tp_within_megatrons_memory_finds_megatrons_step():
     model = _llama()
     tokens, targets = _tokens(), _tokens()
     hand = megatron_placements(model)
-    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
-    megatron = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=float("inf"),
-                                       training=True, placements=every).priced
+    megatron = _as_planned(model, model.loss, (tokens, targets), hand, training=True).priced
     auto = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=megatron.memory,
                                    training=True)
     assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
@@ -334,9 +338,5 @@ def test_the_quick_memory_is_the_planned_programs_within_two_percent():
     per move asked for, the moved value freed at its move); Megatron's training step planned whole needs within
     2% of that (a value counted beside its moved copy to its last consumer made it 9% more)."""
     model = _llama()
-    tokens, targets = _tokens(), _tokens()
-    hand = megatron_placements(model)
-    every = {name: hand.get(name, (Replicate(),)) for name, _ in model.named_parameters()}
-    result = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=float("inf"),
-                                     training=True, placements=every).result
+    result = _as_planned(model, model.loss, (_tokens(), _tokens()), megatron_placements(model), training=True).result
     assert abs(result.quick.memory - result.priced.memory) <= 0.02 * result.priced.memory
