@@ -328,6 +328,7 @@ def test_training_on_tp_within_megatrons_memory_finds_megatrons_step():
     auto = fxshard.auto_placements(model.loss, tokens, targets, mesh={"tp": 4}, memory_budget=megatron.memory,
                                    training=True)
     assert auto.priced.memory <= megatron.memory and auto.priced.cost <= megatron.cost * (1 + 1e-9)
+    assert auto["tok_embeddings.weight"] == auto["output.weight"] == (Shard(0),)  # vocabulary-parallel, loss too
     assert _training_bytes(model, (tokens, targets), {"tp": 4}, dict(auto)) <= _training_bytes(
         model, (tokens, targets), {"tp": 4}, hand)
     _assert_training_exact(model, {"tp": 4}, dict(auto))
