@@ -29,7 +29,8 @@ from fxshard.layer_names import any_layer
 from fxshard.layout import Layout
 from fxshard.mesh import MeshSpec
 from fxshard.pipeline import propagate_graph, shard_graph
-from fxshard.placement_search import Priced, Role, SearchResult, fused_factors, search_placements
+from fxshard.fused_projections import fused_factors
+from fxshard.placement_search import Priced, Role, SearchResult, search_placements
 from fxshard.placements import as_mesh_spec, placements_from_layout, placements_to_str
 from fxshard.policies import QUICK_REFINEMENT
 from fxshard.propagate import Decisions

@@ -24,7 +24,7 @@ a sliver less memory). The search runs again from every large tensor sharded alo
 dim on each axis, and keeps the better answer: single moves cannot leave some local minima that one start or
 the other falls into. The candidates are ``Replicate`` and ``Shard`` on each axis (uneven, in
 ``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
-q/k/v or gate/up projection: ``fused_factors``). A routed-experts op's all_to_alls are priced at a uniform
+q/k/v or gate/up projection: ``fused_projections.py``). A routed-experts op's all_to_alls are priced at a uniform
 routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which alternative
 cost more, or would not fit (``Decision.reason``).
 """
@@ -46,15 +46,14 @@ from .graph import LAYOUT, PLAN, outputs
 from .layer_names import layer_index
 from .layout import Layout
 from .memory import memory_report, propagated_peak
-from .mesh import MeshSpec, is_static
+from .mesh import MeshSpec
 from .planner import plan_redistribute
 from .plans import Plan as Plan_
 from .refine import requested_moves
 from .routing import ROUTED_OPS, uniform_dispatches
 from .placements import layout_from_placements, placements_from_layout, placements_to_str
 
-__all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates",
-           "fused_factors"]
+__all__ = ["Role", "Priced", "Decision", "SearchResult", "search_placements", "layer_weights", "candidates"]
 
 # a role whose tensors hold less than this share of all the searched bytes starts replicated (its sharding
 # saves little memory and adds a collective); the search tries it sharded last
@@ -82,7 +81,7 @@ class Role:
     count: int  # the model's tensors it stands for (every layer's, where the program planned is folded)
     trainable: bool = False  # gradients and optimizer state are kept for it (training)
     pinned: Layout | None = None  # decided by the user (``placements=``, a DTensor): not searched
-    fused: tuple[int, ...] = ()  # its matmul's output is split into this many equal parts (``fused_factors``)
+    fused: tuple[int, ...] = ()  # its matmul's output is split into this many equal parts (fused_projections.py)
 
     @property
     def nbytes(self) -> int:
@@ -196,83 +195,6 @@ def _divides(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Placemen
     # uneven (``torch.chunk``'s blocks, as DTensor cuts them) where one axis alone cuts a plain dim
     return all(s % (w * strided.get(d, 1)) == 0 or (cuts[d] == 1 and d not in strided and s >= w)
                for d, (s, w) in enumerate(zip(shape, ways))) and all(cuts[d] == 1 for d in strided)
-
-
-# what a weight reaches its matmul through, and the matmul's output its split through, without moving data
-# across its last dim: rules as data for ``fused_factors``
-_PASSING = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "_to_copy", "alias", "detach",
-                      "clone", "contiguous", "expand", "unsqueeze", "add"})
-_MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
-
-
-def _op(node: fx.Node) -> str:
-    return getattr(node.target, "_opname", "") if node.op == "call_function" else ""
-
-
-def fused_factors(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
-    """Into how many equal parts the outputs of the matmuls reading placeholder ``name`` are split along their last
-    dim (``split``, ``split_with_sizes``, or slices tiling it): a fused projection (q/k/v: 3, gate/up: 2), whose
-    weight a rank should hold a share of every part of (``_StridedShard``). Empty where none is."""
-    start = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
-    if start is None:
-        return ()
-    found: set[int] = set()
-    seen: set[tuple[fx.Node, int | None]] = set()
-    frontier: list[tuple[fx.Node, int | None]] = [(start, None)]  # (node, the matmul output's last size once past it)
-    while frontier:
-        node, width = frontier.pop()
-        for user in node.users:
-            op = _op(user)
-            if (user, width) in seen:
-                continue
-            seen.add((user, width))
-            if op in _PASSING and (width is None or _last_size(user) == width):  # past it: the same last dim
-                frontier.append((user, width))
-            elif op in _MATMULS and width is None and _right_operand(user) is node:
-                frontier.append((user, _last_size(user)))
-        if width is not None and (k := _parts(node)) > 1:
-            found.add(k)
-    return tuple(sorted(found))
-
-
-def _last_size(node: fx.Node) -> int | None:
-    value = node.meta.get("val")
-    return int(value.shape[-1]) if isinstance(value, torch.Tensor) and value.dim() and is_static(value.shape[-1]) \
-        else None
-
-
-def _right_operand(matmul: fx.Node) -> object:
-    """The operand whose dim becomes the matmul's last: the weight of ``x @ w`` (``addmm``: its third argument)."""
-    index = 2 if _op(matmul) == "addmm" else 1
-    return matmul.args[index] if len(matmul.args) > index else None
-
-
-def _parts(node: fx.Node) -> int:
-    """The equal parts ``node``'s users cut its last dim into (1: none)."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return 1
-    last, size = value.dim() - 1, value.shape[-1]
-    slices: list[tuple[int, int]] = []
-    for user in node.users:
-        op, args = _op(user), user.args
-        at = 1 if op == "slice" else 2  # slice(x, dim, start, end, step); split(x, size, dim)
-        dim = args[at] if len(args) > at else user.kwargs.get("dim", 0)
-        if op not in ("split", "split_with_sizes", "slice") or not isinstance(dim, int) or dim % value.dim() != last:
-            continue
-        if op == "split" and isinstance(args[1], int) and size % args[1] == 0 and size // args[1] > 1:
-            return int(size // args[1])
-        if op == "split_with_sizes" and len(set(args[1])) == 1 and len(args[1]) > 1:
-            return len(args[1])
-        if op == "slice" and (len(args) < 5 or args[4] == 1):
-            begin = args[2] if len(args) > 2 else 0
-            end = min(args[3] if len(args) > 3 else size, size)
-            slices.append((int(begin or 0), int(end)))
-    slices.sort()
-    lengths = {b - a for a, b in slices}
-    tiled = slices and slices[0][0] == 0 and slices[-1][1] == size and all(
-        slices[i][1] == slices[i + 1][0] for i in range(len(slices) - 1))
-    return len(slices) if tiled and len(slices) > 1 and len(lengths) == 1 else 1
 
 
 def _neighbours(current: tuple[Placement, ...], options: Sequence[tuple[Placement, ...]]) -> list[tuple[Placement, ...]]:
