@@ -20,7 +20,9 @@ move together. Where either of two plans is over the budget, each is priced at i
 memory over the limit (``OVERFLOW_PRICE``: a move that takes a little memory off at a great cost loses to one
 that takes less off cheaply); a descent that ends over the budget by more than a sliver (``MEMORY_SLIVER``)
 goes on with memory first (a plan within the budget beats any over it; of two over it, the one with more than
-a sliver less memory). The search runs again from every large tensor sharded along its first divisible
+a sliver less memory). The answer is planned whole; the cheapest tries the quick memory put a little over
+the limit are planned whole too, and one that fits and costs less is descended from (``NEAR``: the quick
+memory errs by a few percent, and near the budget that decides). The search runs again from every large tensor sharded along its first divisible
 dim on each axis, and keeps the better answer: single moves cannot leave some local minima that one start or
 the other falls into. The candidates are ``Replicate`` and ``Shard`` on each axis (uneven, in
 ``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
@@ -65,6 +67,10 @@ SMALL_SHARE = 0.01
 MEMORY_SLIVER = 0.01
 # over the budget, a step's price on memory over the limit: this many steps per whole limit over it
 OVERFLOW_PRICE = 10.0
+# a try the quick memory puts over the limit by less than this share is planned whole (the cheapest
+# ``NEAR_CHECKS`` of them per descent), where it is cheaper than the answer: the quick memory errs by a few percent
+NEAR = 0.15
+NEAR_CHECKS = 2
 # the second start is given up where, after one sweep over the roles, its step is still this much dearer than
 # the first start's answer (coordinate descent rarely gains that much after its first sweep)
 BEHIND = 1.25
@@ -411,6 +417,22 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
         for key in [k for k, p in cache.items() if not p.planned]:
             del cache[key]
 
+    def nearby(final: Priced) -> tuple[dict[str, tuple[Placement, ...]], float] | None:
+        """The cheapest of the last tries that cost less than ``state`` but that the quick memory put over the
+        limit by less than ``NEAR``, where its full plan fits the budget and costs less than ``final``: (its
+        assignment, its full plan's memory less its quick one). The quick memory errs by a few percent; near
+        the budget that decides."""
+        tries = sorted(((p.cost, name, lay) for name, d in decisions.items() if d.why == "searched"
+                        for lay, p in d.tried.items()
+                        if p.error is None and p.cost < best.cost and limit < p.memory <= limit * (1 + NEAR)),
+                       key=lambda t: t[0])
+        for _, name, lay in tries[:NEAR_CHECKS]:
+            trial = {**state, name: _placements(lay)}
+            full = price(trial, quick=False)
+            if full.fits(budget) and full.cost < final.cost:
+                return trial, full.memory - price(trial).memory
+        return None
+
     def calibrated(start: dict[str, tuple[Placement, ...]], behind: Priced | None = None) -> tuple | None:
         """Descent from ``start``, then the answer planned whole. The quick memory differs from the full plan's by
         the buffers stage 3's moves add or save: where the answer's plan is over the budget, search again within
@@ -432,6 +454,14 @@ def search_placements(roles: Sequence[Role], mesh: MeshSpec, plan: Plan, budget:
             final = price(state, quick=False)
             if answer is None or (final.fits(budget) and (not answer[1].fits(budget) or final.cost < answer[1].cost)):
                 answer = (dict(decisions), final, best, limit)
+            near = nearby(final)
+            if near is not None:  # a cheaper neighbour the quick memory put over, within the budget planned whole
+                state, gap = near
+                best = price(state)
+                if budget - gap > limit:
+                    limit = budget - gap
+                    forget_unplanned()
+                continue
             gap = final.memory - best.memory
             if final.error is not None or gap == 0:
                 break

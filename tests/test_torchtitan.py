@@ -194,3 +194,28 @@ def test_flex_attention_on_two_gloo_ranks():
     for rank, r in sorted(results.items()):
         assert r["type"] == "DTensor" and r["warnings"] == [], (rank, r)
         assert r["error"] <= 1e-5 * r["largest"], (rank, r)
+
+
+def test_auto_placements_within_torchtitans_memory_finds_its_tp_plan():
+    """``fxshard.auto_placements`` on torchtitan's Llama 3 (plain, unparallelized) on tp=4, within the memory
+    torchtitan's own tp plan needs: the same bytes and modeled step as that plan (the quick memory puts it 9%
+    over; planned whole it fits, and the search checks the cheap tries near the budget so); exact."""
+    import math
+
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with titan.parallel_dims_on_cpu(4) as dims:
+        single, sharded = parallelized("llama3", 4, dims, n_layers=2)
+        hand = {n: tuple(p.placements) for n, p in sharded.named_parameters() if isinstance(p, DTensor)}
+    single.eval()
+    x = tokens()
+    every = {n: hand.get(n, (Replicate(),)) for n, _ in single.named_parameters()}
+    titans = fxshard.auto_placements(single, x, mesh={"tp": 4}, memory_budget=math.inf, placements=every).priced
+    auto = fxshard.auto_placements(single, x, mesh={"tp": 4}, memory_budget=titans.memory)
+    assert auto.priced.memory <= titans.memory and auto.priced.cost <= titans.cost * (1 + 1e-9)
+    assert fxshard.explain(single, x, mesh={"tp": 4}, placements=dict(auto)).bytes_per_rank <= \
+        fxshard.explain(single, x, mesh={"tp": 4}, placements=hand).bytes_per_rank
+    x = tokens(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(fxshard.simulate(single, x, mesh={"tp": 4}, placements=dict(auto)), single(x),
+                                   rtol=1e-4, atol=1e-5)
