@@ -12,23 +12,23 @@ the four planned layers' share weighted by the layers it stands for. Memory per 
 blocks (times gradients and optimizer state when training) plus the planned program's peak activations
 (``fxshard/memory.py``).
 
-The search is coordinate descent over roles, largest first: from every role replicated, each role in turn
-tries every placement that differs from its own on one mesh axis, and its own with two axes' placements
-exchanged (a tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been
-tried against the final assignment without a change. Tied roles (a routed op's expert stacks) also try each
-move together. Where either of two plans is over the budget, each is priced at its step plus a price on its
-memory over the limit (``OVERFLOW_PRICE``: a move that takes a little memory off at a great cost loses to one
-that takes less off cheaply); a descent that ends over the budget by more than a sliver (``MEMORY_SLIVER``)
-goes on with memory first (a plan within the budget beats any over it; of two over it, the one with more than
-a sliver less memory). The answer is planned whole; the cheapest tries the quick memory put a little over
-the limit are planned whole too, and one that fits and costs less is descended from (``NEAR``: the quick
-memory errs by a few percent, and near the budget that decides). The search runs again from every large tensor sharded along its first divisible
-dim on each axis, and keeps the better answer: single moves cannot leave some local minima that one start or
-the other falls into. The candidates are ``Replicate`` and ``Shard`` on each axis (uneven, in
-``torch.chunk``'s blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is split into ``k`` equal parts (a fused
-q/k/v or gate/up projection: ``fused_projections.py``). A routed-experts op's all_to_alls are priced at a uniform
-routing (``routing.uniform_dispatches``). Each role's last tries are its explanation: which alternative
-cost more, or would not fit (``Decision.reason``).
+The search is coordinate descent over roles, largest first: from every role replicated, each role in turn tries
+every placement that differs from its own on one mesh axis, and its own with two axes' placements exchanged (a
+tp-column FSDP layout to a tp-row one), and keeps the best; it ends when every role has been tried against the
+final assignment without a change. Tied roles (a routed op's expert stacks) also try each move together. Where
+either of two plans is over the budget, each is priced at its step plus a price on its memory over the limit
+(``OVERFLOW_PRICE``: a move that takes a little memory off at a great cost loses to one that takes less off
+cheaply); a descent that ends over the budget by more than a sliver (``MEMORY_SLIVER``) goes on with memory
+first (a plan within the budget beats any over it; of two over it, the one with more than a sliver less memory).
+The answer is planned whole; the cheapest tries the quick memory put a little over the limit are planned whole
+too, and one that fits and costs less is descended from (``NEAR``: the quick memory errs by a few percent, and
+near the budget that decides). The search runs again from every large tensor sharded along its first divisible
+dim on each axis, and keeps the better answer: single moves cannot leave some local minima that one start or the
+other falls into. The candidates are ``Replicate`` and ``Shard`` on each axis (uneven, in ``torch.chunk``'s
+blocks, where one axis alone cuts a dim), and ``_StridedShard(d, k)`` for a weight whose matmul's output is
+split into ``k`` equal parts (a fused q/k/v or gate/up projection: ``fused_projections.py``). A routed-experts
+op's all_to_alls are priced at a uniform routing (``routing.uniform_dispatches``). Each role's last tries are
+its explanation: which alternative cost more, or would not fit (``Decision.reason``).
 """
 from __future__ import annotations
 
@@ -177,10 +177,11 @@ def _percent(a: float, b: float) -> str:
 
 
 def candidates(mesh: MeshSpec, shape: Sequence[int], fused: Sequence[int] = ()) -> list[tuple[Placement, ...]]:
-    """Every placement of a tensor of ``shape``: on each axis Replicate or Shard(d), evenly divisible
-    (several axes on one dim: by their product), or unevenly where one axis alone cuts the dim; with ``fused`` factors ``k``, also ``_StridedShard(d, k)``
-    (each of ``k`` equal parts of dim ``d`` split over the axis: a fused q/k/v or gate/up weight, each rank
-    holding its share of every part), on one axis of a dim, each part divisible."""
+    """Every placement of a tensor of ``shape``: on each axis Replicate or Shard(d), evenly divisible (several axes
+    on one dim: by their product), or unevenly where one axis alone cuts the dim; with ``fused`` factors
+    ``k``, also ``_StridedShard(d, k)`` (each of ``k`` equal parts of dim ``d`` split over the axis: a fused
+    q/k/v or gate/up weight, each rank holding its share of every part), on one axis of a dim, each part
+    divisible."""
     out: list[tuple[Placement, ...]] = [()]
     kinds: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     kinds += [_StridedShard(d, split_factor=k) for k in fused for d in range(len(shape))]
@@ -197,7 +198,8 @@ def _divides(mesh: MeshSpec, shape: Sequence[int], placements: Sequence[Placemen
             ways[p.dim] *= int(axis.size)
         if isinstance(p, _StridedShard):
             strided[p.dim] = int(p.split_factor)
-    cuts = [sum(1 for q in placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d) for d in range(len(shape))]
+    cuts = [sum(1 for q in placements if isinstance(q, (Shard, _StridedShard)) and q.dim == d)
+            for d in range(len(shape))]
     # uneven (``torch.chunk``'s blocks, as DTensor cuts them) where one axis alone cuts a plain dim
     return all(s % (w * strided.get(d, 1)) == 0 or (cuts[d] == 1 and d not in strided and s >= w)
                for d, (s, w) in enumerate(zip(shape, ways))) and all(cuts[d] == 1 for d in strided)
